@@ -1,0 +1,3 @@
+from eldr.cli import main
+
+raise SystemExit(main())

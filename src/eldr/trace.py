@@ -1,0 +1,413 @@
+"""The expert-routing trace: one format that every part of ELDR reads and writes.
+
+A trace holds ``R`` requests of one MoE model with ``L`` MoE layers, ``E`` routed experts
+per layer and top-``k`` routing. Per request it stores how many prompt tokens (prefill)
+and how many generated tokens (decode) selected each expert at each layer.
+
+Token convention. A request with ``output_lens[r] = n`` generated tokens runs ``n - 1``
+decode forward passes: the first output token comes out of prefill, and the last one is
+never fed back through the model (vLLM's capturer never sees it either). So decode
+routing covers ``n - 1`` tokens, and for every request and layer::
+
+    prefill_counts[r, l].sum() == k * prompt_lens[r]
+    decode_counts[r, l].sum()  == k * (output_lens[r] - 1)
+
+On-disk format: one ``.npz`` file (``numpy.savez_compressed``), loaded with
+``allow_pickle=False``. Arrays are stored under their field names; metadata is a UTF-8
+JSON document stored as a ``uint8`` array under ``meta_json``. Ragged per-token arrays
+are concatenated over requests in request order; their offsets are the cumulative sums
+of ``prompt_lens`` (prefill) and ``output_lens - 1`` (decode). See ``docs/trace-format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["FORMAT_VERSION", "Trace", "TraceMeta", "concat", "load", "save"]
+
+FORMAT_VERSION = 1
+
+_COUNT_FIELDS = ("prefill_counts", "decode_counts")
+_GATE_FIELDS = ("prefill_gate_prob", "prefill_gate_logit")
+_TOPK_FIELDS = ("prefill_topk", "decode_topk")
+_OPTIONAL_ARRAYS = (
+    "domains",
+    *_GATE_FIELDS,
+    *_TOPK_FIELDS,
+    "prompt_token_ids",
+)
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """What a trace is about. Validated on construction."""
+
+    model: str  # model name, e.g. "qwen3-30b-a3b" or a local path
+    num_layers: int  # L, number of MoE layers
+    num_experts: int  # E, routed experts per layer
+    top_k: int  # k, experts selected per token per layer
+    block_size: int = 16  # KV-cache block size in tokens (prefix caching granularity)
+    source: str = "unknown"  # "synthetic:<generator>" or "captured:<engine>" ...
+    version: int = FORMAT_VERSION  # on-disk format version
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "top_k", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"trace meta: {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"trace meta: top_k={self.top_k} exceeds num_experts={self.num_experts}"
+            )
+        if self.version != FORMAT_VERSION:
+            raise ValueError(
+                f"trace meta: format version {self.version} is not supported "
+                f"(this eldr reads version {FORMAT_VERSION})"
+            )
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Expert routing of R requests. All arrays are validated in ``__post_init__``.
+
+    Shapes (R requests, L layers, E experts, k top-k, P = Σ prompt_lens,
+    D = Σ (output_lens - 1)):
+    """
+
+    meta: TraceMeta
+    prefill_counts: np.ndarray  # (R, L, E) int32: prompt tokens that chose expert e at l
+    decode_counts: np.ndarray  # (R, L, E) int32: decode tokens that chose expert e at l
+    prompt_lens: np.ndarray  # (R,) int64, >= 0
+    output_lens: np.ndarray  # (R,) int64, >= 1 (generated tokens, first one from prefill)
+    domains: np.ndarray | None = None  # (R,) int32 index into domain_names
+    domain_names: tuple[str, ...] | None = None  # names of the domain labels
+    prefill_gate_prob: np.ndarray | None = None  # (R, L, E) float32: Σ over prompt tokens
+    prefill_gate_logit: np.ndarray | None = None  # (R, L, E) float32: Σ over prompt tokens
+    prefill_topk: np.ndarray | None = None  # (P, L, k) int16 expert ids per prompt token
+    decode_topk: np.ndarray | None = None  # (D, L, k) int16 expert ids per decode token
+    prompt_token_ids: np.ndarray | None = None  # (P,) int32 prompt token ids
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return int(self.prompt_lens.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_requests
+
+    @property
+    def decode_lens(self) -> np.ndarray:
+        """(R,) int64: decode tokens whose routing is recorded, ``output_lens - 1``."""
+        return self.output_lens - 1
+
+    @property
+    def prefill_offsets(self) -> np.ndarray:
+        """(R + 1,) int64 offsets of each request's rows in ``prefill_topk``."""
+        return _offsets(self.prompt_lens)
+
+    @property
+    def decode_offsets(self) -> np.ndarray:
+        """(R + 1,) int64 offsets of each request's rows in ``decode_topk``."""
+        return _offsets(self.decode_lens)
+
+    def prompt_tokens(self, r: int) -> np.ndarray:
+        """Prompt token ids of request ``r`` (requires ``prompt_token_ids``)."""
+        if self.prompt_token_ids is None:
+            raise ValueError("trace has no prompt_token_ids")
+        off = self.prefill_offsets
+        return self.prompt_token_ids[off[r] : off[r + 1]]
+
+    # -- helpers -------------------------------------------------------------------------
+    def subset(self, index: Sequence[int] | np.ndarray) -> Trace:
+        """A new trace with the requests ``index`` (integer indices or a boolean mask)."""
+        idx = np.asarray(index)
+        if idx.dtype == bool:
+            if idx.shape != (self.num_requests,):
+                raise ValueError(
+                    f"subset: boolean mask has shape {idx.shape}, expected ({self.num_requests},)"
+                )
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64, copy=False)
+        if idx.size and (idx.min() < -self.num_requests or idx.max() >= self.num_requests):
+            raise ValueError(f"subset: index out of range for a trace of {self.num_requests}")
+        kw: dict = {}
+        for name in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens",
+                     "domains", *_GATE_FIELDS):
+            arr = getattr(self, name)
+            kw[name] = None if arr is None else arr[idx]
+        kw["prefill_topk"] = _take_ragged(self.prefill_topk, self.prefill_offsets, idx)
+        kw["prompt_token_ids"] = _take_ragged(self.prompt_token_ids, self.prefill_offsets, idx)
+        kw["decode_topk"] = _take_ragged(self.decode_topk, self.decode_offsets, idx)
+        return replace(self, _cache={}, **kw)
+
+    def split(
+        self, fraction: float, *, random_state: int | np.random.Generator | None = 0
+    ) -> tuple[Trace, Trace]:
+        """Seeded random split into (first, second) with ``round(fraction * R)`` first."""
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"split: fraction must be in (0, 1), got {fraction}")
+        rng = np.random.default_rng(random_state)
+        perm = rng.permutation(self.num_requests)
+        n_first = int(round(fraction * self.num_requests))
+        return self.subset(np.sort(perm[:n_first])), self.subset(np.sort(perm[n_first:]))
+
+    def describe(self) -> str:
+        m = self.meta
+        doms = "" if self.domain_names is None else f", domains={list(self.domain_names)}"
+        return (
+            f"{m.model}: {self.num_requests} requests, L={m.num_layers} E={m.num_experts} "
+            f"k={m.top_k}, mean prompt {self.prompt_lens.mean():.0f} / output "
+            f"{self.output_lens.mean():.0f} tokens, source={m.source}{doms}"
+        )
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    out = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def _take_ragged(arr: np.ndarray | None, offsets: np.ndarray, idx: np.ndarray):
+    if arr is None:
+        return None
+    if idx.size == 0:
+        return arr[:0]
+    rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+    return arr[rows]
+
+
+# -- validation ----------------------------------------------------------------------------
+def _fail(field_name: str, msg: str, request: int | None = None) -> None:
+    where = f" (request {request})" if request is not None else ""
+    raise ValueError(f"trace field {field_name!r}{where}: {msg}")
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    """Index of the first request flagged in a boolean array of leading dimension R."""
+    flat = mask.reshape(mask.shape[0], -1).any(axis=1)
+    return int(np.flatnonzero(flat)[0])
+
+
+def _validate(t: Trace) -> None:  # noqa: C901 - one linear list of checks
+    if not isinstance(t.meta, TraceMeta):
+        _fail("meta", f"must be a TraceMeta, got {type(t.meta).__name__}")
+    L, E, k = t.meta.num_layers, t.meta.num_experts, t.meta.top_k
+    for name in ("prompt_lens", "output_lens"):
+        arr = getattr(t, name)
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1:
+            _fail(name, "must be a 1-D numpy array")
+        if not np.issubdtype(arr.dtype, np.integer):
+            _fail(name, f"must be integer, got dtype {arr.dtype}")
+    R = t.prompt_lens.shape[0]
+    if t.output_lens.shape != (R,):
+        _fail("output_lens", f"shape {t.output_lens.shape}, expected ({R},)")
+    if (t.prompt_lens < 0).any():
+        _fail("prompt_lens", "negative length", _first_bad(t.prompt_lens < 0))
+    if (t.output_lens < 1).any():
+        _fail("output_lens", "must be >= 1 (the first token comes from prefill)",
+              _first_bad(t.output_lens < 1))
+    object.__setattr__(t, "prompt_lens", t.prompt_lens.astype(np.int64, copy=False))
+    object.__setattr__(t, "output_lens", t.output_lens.astype(np.int64, copy=False))
+
+    tokens = {"prefill_counts": t.prompt_lens, "decode_counts": t.output_lens - 1}
+    for name in _COUNT_FIELDS:
+        arr = getattr(t, name)
+        if not isinstance(arr, np.ndarray):
+            _fail(name, "must be a numpy array")
+        if arr.shape != (R, L, E):
+            _fail(name, f"shape {arr.shape}, expected (R, L, E) = ({R}, {L}, {E})")
+        if not np.issubdtype(arr.dtype, np.integer):
+            _fail(name, f"must hold integer counts, got dtype {arr.dtype}")
+        if R and (arr < 0).any():
+            _fail(name, "negative count", _first_bad(arr < 0))
+        sums = arr.sum(axis=2, dtype=np.int64)  # (R, L)
+        bad = sums != (k * tokens[name])[:, None]
+        if bad.any():
+            r = _first_bad(bad)
+            layer = int(np.flatnonzero(bad[r])[0])
+            _fail(name, f"layer {layer} counts sum to {int(sums[r, layer])}, expected top_k x "
+                  f"tokens = {k} x {int(tokens[name][r])}", r)
+        if arr.dtype != np.int32:
+            object.__setattr__(t, name, arr.astype(np.int32))
+
+    for name in _GATE_FIELDS:
+        arr = getattr(t, name)
+        if arr is None:
+            continue
+        if not isinstance(arr, np.ndarray) or arr.shape != (R, L, E):
+            _fail(name, f"shape {getattr(arr, 'shape', None)}, expected ({R}, {L}, {E})")
+        if not np.issubdtype(arr.dtype, np.floating):
+            _fail(name, f"must be floating point, got dtype {arr.dtype}")
+        if R and not np.isfinite(arr).all():
+            _fail(name, "non-finite value (NaN or Inf)", _first_bad(~np.isfinite(arr)))
+        if arr.dtype != np.float32:
+            object.__setattr__(t, name, arr.astype(np.float32))
+
+    if t.domains is not None:
+        if not isinstance(t.domains, np.ndarray) or t.domains.shape != (R,):
+            _fail("domains", f"shape {getattr(t.domains, 'shape', None)}, expected ({R},)")
+        if not np.issubdtype(t.domains.dtype, np.integer):
+            _fail("domains", f"must be integer labels, got dtype {t.domains.dtype}")
+        if t.domain_names is None:
+            _fail("domain_names", "domains are given but domain_names is missing")
+        n = len(t.domain_names)
+        bad = (t.domains < 0) | (t.domains >= n)
+        if bad.any():
+            r = _first_bad(bad)
+            _fail("domains", f"label {int(t.domains[r])} out of range [0, {n})", r)
+        object.__setattr__(t, "domains", t.domains.astype(np.int32, copy=False))
+    if t.domain_names is not None:
+        object.__setattr__(t, "domain_names", tuple(str(s) for s in t.domain_names))
+
+    expected_rows = {"prefill_topk": int(t.prompt_lens.sum()),
+                     "decode_topk": int((t.output_lens - 1).sum())}
+    for name in _TOPK_FIELDS:
+        arr = getattr(t, name)
+        if arr is None:
+            continue
+        n = expected_rows[name]
+        if not isinstance(arr, np.ndarray) or arr.shape != (n, L, k):
+            _fail(name, f"shape {getattr(arr, 'shape', None)}, expected ({n}, {L}, {k})")
+        if not np.issubdtype(arr.dtype, np.integer):
+            _fail(name, f"must hold integer expert ids, got dtype {arr.dtype}")
+        if n and ((arr < 0).any() or (arr >= E).any()):
+            _fail(name, f"expert id out of range [0, {E})")
+        if k > 1 and n:
+            s = np.sort(arr, axis=2)
+            if (s[:, :, 1:] == s[:, :, :-1]).any():
+                _fail(name, "a token selects the same expert twice in one layer")
+        if arr.dtype != np.int16:
+            object.__setattr__(t, name, arr.astype(np.int16))
+    if t.prompt_token_ids is not None:
+        arr = t.prompt_token_ids
+        n = expected_rows["prefill_topk"]
+        if not isinstance(arr, np.ndarray) or arr.shape != (n,):
+            _fail("prompt_token_ids", f"shape {getattr(arr, 'shape', None)}, expected ({n},)")
+        if not np.issubdtype(arr.dtype, np.integer) or (n and arr.min() < 0):
+            _fail("prompt_token_ids", "must be non-negative integers")
+        object.__setattr__(t, "prompt_token_ids", arr.astype(np.int32, copy=False))
+
+
+# -- I/O ------------------------------------------------------------------------------------
+def save(trace: Trace, path: str | os.PathLike) -> Path:
+    """Write ``trace`` to ``path`` (``.npz``) atomically: a temporary file, then rename."""
+    path = Path(path)
+    meta = trace.meta.to_json()
+    meta["domain_names"] = None if trace.domain_names is None else list(trace.domain_names)
+    arrays = {
+        "meta_json": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        "prefill_counts": trace.prefill_counts,
+        "decode_counts": trace.decode_counts,
+        "prompt_lens": trace.prompt_lens,
+        "output_lens": trace.output_lens,
+    }
+    for name in _OPTIONAL_ARRAYS:
+        arr = getattr(trace, name)
+        if arr is not None:
+            arrays[name] = arr
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Read and validate a trace written by :func:`save`. Never unpickles anything."""
+    path = Path(path)
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # zip errors, bad magic, ...
+        raise ValueError(f"{path}: not a readable .npz trace ({exc})") from exc
+    with npz:
+        if "meta_json" not in npz.files:
+            raise ValueError(f"{path}: not an eldr trace (no 'meta_json' entry)")
+        try:
+            arrays = {name: npz[name] for name in npz.files}
+        except ValueError as exc:  # object arrays need pickle: refused
+            raise ValueError(f"{path}: contains a pickled object array, refused ({exc})") from exc
+    try:
+        meta = json.loads(arrays.pop("meta_json").tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: trace metadata is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: trace metadata must be a JSON object")
+    domain_names = meta.pop("domain_names", None)
+    known = {f.name for f in fields(TraceMeta)}
+    unknown = set(meta) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown trace metadata keys {sorted(unknown)}")
+    missing = [n for n in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens")
+               if n not in arrays]
+    if missing:
+        raise ValueError(f"{path}: missing trace field(s) {missing}")
+    extra = set(arrays) - {*missing, "prefill_counts", "decode_counts", "prompt_lens",
+                           "output_lens", *_OPTIONAL_ARRAYS}
+    if extra:
+        raise ValueError(f"{path}: unknown trace field(s) {sorted(extra)}")
+    try:
+        return Trace(
+            meta=TraceMeta(**meta),
+            domain_names=None if domain_names is None else tuple(domain_names),
+            **arrays,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def concat(traces: Sequence[Trace]) -> Trace:
+    """Concatenate traces of the same model (same L, E, k, block size) in order.
+
+    Domain labels are merged by name. Optional arrays survive only if every trace has them.
+    """
+    if not traces:
+        raise ValueError("concat: no traces given")
+    first = traces[0].meta
+    for i, t in enumerate(traces[1:], start=1):
+        m = t.meta
+        if (m.num_layers, m.num_experts, m.top_k, m.block_size) != (
+            first.num_layers, first.num_experts, first.top_k, first.block_size
+        ):
+            raise ValueError(
+                f"concat: trace {i} is for L={m.num_layers} E={m.num_experts} k={m.top_k} "
+                f"block={m.block_size}, trace 0 for L={first.num_layers} "
+                f"E={first.num_experts} k={first.top_k} block={first.block_size}"
+            )
+    kw: dict = {}
+    for name in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens"):
+        kw[name] = np.concatenate([getattr(t, name) for t in traces])
+    for name in (*_GATE_FIELDS, *_TOPK_FIELDS, "prompt_token_ids"):
+        parts = [getattr(t, name) for t in traces]
+        kw[name] = None if any(p is None for p in parts) else np.concatenate(parts)
+    if all(t.domains is not None for t in traces):
+        names: list[str] = []
+        for t in traces:
+            names += [n for n in t.domain_names if n not in names]
+        kw["domain_names"] = tuple(names)
+        kw["domains"] = np.concatenate(
+            [np.array([names.index(n) for n in t.domain_names], dtype=np.int32)[t.domains]
+             for t in traces]
+        )
+    sources = sorted({t.meta.source for t in traces})
+    return Trace(meta=replace(first, source="+".join(sources)), **kw)
