@@ -1,0 +1,258 @@
+import numpy as np
+import pytest
+
+from eldr.routing import (
+    POLICIES,
+    LoadTracker,
+    NoHealthyWorkerError,
+    Policy,
+    RouteRequest,
+    decode_patterns,
+    domain_groups,
+    make_policy,
+    register_policy,
+)
+
+K = 4
+# Four orthogonal unit centroids in d=4: worker k owns axis k.
+CENTROIDS = np.eye(K, dtype=np.float32)
+
+
+def _unit(v):
+    v = np.asarray(v, dtype=np.float32)
+    return v / np.linalg.norm(v)
+
+
+def _req(sig=None, domain=None, pattern=None, rid="r"):
+    return RouteRequest(rid, signature=None if sig is None else _unit(sig), domain=domain,
+                        decode_pattern=None if pattern is None else _unit(pattern))
+
+
+def _policy(name, seed=0):
+    return make_policy(name, num_workers=K, centroids=CENTROIDS, tau=0.1,
+                       domain_shares=np.array([0.5, 0.25, 0.25]), random_state=seed)
+
+
+def _random_request(rng):
+    return RouteRequest(
+        "x", signature=_unit(rng.random(K) + 0.01), domain=int(rng.integers(3)),
+        decode_pattern=_unit(rng.random(K) + 0.01),
+    )
+
+
+# -- the band, hand-checked -----------------------------------------------------------------
+def test_tau_zero_is_nearest_centroid_regardless_of_load():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=0.0)
+    loads = np.array([0.0, 0.0, 100.0, 0.0])
+    assert pol.choose(_req([0.1, 0.2, 0.9, 0.3]), loads) == 2
+    top1 = make_policy("eldr_top1", num_workers=K, centroids=CENTROIDS, tau=0.5)
+    assert top1.choose(_req([0.1, 0.2, 0.9, 0.3]), loads) == 2
+
+
+def test_tau_one_is_pure_jsq_for_nonnegative_signatures():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=1.0)
+    loads = np.array([3.0, 1.0, 2.0, 5.0])
+    assert pol.choose(_req([0.0, 0.0, 1.0, 0.0]), loads) == 1  # sim 0 is still in band
+
+
+def test_band_holds_workers_within_tau_of_best():
+    # CENTROIDS = I, so sims = sig ≈ [0.600, 0.550, 0.580, 0]; tau 0.04 -> band {0, 2}
+    sig = _unit([0.6, 0.55, 0.58, 0.0])
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=0.04)
+    band = sig >= sig.max() - 0.04
+    assert band.tolist() == [True, False, True, False]
+    loads = np.array([5.0, 0.0, 4.0, 0.0])
+    assert pol.choose(RouteRequest("r", sig), loads) == 2  # least loaded in band
+    loads = np.array([3.0, 0.0, 4.0, 0.0])
+    assert pol.choose(RouteRequest("r", sig), loads) == 0
+
+
+def test_ties_lowest_load_then_highest_sim_then_lowest_index():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=1.0)
+    sig = _unit([0.5, 0.7, 0.5, 0.1])
+    # equal loads everywhere -> highest sim (worker 1)
+    assert pol.choose(RouteRequest("r", sig), np.zeros(K)) == 1
+    # workers 0 and 2 tie on load and on sim -> lowest index
+    assert pol.choose(RouteRequest("r", sig), np.array([1.0, 2.0, 1.0, 3.0])) == 0
+    # tie on sim at the top: tau=0 band = {0, 2}; equal loads -> lowest index
+    tied = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=0.0)
+    sig = _unit([0.7, 0.1, 0.7, 0.1])
+    assert tied.choose(RouteRequest("r", sig), np.zeros(K)) == 0
+    assert tied.choose(RouteRequest("r", sig), np.array([1.0, 0.0, 0.0, 0.0])) == 2
+
+
+def test_unhealthy_best_centroid_is_excluded_from_the_band():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=0.0)
+    healthy = np.array([True, True, False, True])
+    assert pol.choose(_req([0.1, 0.5, 0.9, 0.3]), np.zeros(K), healthy) == 1
+
+
+def test_missing_signature_falls_back_to_jsq_and_is_counted():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS)
+    assert pol.choose(RouteRequest("r", None), np.array([2.0, 1.0, 0.0, 3.0])) == 2
+    assert pol.num_fallbacks == 1
+    oracle = make_policy("oracle_signature", num_workers=K, centroids=CENTROIDS)
+    assert oracle.choose(_req([1, 0, 0, 0]), np.array([2.0, 1.0, 0.0, 3.0])) == 2
+    assert oracle.num_fallbacks == 1
+    assert oracle.choose(_req(None, pattern=[0, 0, 0, 1]), np.zeros(K)) == 3
+    assert oracle.num_fallbacks == 1
+
+
+def test_zero_signature_is_jsq_not_a_fallback():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=0.1)
+    zero = RouteRequest("r", np.zeros(K, dtype=np.float32))
+    assert pol.choose(zero, np.array([2.0, 1.0, 0.0, 3.0])) == 2
+    assert pol.num_fallbacks == 0
+
+
+def test_signature_of_wrong_size_is_refused():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS)
+    with pytest.raises(ValueError, match="shape"):
+        pol.choose(RouteRequest("r", np.ones(5, dtype=np.float32)), np.zeros(K))
+
+
+def test_eldr_validates_its_options():
+    with pytest.raises(ValueError, match="centroids are required"):
+        make_policy("eldr", num_workers=K)
+    with pytest.raises(ValueError, match="shape"):
+        make_policy("eldr", num_workers=3, centroids=CENTROIDS)
+    with pytest.raises(ValueError, match="tau"):
+        make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=-0.1)
+    with pytest.raises(ValueError, match="NaN"):
+        make_policy("eldr", num_workers=K, centroids=np.full((K, K), np.nan))
+
+
+# -- baselines -------------------------------------------------------------------------------
+def test_round_robin_cycles_and_skips_unhealthy():
+    pol = _policy("round_robin")
+    loads = np.zeros(K)
+    assert [pol.choose(_req(), loads) for _ in range(5)] == [0, 1, 2, 3, 0]
+    healthy = np.array([True, False, True, True])
+    assert [pol.choose(_req(), loads, healthy) for _ in range(4)] == [2, 3, 0, 2]
+
+
+def test_jsq_picks_least_loaded_lowest_index_on_ties():
+    pol = _policy("jsq")
+    assert pol.choose(_req(), np.array([2.0, 1.0, 1.0, 3.0])) == 1
+    assert pol.choose(_req(), np.array([2.0, 1.0, 1.0, 3.0]),
+                      np.array([True, False, True, True])) == 2
+
+
+def test_p2c_never_picks_the_most_loaded_of_distinct_pairs():
+    pol = _policy("p2c", seed=3)
+    loads = np.array([0.0, 1.0, 2.0, 3.0])
+    picks = [pol.choose(_req(), loads) for _ in range(400)]
+    assert 3 not in picks  # the most loaded worker loses every pair it is drawn in
+    assert set(picks) == {0, 1, 2}
+
+
+def test_random_is_roughly_uniform():
+    pol = _policy("random", seed=1)
+    picks = np.array([pol.choose(_req(), np.zeros(K)) for _ in range(4000)])
+    counts = np.bincount(picks, minlength=K)
+    assert counts.min() > 900 and counts.max() < 1100
+
+
+def test_domain_groups_sized_by_share():
+    groups = domain_groups(np.array([0.5, 0.25, 0.25]), 8)
+    assert [g.tolist() for g in groups] == [[0, 1, 2, 3], [4, 5], [6, 7]]
+    groups = domain_groups(np.array([0.9, 0.05, 0.05]), 4)  # every domain gets >= 1
+    assert [g.tolist() for g in groups] == [[0, 1], [2], [3]]
+    groups = domain_groups(np.array([0.4, 0.3, 0.2, 0.1]), 2)  # K < D: packed by share
+    assert [g.tolist() for g in groups] == [[0], [1], [1], [0]]
+    with pytest.raises(ValueError, match="domain_shares"):
+        domain_groups(np.array([0.0, 0.0]), 4)
+
+
+def test_domain_policy_routes_inside_its_group():
+    pol = _policy("domain")  # groups for K=4, shares .5/.25/.25: [0, 1], [2], [3]
+    assert pol.choose(_req(domain=0), np.array([1.0, 0.0, 0.0, 0.0])) == 1
+    assert pol.choose(_req(domain=1), np.array([0.0, 0.0, 9.0, 0.0])) == 2
+    assert pol.num_fallbacks == 0
+    assert pol.choose(_req(domain=None), np.array([1.0, 1.0, 0.0, 1.0])) == 2
+    assert pol.choose(_req(domain=2), np.zeros(K), np.array([True, True, True, False])) == 0
+    assert pol.num_fallbacks == 2
+    with pytest.raises(ValueError, match="domain 7"):
+        pol.choose(_req(domain=7), np.zeros(K))
+    with pytest.raises(ValueError, match="domain_shares"):
+        make_policy("domain", num_workers=K)
+
+
+# -- every policy: invariants -------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_returns_a_healthy_worker(name):
+    rng = np.random.default_rng(7)
+    pol = _policy(name)
+    assert isinstance(pol, Policy) and pol.name == name
+    for _ in range(200):
+        healthy = rng.random(K) < 0.6
+        if not healthy.any():
+            healthy[int(rng.integers(K))] = True
+        loads = rng.integers(0, 4, size=K).astype(np.float64)
+        k = pol.choose(_random_request(rng), loads, healthy)
+        assert isinstance(k, int) and 0 <= k < K and healthy[k]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_honours_the_seed(name):
+    def run(seed):
+        rng = np.random.default_rng(11)
+        pol = _policy(name, seed=seed)
+        return [pol.choose(_random_request(rng), rng.integers(0, 3, K).astype(float))
+                for _ in range(100)]
+
+    assert run(5) == run(5)
+    if name in ("random", "p2c"):
+        assert run(5) != run(6)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_refuses_when_no_worker_is_healthy(name):
+    pol = _policy(name)
+    with pytest.raises(NoHealthyWorkerError):
+        pol.choose(_random_request(np.random.default_rng(0)), np.zeros(K), np.zeros(K, bool))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_checks_load_shape(name):
+    with pytest.raises(ValueError, match="loads has shape"):
+        _policy(name).choose(_req([1, 0, 0, 0]), np.zeros(K + 1))
+
+
+# -- registry and tracker ---------------------------------------------------------------------
+def test_registry_lists_builtins_and_refuses_duplicates():
+    assert {"random", "round_robin", "jsq", "p2c", "domain", "eldr", "eldr_top1",
+            "oracle_signature"} <= set(POLICIES)
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy("jsq", lambda **_: None)
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        make_policy("nope", num_workers=2)
+    with pytest.raises(TypeError):
+        POLICIES["x"] = None  # read-only view
+
+
+def test_load_tracker_dispatch_complete_report_health():
+    t = LoadTracker(3)
+    t.on_dispatch(1)
+    t.on_dispatch(1)
+    t.on_complete(1)
+    assert t.loads.tolist() == [0.0, 1.0, 0.0]
+    t.report(2, 5)
+    t.on_dispatch(2)
+    assert t.loads.tolist() == [0.0, 1.0, 6.0]
+    t.on_complete(0)  # never below zero
+    assert t.loads[0] == 0.0
+    t.set_healthy(1, False)
+    assert make_policy("jsq", num_workers=3).choose(_req(), t.loads, t.healthy) == 0
+    with pytest.raises(ValueError, match="out of range"):
+        t.on_dispatch(3)
+    with pytest.raises(ValueError, match="finite"):
+        t.report(0, -1)
+
+
+def test_decode_patterns_are_unit_rows():
+    counts = np.array([[[2, 0], [0, 2]], [[0, 0], [0, 0]]])
+    p = decode_patterns(counts)
+    assert p.dtype == np.float32 and p.shape == (2, 4)
+    np.testing.assert_allclose(p[0], [2**-0.5, 0, 0, 2**-0.5], rtol=1e-6)
+    assert (p[1] == 0).all()
