@@ -1,0 +1,234 @@
+"""Presets of the four MoE models the paper evaluates: routing shape and weight/KV bytes.
+
+Every number carries its source in a comment. Architecture facts (layers, hidden size,
+heads, experts, top-k, vocabulary) come from each model's ``config.json`` as summarised in
+``design.md`` §7. Byte counts are derived from those facts; the arithmetic is written out
+as the expression itself, so the reader can check it. Small tensors (RMSNorm weights,
+q/k norms) are ignored: they are below 0.1% of any figure here. Where a fact is not in
+the design table and had to be assumed, the comment says "assumed".
+
+The simulator (decode step time, KV transfer), the signature-cache benchmark and the
+synthetic trace generator import these presets; nothing here does any I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PRESETS", "ModelPreset", "get_preset"]
+
+BF16 = 2  # bytes per bf16 parameter
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Routing shape and memory traffic of one MoE model (decode-side view).
+
+    Bytes are what one decode step must stream from HBM: ``expert_bytes`` once per
+    distinct expert selected at a layer, ``dense_bytes_per_step`` once per step
+    (attention, router, shared MLP, LM head), KV bytes once per context token.
+    """
+
+    name: str  # preset key, e.g. "qwen3-30b-a3b"
+    hf_id: str  # Hugging Face repository the facts describe
+    num_layers: int  # L, MoE layers (every decoder layer is MoE in all four models)
+    num_experts: int  # E, routed experts per layer
+    top_k: int  # k, routed experts selected per token per layer
+    hidden_size: int  # model width
+    expert_intermediate_size: int  # width of one routed expert's FFN
+    vocab_size: int  # LM-head rows
+    dtype: str  # storage format of the routed expert weights
+    expert_bytes: int  # bytes of ONE routed expert at ONE layer
+    attn_bytes_per_layer: int  # attention weight bytes per layer (mean over layer types)
+    dense_bytes_per_step: int  # all non-routed-expert weight bytes read per decode step
+    kv_bytes_per_token: int  # KV bytes per context token on full-attention layers
+    sliding_window: int | None = None  # tokens kept by sliding-window layers (None: none)
+    kv_sliding_bytes_per_token: int = 0  # KV bytes per token on sliding layers (<= window)
+    moe_layer_fixed_us: float | None = None  # H200 MoE-layer time a in t = a + b*D (µs)
+    moe_layer_per_expert_us: float | None = None  # ... b, µs per distinct expert D
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "top_k", "hidden_size",
+                     "expert_intermediate_size", "vocab_size", "expert_bytes",
+                     "attn_bytes_per_layer", "dense_bytes_per_step", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model preset {self.name!r}: {name} must be a positive "
+                                 f"integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model preset {self.name!r}: top_k={self.top_k} exceeds "
+                             f"num_experts={self.num_experts}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"model preset {self.name!r}: sliding_window must be positive "
+                             f"or None, got {self.sliding_window!r}")
+        if self.kv_sliding_bytes_per_token < 0:
+            raise ValueError(f"model preset {self.name!r}: kv_sliding_bytes_per_token must "
+                             f"be >= 0, got {self.kv_sliding_bytes_per_token!r}")
+        if (self.sliding_window is None) != (self.kv_sliding_bytes_per_token == 0):
+            raise ValueError(f"model preset {self.name!r}: sliding_window and "
+                             "kv_sliding_bytes_per_token must be given together")
+
+    @property
+    def kv_fixed_bytes_per_request(self) -> int:
+        """Sliding-window KV of a request whose context fills the window (the cap)."""
+        if self.sliding_window is None:
+            return 0
+        return self.sliding_window * self.kv_sliding_bytes_per_token
+
+    @property
+    def moe_bytes_per_layer(self) -> int:
+        """All routed experts of one layer, ``E * expert_bytes``."""
+        return self.num_experts * self.expert_bytes
+
+    def kv_bytes(self, context_tokens: int) -> int:
+        """KV bytes of one request holding ``context_tokens`` tokens of context."""
+        if context_tokens < 0:
+            raise ValueError(f"kv_bytes: context_tokens must be >= 0, got {context_tokens}")
+        sliding = 0
+        if self.sliding_window is not None:
+            sliding = min(context_tokens, self.sliding_window) * self.kv_sliding_bytes_per_token
+        return context_tokens * self.kv_bytes_per_token + sliding
+
+
+# -- Qwen3-30B-A3B ---------------------------------------------------------------------------
+# config.json (Qwen/Qwen3-30B-A3B): 48 layers, hidden 2048, 32 query heads and 4 KV heads of
+# head_dim 128, moe_intermediate_size 768, 128 experts, top-8, vocab 151936, untied
+# embeddings, bf16. Every layer is MoE (no shared expert).
+_QWEN3_30B_ATTN = (2048 * 32 * 128      # q_proj
+                   + 2 * 2048 * 4 * 128  # k_proj, v_proj
+                   + 32 * 128 * 2048     # o_proj
+                   ) * BF16              # = 37,748,736 B
+_QWEN3_30B_ROUTER = 2048 * 128 * BF16  # gate: hidden x E = 524,288 B
+_QWEN3_30B = ModelPreset(
+    name="qwen3-30b-a3b",
+    hf_id="Qwen/Qwen3-30B-A3B",
+    num_layers=48,
+    num_experts=128,
+    top_k=8,
+    hidden_size=2048,
+    expert_intermediate_size=768,
+    vocab_size=151936,
+    dtype="bf16",
+    expert_bytes=3 * 2048 * 768 * BF16,  # gate, up, down projections = 9,437,184 B (9.44 MB)
+    attn_bytes_per_layer=_QWEN3_30B_ATTN,
+    # 48 x (attention + router) + LM head 151936 x 2048 bf16 = 2,459,435,008 B
+    dense_bytes_per_step=48 * (_QWEN3_30B_ATTN + _QWEN3_30B_ROUTER) + 151936 * 2048 * BF16,
+    kv_bytes_per_token=48 * 2 * 4 * 128 * BF16,  # layers x (K,V) x kv heads x head_dim = 96 KiB
+    moe_layer_fixed_us=18.7,  # design.md §7: H200, vLLM 0.19 fused_moe fit
+    moe_layer_per_expert_us=2.22,  # design.md §7
+)
+
+# -- GPT-OSS-120B ----------------------------------------------------------------------------
+# config.json (openai/gpt-oss-120b): 36 layers, hidden 2880, 64 query heads and 8 KV heads of
+# head_dim 64, intermediate_size 2880, 128 experts, top-4, vocab 201088, untied embeddings.
+# Attention alternates sliding-window (128 tokens) and full layers: 18 of each. Attention
+# projections carry biases; each layer has 64 attention-sink logits. Expert weights are
+# MXFP4: 4-bit values plus one 8-bit scale per 32 values (4.25 bits per weight); expert
+# biases, attention and LM head are bf16.
+_GPT_OSS_ATTN = (2880 * 64 * 64 + 64 * 64  # q_proj + bias
+                 + 2 * (2880 * 8 * 64 + 8 * 64)  # k_proj, v_proj + biases
+                 + 64 * 64 * 2880 + 2880  # o_proj + bias
+                 + 64  # sinks
+                 ) * BF16  # = 53,100,288 B
+_GPT_OSS_ROUTER = (2880 * 128 + 128) * BF16  # router weight + bias = 737,536 B
+_GPT_OSS_EXPERT_WEIGHTS = 2880 * 2 * 2880 + 2880 * 2880  # gate_up (fused) + down = 24,883,200
+_GPT_OSS_120B = ModelPreset(
+    name="gpt-oss-120b",
+    hf_id="openai/gpt-oss-120b",
+    num_layers=36,
+    num_experts=128,
+    top_k=4,
+    hidden_size=2880,
+    expert_intermediate_size=2880,
+    vocab_size=201088,
+    dtype="mxfp4",
+    # weights x 0.5 B + one scale byte per 32 weights + bf16 biases (5760 + 2880)
+    # = 12,441,600 + 777,600 + 17,280 = 13,236,480 B (13.2 MB)
+    expert_bytes=_GPT_OSS_EXPERT_WEIGHTS // 2 + _GPT_OSS_EXPERT_WEIGHTS // 32
+    + (2 * 2880 + 2880) * BF16,
+    attn_bytes_per_layer=_GPT_OSS_ATTN,
+    # 36 x (attention + router) + LM head 201088 x 2880 bf16 = 3,096,428,544 B
+    dense_bytes_per_step=36 * (_GPT_OSS_ATTN + _GPT_OSS_ROUTER) + 201088 * 2880 * BF16,
+    kv_bytes_per_token=18 * 2 * 8 * 64 * BF16,  # 18 full layers x (K,V) x 8 x 64 = 36 KiB
+    sliding_window=128,  # config.json sliding_window
+    kv_sliding_bytes_per_token=18 * 2 * 8 * 64 * BF16,  # x 128 tokens = 4.5 MiB per request
+    moe_layer_fixed_us=61.9,  # design.md §7: H200 fit
+    moe_layer_per_expert_us=5.07,  # design.md §7
+)
+
+# -- Gemma-4-26B-A4B -------------------------------------------------------------------------
+# config.json (google/gemma-4-26b-a4b, text config): 30 layers, hidden 2816, 128 experts,
+# top-8, expert intermediate 704, plus a dense shared MLP of intermediate 2112 in every
+# layer; vocab 262144, tied embeddings (the LM head reads the embedding matrix), bf16.
+# Attention: 25 sliding-window layers (window 1024; 16 query heads, 8 KV heads, head_dim
+# 256) and 5 global layers (16 query heads of head_dim 512, K shared with V).
+# ASSUMED: 2 KV heads on global layers, K stored once more as V in the cache — this is what
+# the design table's 20 KiB/token implies (5 x 2 x 2 x 512 x 2 B = 20 KiB).
+_GEMMA4_SLIDING_ATTN = (2816 * 16 * 256 + 2 * 2816 * 8 * 256 + 16 * 256 * 2816) * BF16
+# = 69,206,016 B per sliding layer
+_GEMMA4_GLOBAL_ATTN = (2816 * 16 * 512 + 2816 * 2 * 512 + 16 * 512 * 2816) * BF16
+# = 98,041,856 B per global layer (no v_proj: attention_k_eq_v)
+_GEMMA4_ATTN_TOTAL = 25 * _GEMMA4_SLIDING_ATTN + 5 * _GEMMA4_GLOBAL_ATTN  # 2,220,359,680 B
+_GEMMA4_SHARED_MLP = 3 * 2816 * 2112 * BF16  # 35,684,352 B per layer
+_GEMMA4_ROUTER = 2816 * 128 * BF16  # 720,896 B per layer
+_GEMMA4_26B = ModelPreset(
+    name="gemma-4-26b-a4b",
+    hf_id="google/gemma-4-26b-a4b",
+    num_layers=30,
+    num_experts=128,
+    top_k=8,
+    hidden_size=2816,
+    expert_intermediate_size=704,
+    vocab_size=262144,
+    dtype="bf16",
+    expert_bytes=3 * 2816 * 704 * BF16,  # 11,894,784 B (11.9 MB)
+    attn_bytes_per_layer=_GEMMA4_ATTN_TOTAL // 30,  # mean over layer types: 74,011,989 B
+    # attention + 30 x (shared MLP + router) + tied LM head 262144 x 2816 = 4,788,912,128 B
+    dense_bytes_per_step=_GEMMA4_ATTN_TOTAL + 30 * (_GEMMA4_SHARED_MLP + _GEMMA4_ROUTER)
+    + 262144 * 2816 * BF16,
+    kv_bytes_per_token=5 * 2 * 2 * 512 * BF16,  # global layers: 20 KiB per token
+    sliding_window=1024,
+    # 25 layers x (K,V) x 8 x 256 x 2 B = 200 KiB per token, x 1024 = 200 MiB per request
+    kv_sliding_bytes_per_token=25 * 2 * 8 * 256 * BF16,
+    moe_layer_fixed_us=25.0,  # design.md §7: H200 fit (SGLang table)
+    moe_layer_per_expert_us=2.73,  # design.md §7
+)
+
+# -- Qwen3-235B-A22B -------------------------------------------------------------------------
+# config.json (Qwen/Qwen3-235B-A22B): 94 layers, hidden 4096, 64 query heads and 4 KV heads
+# of head_dim 128, moe_intermediate_size 1536, 128 experts, top-8, vocab 151936, untied, bf16.
+_QWEN3_235B_ATTN = (4096 * 64 * 128 + 2 * 4096 * 4 * 128 + 64 * 128 * 4096) * BF16
+# = 142,606,336 B
+_QWEN3_235B_ROUTER = 4096 * 128 * BF16  # 1,048,576 B
+_QWEN3_235B = ModelPreset(
+    name="qwen3-235b-a22b",
+    hf_id="Qwen/Qwen3-235B-A22B",
+    num_layers=94,
+    num_experts=128,
+    top_k=8,
+    hidden_size=4096,
+    expert_intermediate_size=1536,
+    vocab_size=151936,
+    dtype="bf16",
+    expert_bytes=3 * 4096 * 1536 * BF16,  # 37,748,736 B (37.7 MB)
+    attn_bytes_per_layer=_QWEN3_235B_ATTN,
+    # 94 x (attention + router) + LM head 151936 x 4096 bf16 = 14,748,221,440 B
+    dense_bytes_per_step=94 * (_QWEN3_235B_ATTN + _QWEN3_235B_ROUTER) + 151936 * 4096 * BF16,
+    kv_bytes_per_token=94 * 2 * 4 * 128 * BF16,  # 188 KiB
+    moe_layer_fixed_us=32.8,  # design.md §7: H200 fit
+    moe_layer_per_expert_us=8.31,  # design.md §7
+)
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p for p in (_QWEN3_30B, _GPT_OSS_120B, _GEMMA4_26B, _QWEN3_235B)
+}
+
+
+def get_preset(name: str | ModelPreset) -> ModelPreset:
+    """The preset called ``name`` (case-insensitive); a preset passes through unchanged."""
+    if isinstance(name, ModelPreset):
+        return name
+    key = str(name).strip().lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(PRESETS)}")
+    return PRESETS[key]
