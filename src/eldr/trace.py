@@ -162,7 +162,7 @@ class Trace:
             raise ValueError(f"split: fraction must be in (0, 1), got {fraction}")
         rng = np.random.default_rng(random_state)
         perm = rng.permutation(self.num_requests)
-        n_first = int(round(fraction * self.num_requests))
+        n_first = round(fraction * self.num_requests)
         return self.subset(np.sort(perm[:n_first])), self.subset(np.sort(perm[n_first:]))
 
     def describe(self) -> str:
@@ -202,7 +202,7 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(flat)[0])
 
 
-def _validate(t: Trace) -> None:  # noqa: C901 - one linear list of checks
+def _validate(t: Trace) -> None:
     if not isinstance(t.meta, TraceMeta):
         _fail("meta", f"must be a TraceMeta, got {type(t.meta).__name__}")
     L, E, k = t.meta.num_layers, t.meta.num_experts, t.meta.top_k
@@ -334,6 +334,10 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
 def load(path: str | os.PathLike) -> Trace:
     """Read and validate a trace written by :func:`save`. Never unpickles anything."""
     path = Path(path)
+    with open(path, "rb") as fh:  # FileNotFoundError / IsADirectoryError reach the caller
+        magic = fh.read(4)
+    if magic[:2] != b"PK":
+        raise ValueError(f"{path}: not an .npz trace (the file is not a zip archive)")
     try:
         npz = np.load(path, allow_pickle=False)
     except FileNotFoundError:
