@@ -1,0 +1,122 @@
+"""``eldr serve``: the ELDR router in front of vLLM prefill/decode instances."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+HELP = "Route an OpenAI API over vLLM prefill/decode instances, decode by expert locality."
+
+_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from eldr.proxy.config import EVALUATION_ONLY_POLICIES
+    from eldr.routing import POLICIES
+
+    policies = sorted(n for n in POLICIES if n not in EVALUATION_ONLY_POLICIES)
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill instance, e.g. http://10.0.0.1:8100 (repeatable)")
+    p.add_argument("--decode", action="append", required=True, metavar="[ID=]URL",
+                   help="a decode instance (repeatable); ID = its worker id in the artifact, "
+                        "else decoders match the artifact's workers in order")
+    p.add_argument("--artifact", metavar="DIR", help="routing artifact written by eldr fit "
+                   "(required by the eldr policies)")
+    p.add_argument("--policy", default="eldr", choices=policies, help="decode routing policy "
+                   "(default eldr)")
+    p.add_argument("--tau", type=float, default=None,
+                   help="locality band width (default: the artifact's)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    p.add_argument("--admin-token", default=None,
+                   help=f"bearer token for /admin/* (or env {_TOKEN_ENV}); without one the "
+                        f"admin endpoints refuse every request")
+    p.add_argument("--model", action="append", default=[], metavar="NAME",
+                   help="accepted model name (repeatable; default: what the engines list)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--connect-timeout", type=float, default=3.0, metavar="S")
+    p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
+    p.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a decoder may stay silent, first byte included")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--scrape-interval", type=float, default=0.0, metavar="S",
+                   help="read engines' /metrics for their load every S seconds (0: off)")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="prefill+decode attempts per request (default 3)")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"))
+
+
+def config_from_args(args: argparse.Namespace):
+    from eldr.proxy.config import ServeConfig, parse_decode_spec
+
+    specs = [parse_decode_spec(s) for s in args.decode]
+    ids = [i for i, _ in specs]
+    if any(i is None for i in ids) and any(i is not None for i in ids):
+        raise ValueError("give worker ids for all --decode URLs (ID=URL) or for none")
+    return ServeConfig(
+        prefill_urls=tuple(args.prefill), decode_urls=tuple(u for _, u in specs),
+        decode_ids=None if ids[0] is None else tuple(ids), artifact=args.artifact,
+        policy=args.policy, tau=args.tau, host=args.host, port=args.port,
+        admin_token=args.admin_token or os.environ.get(_TOKEN_ENV) or None,
+        models=tuple(args.model), max_body_bytes=args.max_body_bytes,
+        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
+        decode_read_timeout=args.decode_timeout, health_interval=args.health_interval,
+        health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
+        max_attempts=args.max_attempts)
+
+
+async def serve(router, *, ready=None) -> None:
+    """Run the router until SIGINT/SIGTERM; SIGHUP reloads the artifact."""
+    from aiohttp import web
+
+    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, router.config.host, router.config.port, backlog=1024)
+    await site.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload(router)))
+    host, port = site._server.sockets[0].getsockname()[:2]  # the real port when port=0
+    state = router.state
+    print(f"eldr serve: listening on http://{host}:{port} (policy {state.policy.name}, "
+          f"{len(router.pool.prefill)} prefill, {len(router.pool.decode)} decode)",
+          file=sys.stderr, flush=True)
+    if ready is not None:
+        ready(port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+async def _reload(router) -> None:
+    try:
+        await router.reload()
+    except (ValueError, OSError):
+        pass  # logged by reload(); the running artifact stays
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import aiohttp  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise ValueError("eldr serve needs aiohttp: pip install 'eldr[serve]'") from exc
+    from eldr.proxy.app import Router
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(config_from_args(args))
+    try:
+        import uvloop  # optional: a faster event loop when installed
+    except ModuleNotFoundError:
+        asyncio.run(serve(router))
+    else:
+        uvloop.run(serve(router))
+    return 0

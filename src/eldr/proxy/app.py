@@ -1,0 +1,252 @@
+"""The aiohttp application of ``eldr serve``: an OpenAI-compatible PD router.
+
+Routes::
+
+    POST /v1/completions         the PD flow (eldr.proxy.flow), JSON or SSE
+    POST /v1/chat/completions    the same for chat
+    GET  /v1/models              the upstream model list
+    GET  /health                 200 while >= 1 prefill and >= 1 decode instance are healthy
+    GET  /metrics                Prometheus text (eldr.proxy.metrics.RouterMetrics)
+    POST /admin/reload           re-read the routing artifact (bearer token required)
+
+Every error is an OpenAI-style JSON document (:mod:`eldr.proxy.errors`): malformed JSON or
+a non-object body → 400, an unknown model → 404, a body over ``max_body_bytes`` → 413,
+no healthy engine → 503, engines failing on every attempt → 502. The app runs with
+aiohttp's handler cancellation on, so a client that disconnects cancels its handler and
+with it the upstream requests (the engines see the connection close and abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+from eldr.proxy.affinity import PrefixAffinity
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.decision import RoutingState, build_state
+from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
+from eldr.proxy.flow import RequestFlow
+from eldr.proxy.metrics import RouterMetrics
+from eldr.proxy.upstream import UpstreamPool
+
+__all__ = ["Router"]
+
+log = logging.getLogger("eldr.serve")
+
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_OTHER_ROUTES = ("/v1/models", "/health", "/metrics", "/admin/reload")
+
+
+class Router:
+    """The router's long-lived state: config, engines, routing snapshot, metrics, session.
+
+    ``Router(config)`` loads the artifact (raising ``ValueError`` for a bad one, before any
+    socket is opened); ``make_app()`` returns the aiohttp application; the HTTP client
+    session and the health checks start with the app and stop with it.
+    """
+
+    def __init__(self, config: ServeConfig, state: RoutingState | None = None) -> None:
+        self.config = config
+        self.state: RoutingState = state if state is not None else build_state(config)
+        self.pool = UpstreamPool(config, list(self.state.worker_names))
+        self.affinity = PrefixAffinity(
+            len(config.prefill_urls), block_chars=config.affinity_block_chars,
+            max_blocks=config.affinity_max_blocks, capacity=config.affinity_capacity,
+            spill=config.affinity_spill)
+        self.pool.on_recover = self._on_recover
+        self.metrics = RouterMetrics(self.pool)
+        self.flow = RequestFlow(self)
+        self.session = None
+        self._reload_lock = asyncio.Lock()
+
+    def _on_recover(self, inst) -> None:
+        if inst.role == "prefill":  # a restarted engine has an empty prefix cache
+            self.affinity.forget(inst.index)
+
+    # -- application -----------------------------------------------------------------------
+    def make_app(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def errors(request, handler):
+            return await self._errors(request, handler)
+
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[errors])
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_post("/admin/reload", self.admin_reload)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app) -> None:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent",))
+        await self.pool.start(self.session)
+
+    async def _cleanup(self, app) -> None:
+        await self.pool.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _errors(self, request, handler):
+        """Middleware: turn every error into an OpenAI-style answer; count requests."""
+        from aiohttp import web
+
+        try:
+            resp = await handler(request)
+        except ProxyError as exc:
+            resp = web.Response(status=exc.status, body=exc.body(),
+                                content_type="application/json")
+        except UpstreamReply as exc:
+            resp = web.Response(status=exc.status, body=exc.body,
+                                content_type=exc.content_type or "application/json")
+        except web.HTTPException as exc:  # aiohttp's own: unknown route, 405, 413
+            if exc.status == 413:
+                msg = f"request body is larger than {self.config.max_body_bytes} bytes"
+            elif exc.status == 404:
+                msg = f"no route {request.method} {request.path}"
+            else:
+                msg = exc.reason
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            resp = web.Response(status=exc.status, body=error_body(exc.status, msg),
+                                content_type="application/json", headers=allow)
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects.inc()
+            raise
+        endpoint = _ENDPOINTS.get(request.path) or (
+            request.path if request.path in _OTHER_ROUTES else "other")
+        self.metrics.requests.inc(endpoint=endpoint, status=str(resp.status))
+        return resp
+
+    # -- handlers --------------------------------------------------------------------------
+    async def generate(self, request):
+        kind = _ENDPOINTS[request.path]
+        if request.content_length is not None and \
+                request.content_length > self.config.max_body_bytes:
+            raise ProxyError(413, f"request body is larger than {self.config.max_body_bytes} "
+                                  f"bytes", code="body_too_large")
+        raw = await request.read()
+        body = parse_body(raw, kind)
+        self._check_model(body)
+        return await self.flow.run(request, body, kind)
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            return  # vLLM serves its default model
+        known = self.pool.models()
+        if not isinstance(model, str):
+            raise ProxyError(400, "'model' must be a string", param="model")
+        if known and model not in known:
+            raise ProxyError(404, f"the model {model!r} does not exist; served: {list(known)}",
+                             code="model_not_found", param="model")
+
+    async def models(self, request):
+        from aiohttp import web
+
+        known = self.pool.models()
+        if not known:
+            raise ProxyError(503, "no model list yet: no engine has answered /v1/models",
+                             code="no_models")
+        now = int(time.time())
+        data = [{"id": m, "object": "model", "created": now, "owned_by": "eldr"} for m in known]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request):
+        from aiohttp import web
+
+        pool, state = self.pool, self.state
+        ok = any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode)
+        degraded = not all(i.healthy for i in (*pool.prefill, *pool.decode))
+        doc = {"status": "ok" if ok and not degraded else ("degraded" if ok else "unavailable"),
+               "policy": state.policy.name, "tau": state.tau, "artifact": state.artifact,
+               "artifact_loaded_at": state.loaded_at,
+               "prefill": [i.describe() for i in pool.prefill],
+               "decode": [{**i.describe(), "load": float(pool.tracker.loads[i.index])}
+                          for i in pool.decode]}
+        return web.json_response(doc, status=200 if ok else 503)
+
+    async def metrics_page(self, request):
+        from aiohttp import web
+
+        return web.Response(text=self.metrics.registry.render(),
+                            content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def admin_reload(self, request):
+        from aiohttp import web
+
+        self._authorize(request)
+        try:
+            state = await self.reload()
+        except (ValueError, OSError) as exc:
+            raise ProxyError(500, f"artifact reload failed, the previous one stays in use: "
+                                  f"{exc}", code="reload_failed") from None
+        return web.json_response({"reloaded": True, "artifact": state.artifact,
+                                  "policy": state.policy.name, "tau": state.tau,
+                                  "decoders": list(state.worker_names)})
+
+    def _authorize(self, request) -> None:
+        token = self.config.admin_token
+        if token is None:
+            raise ProxyError(403, "admin endpoints are disabled: start eldr serve with "
+                                  "--admin-token", code="admin_disabled")
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
+                                                                  token.encode()):
+            raise ProxyError(401, "missing or wrong admin token (Authorization: Bearer ...)",
+                             code="unauthorized")
+
+    async def reload(self) -> RoutingState:
+        """Re-read the artifact off the event loop, check it, swap the routing snapshot.
+
+        Requests in flight keep the snapshot they started with. A bad artifact raises
+        ``ValueError`` and the current one stays.
+        """
+        async with self._reload_lock:
+            loop = asyncio.get_running_loop()
+            try:
+                state = await loop.run_in_executor(None, build_state, self.config)
+                if state.worker_names != self.state.worker_names:
+                    raise ValueError(f"the new artifact's decoders {list(state.worker_names)} "
+                                     f"differ from the running {list(self.state.worker_names)}")
+            except (ValueError, OSError) as exc:
+                self.metrics.reloads.inc(result="error")
+                log.error("artifact reload failed (keeping the current one): %s", exc)
+                raise
+            self.state = state
+            self.metrics.reloads.inc(result="ok")
+            log.info("routing artifact reloaded from %s", state.artifact)
+            return state
+
+
+def parse_body(raw: bytes, kind: str) -> dict:
+    """The request JSON object, or a 400 naming what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}",
+                         code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"request body must be a JSON object, got {type(body).__name__}",
+                         code="invalid_json")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ProxyError(400, "'stream' must be true or false", param="stream")
+    field = "messages" if kind == "chat" else "prompt"
+    if field not in body:
+        raise ProxyError(400, f"'{field}' is required", param=field)
+    if kind == "chat" and not isinstance(body["messages"], list):
+        raise ProxyError(400, "'messages' must be a list", param="messages")
+    return body

@@ -1,0 +1,114 @@
+"""The router's settings: one frozen, validated record handed whole to every component."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["EVALUATION_ONLY_POLICIES", "ServeConfig", "parse_decode_spec"]
+
+# Policies that need information a live request does not carry (an oracle domain label, the
+# request's future decode pattern): usable in the simulator, refused by the router.
+EVALUATION_ONLY_POLICIES = ("domain", "oracle_signature")
+
+
+def _check_url(url: str, what: str) -> str:
+    if not isinstance(url, str):
+        raise ValueError(f"{what} URL must be a string, got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} URL {url!r} must look like http://HOST:PORT")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{what} URL {url!r} must not have a query or fragment")
+    return url.rstrip("/")
+
+
+def parse_decode_spec(spec: str) -> tuple[str | None, str]:
+    """``"ID=URL"`` → (ID, URL); a bare ``"URL"`` → (None, URL).
+
+    An id names the artifact's decode worker the URL serves; without ids, decode URLs are
+    matched to the artifact's workers in order.
+    """
+    head, sep, tail = spec.partition("=")
+    if sep and "://" not in head:
+        if not head:
+            raise ValueError(f"decode spec {spec!r}: the worker id before '=' is empty")
+        return head, _check_url(tail, "decode")
+    return None, _check_url(spec, "decode")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``eldr serve`` needs; validated on construction, never mutated."""
+
+    prefill_urls: tuple[str, ...]  # base URLs of the prefill instances (no trailing /)
+    decode_urls: tuple[str, ...]  # base URLs of the decode instances, index k = worker k
+    decode_ids: tuple[str, ...] | None = None  # artifact worker id per decode URL; None: by order
+    artifact: str | None = None  # routing artifact directory; required by eldr policies
+    policy: str = "eldr"  # a name in eldr.routing.POLICIES (not an evaluation-only one)
+    tau: float | None = None  # locality band width; None: the artifact's τ
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8000  # listen port (0: any free port)
+    admin_token: str | None = None  # bearer token of /admin/*; None: admin endpoints refuse all
+    models: tuple[str, ...] = ()  # accepted model names; (): learned from upstream /v1/models
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    connect_timeout: float = 3.0  # seconds to open a connection to an instance
+    prefill_timeout: float = 120.0  # seconds for a whole prefill response
+    decode_read_timeout: float = 120.0  # seconds without a byte from a decoder (first included)
+    health_interval: float = 2.0  # seconds between health checks of each instance
+    health_timeout: float = 2.0  # seconds a health check may take
+    unhealthy_after: int = 2  # consecutive failed checks that take an instance out
+    scrape_interval: float = 0.0  # seconds between engine /metrics scrapes; 0: off
+    max_attempts: int = 3  # prefill+decode attempts per request (retries = attempts - 1)
+    affinity_block_chars: int = 128  # prompt bytes per block of the prefill affinity hash
+    affinity_max_blocks: int = 512  # only the first blocks·chars bytes of a prompt count
+    affinity_capacity: int = 100_000  # remembered block → prefill entries (LRU)
+    affinity_spill: float = 4.0  # the affine prefill is skipped if this much busier than least
+    random_state: int | None = 0  # seed of randomised policies (random, p2c)
+
+    def __post_init__(self) -> None:
+        from eldr.routing import POLICIES
+
+        object.__setattr__(self, "prefill_urls",
+                           tuple(_check_url(u, "prefill") for u in self.prefill_urls))
+        object.__setattr__(self, "decode_urls",
+                           tuple(_check_url(u, "decode") for u in self.decode_urls))
+        if not self.prefill_urls:
+            raise ValueError("at least one --prefill URL is required")
+        if not self.decode_urls:
+            raise ValueError("at least one --decode URL is required")
+        for name, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"a {name} URL is listed twice: {list(urls)}")
+        if self.decode_ids is not None:
+            ids = tuple(self.decode_ids)
+            if len(ids) != len(self.decode_urls):
+                raise ValueError(f"{len(ids)} decode ids for {len(self.decode_urls)} decode URLs")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"a decode worker id is listed twice: {list(ids)}")
+            object.__setattr__(self, "decode_ids", ids)
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
+        if self.policy in EVALUATION_ONLY_POLICIES:
+            raise ValueError(f"policy {self.policy!r} needs oracle information a live request "
+                             f"does not carry; it is for simulation only")
+        if self.tau is not None and not (math.isfinite(self.tau) and self.tau >= 0):
+            raise ValueError(f"tau must be finite and >= 0, got {self.tau}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ValueError("admin token must be at least 8 characters")
+        object.__setattr__(self, "models", tuple(self.models))
+        positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
+                    "decode_read_timeout", "health_interval", "health_timeout",
+                    "unhealthy_after", "max_attempts", "affinity_block_chars",
+                    "affinity_max_blocks", "affinity_capacity")
+        for name in positive:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        for name in ("scrape_interval", "affinity_spill"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")

@@ -1,0 +1,352 @@
+"""The prefill → route → decode flow of one OpenAI request, with retries and SSE relay.
+
+Per attempt (design.md §6; vLLM's PD proxy protocol):
+
+1. prefill: the request with ``max_tokens`` 1 (and ``max_completion_tokens`` 1 for chat),
+   ``stream`` false and ``kv_transfer_params = {"do_remote_decode": true, ...}`` goes to a
+   prefill instance chosen by prefix affinity with load spill, with the attempt's
+   ``X-Request-Id``;
+2. route: the signature is read off the prefill response, encoded, and the policy picks a
+   healthy decoder on the live loads;
+3. decode: the ORIGINAL request plus the prefill's ``kv_transfer_params`` (relayed
+   verbatim, minus the eldr payload) goes to that decoder; its answer is streamed back.
+
+A decode that fails before the first byte reaches the client (connection refused or lost,
+timeout, 5xx) starts a new attempt: a FRESH prefill and a decoder not tried yet. The
+consumed ``kv_transfer_params`` are never sent again (vLLM would answer 200 with output
+computed from freed KV blocks). A non-streaming answer is buffered, so it is retryable to
+its end; a stream that breaks after its first byte ends with an SSE error event. An
+engine's 4xx is the client's problem: relayed as is, never retried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from eldr.proxy.decision import RoutingState, SignatureResult, read_signature, split_kv_params
+from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
+from eldr.proxy.upstream import Instance, error_kind
+from eldr.routing import NoHealthyWorkerError, RouteRequest
+
+__all__ = ["RequestFlow", "fix_usage"]
+
+log = logging.getLogger("eldr.serve")
+
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                     "remote_engine_id": None, "remote_block_ids": None,
+                     "remote_host": None, "remote_port": None}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer kept for relay / logs
+
+
+class _RetryDecode(Exception):  # control flow: try a new prefill + decoder
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one attempt's decode goes, and why."""
+
+    worker: int  # decode worker index k
+    signature: SignatureResult  # what the prefill response carried
+    kv_params: dict | None  # kv_transfer_params to relay to the decoder
+    prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
+
+
+def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
+    """Make ``usage`` count the whole prompt; True if it changed (in place).
+
+    The decoder receives the whole prompt and counts it, so this rarely changes anything;
+    it guards against connectors that report only the tokens they computed.
+    """
+    if prompt_tokens is None or not isinstance(usage, dict):
+        return False
+    pt = usage.get("prompt_tokens")
+    if isinstance(pt, int) and pt >= prompt_tokens:
+        return False
+    completion = usage.get("completion_tokens")
+    usage["prompt_tokens"] = prompt_tokens
+    usage["total_tokens"] = prompt_tokens + (completion if isinstance(completion, int) else 0)
+    return True
+
+
+class _SSEUsage:
+    """Rewrites the usage of SSE events in a byte stream; other events pass untouched."""
+
+    def __init__(self, prompt_tokens: int | None) -> None:
+        self.prompt_tokens = prompt_tokens
+        self._tail = b""  # an incomplete event held until its blank line arrives
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.prompt_tokens is None:
+            return chunk
+        data = self._tail + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._tail = data
+            return b""
+        head, self._tail = data[: cut + 2], data[cut + 2:]
+        if b'"prompt_tokens"' not in head:
+            return head
+        return b"".join(self._fix(ev) for ev in head.split(b"\n\n")[:-1])
+
+    def flush(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def _fix(self, event: bytes) -> bytes:
+        if b'"prompt_tokens"' in event and event.startswith(b"data: "):
+            try:
+                doc = json.loads(event[6:])
+            except ValueError:
+                return event + b"\n\n"
+            if isinstance(doc, dict) and fix_usage(doc.get("usage"), self.prompt_tokens):
+                return b"data: " + json.dumps(doc).encode() + b"\n\n"
+        return event + b"\n\n"
+
+
+def prompt_key(body: dict, kind: str) -> bytes:
+    """The bytes whose prefix blocks drive prefill affinity."""
+    prompt = body.get("messages") if kind == "chat" else body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    return json.dumps(prompt, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "surrogatepass")
+
+
+class RequestFlow:
+    """Runs the PD flow for the router (``router`` gives config, pool, state, metrics)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self.config = router.config
+        self.pool = router.pool
+        self.metrics = router.metrics
+
+    async def run(self, request, body: dict, kind: str):
+        from aiohttp import web
+
+        config = self.config
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        stream = bool(body.get("stream", False))
+        hashes = self.router.affinity.hashes(prompt_key(body, kind))
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        excluded: list[int] = []
+        last: _RetryDecode | None = None
+        for attempt in range(config.max_attempts):
+            attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+            headers["X-Request-Id"] = attempt_id
+            prefill, doc = await self._prefill(body, kind, hashes, headers)
+            decision = self._decide(attempt_id, doc, excluded)
+            decoder = self.pool.decode[decision.worker]
+            reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
+                     "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
+            try:
+                return await self._decode(request, body, decoder, decision, headers, reply,
+                                          stream, web)
+            except _RetryDecode as exc:
+                last = exc
+                excluded.append(decision.worker)
+                if attempt + 1 < config.max_attempts:
+                    self.metrics.retries.inc()
+                log.warning("request %s: decode at %s failed (%s); %s", rid, decoder.name, exc,
+                            "retrying" if attempt + 1 < config.max_attempts else "giving up")
+        raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
+                         code="upstream_failed")
+
+    # -- prefill ---------------------------------------------------------------------------
+    def _prefill_body(self, body: dict, kind: str) -> bytes:
+        pre = dict(body)
+        pre["kv_transfer_params"] = PREFILL_KV_PARAMS
+        pre["max_tokens"] = 1
+        if kind == "chat":
+            pre["max_completion_tokens"] = 1
+        pre["stream"] = False
+        for key in ("stream_options", "min_tokens"):
+            pre.pop(key, None)
+        return json.dumps(pre).encode()
+
+    async def _prefill(self, body: dict, kind: str, hashes, headers) -> tuple[Instance, dict]:
+        import aiohttp
+
+        pool, config = self.pool, self.config
+        data = self._prefill_body(body, kind)
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
+                                        sock_connect=config.connect_timeout)
+        healthy = pool.prefill_healthy.copy()
+        tried = 0
+        while True:
+            try:
+                i = self.router.affinity.pick(hashes, pool.prefill_loads, healthy)
+            except LookupError:
+                if tried:
+                    raise ProxyError(502, f"prefill failed on all {tried} healthy instance(s)",
+                                     code="upstream_failed") from None
+                raise ProxyError(503, "no healthy prefill instance", code="no_prefill") from None
+            tried += 1
+            healthy[i] = False  # not again within this prefill
+            inst = pool.prefill[i]
+            pool.begin(inst)
+            try:
+                async with self.router.session.post(inst.url + path, data=data,
+                                                    headers=headers, timeout=timeout) as resp:
+                    status = resp.status
+                    raw = await resp.read()
+                    ctype = resp.content_type
+            except Exception as exc:  # every transport failure → next instance
+                self._upstream_error(inst, error_kind(exc), exc)
+                continue
+            finally:
+                pool.end(inst)
+            if status >= 500:
+                self._upstream_error(inst, "http_5xx", f"status {status}")
+                continue
+            if status >= 400:
+                raise UpstreamReply(status, raw[:_ERROR_BODY_LIMIT], ctype)
+            try:
+                doc = json.loads(raw)
+                if not isinstance(doc, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                self._upstream_error(inst, "protocol", exc)
+                continue
+            pool.record_success(inst)
+            self.router.affinity.record(hashes, i)
+            return inst, doc
+
+    # -- route -----------------------------------------------------------------------------
+    def _decide(self, request_id: str, doc: dict, excluded: list[int]) -> Decision:
+        t0 = time.perf_counter()
+        state: RoutingState = self.router.state
+        metrics = self.metrics
+        kv_params, payload = split_kv_params(doc)
+        if state.needs_signature:
+            sig = read_signature(doc, payload, state)
+            metrics.signatures.inc(source=sig.source)
+            if sig.vector is None:
+                metrics.fallbacks.inc(reason=sig.problem)
+        else:
+            sig = SignatureResult(None, "none", "not_used")
+        tracker = self.pool.tracker
+        healthy = tracker.healthy
+        if excluded:
+            mask = healthy.copy()
+            mask[excluded] = False
+            if mask.any():  # else: retry on a decoder that failed rather than on none
+                healthy = mask
+        try:
+            k = state.policy.choose(RouteRequest(request_id, sig.vector), tracker.loads,
+                                    None if healthy.all() else healthy)
+        except NoHealthyWorkerError:
+            raise ProxyError(503, "no healthy decode instance", code="no_decoder") from None
+        if sig.vector is not None:
+            band = state.band_size(sig.vector, None if healthy.all() else healthy)
+            if band is not None:
+                metrics.band.observe(band)
+        metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
+        metrics.latency.observe(time.perf_counter() - t0)
+        usage = doc.get("usage")
+        pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return Decision(k, sig, kv_params, pt if isinstance(pt, int) else None)
+
+    # -- decode ----------------------------------------------------------------------------
+    async def _decode(self, request, body: dict, inst: Instance, decision: Decision,
+                      headers: dict, reply: dict, stream: bool, web):
+        import aiohttp
+
+        dec = dict(body)
+        if decision.kv_params is None:
+            dec.pop("kv_transfer_params", None)
+        else:
+            dec["kv_transfer_params"] = decision.kv_params
+        path = "/v1/chat/completions" if request.path.endswith("chat/completions") \
+            else "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
+                                        sock_read=self.config.decode_read_timeout)
+        pool = self.pool
+        pool.begin(inst)
+        try:
+            try:
+                resp = await self.router.session.post(
+                    inst.url + path, data=json.dumps(dec).encode(), headers=headers,
+                    timeout=timeout)
+            except Exception as exc:
+                raise self._decode_failure(inst, error_kind(exc), exc) from None
+            try:
+                if resp.status >= 400:
+                    raw = await resp.content.read(_ERROR_BODY_LIMIT)
+                    if resp.status >= 500:
+                        raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
+                    raise UpstreamReply(resp.status, raw, resp.content_type)
+                if not stream:
+                    return await self._whole(resp, inst, decision, reply, web)
+                return await self._relay(request, resp, inst, decision, reply, web)
+            finally:
+                resp.close()  # an unfinished upstream request is aborted, not pooled
+        finally:
+            pool.end(inst)
+
+    def _decode_failure(self, inst: Instance, kind: str, detail) -> _RetryDecode:
+        self._upstream_error(inst, kind, detail)
+        return _RetryDecode(kind, str(detail) or type(detail).__name__)
+
+    def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
+        self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
+        self.pool.record_failure(inst, kind, str(detail) or type(detail).__name__)
+
+    async def _whole(self, resp, inst: Instance, decision: Decision, reply: dict, web):
+        try:
+            raw = await resp.read()
+        except Exception as exc:  # nothing was sent yet: retryable
+            raise self._decode_failure(inst, error_kind(exc), exc) from None
+        if decision.prompt_tokens is not None and b'"usage"' in raw:
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                raise self._decode_failure(inst, "protocol", "answer is not JSON") from None
+            if isinstance(doc, dict) and fix_usage(doc.get("usage"), decision.prompt_tokens):
+                raw = json.dumps(doc).encode()
+        self.pool.record_success(inst)
+        return web.Response(body=raw, status=resp.status, headers=reply,
+                            content_type="application/json")
+
+    async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
+                     web):
+        try:
+            first = await resp.content.readany()
+        except Exception as exc:  # nothing was sent yet: retryable
+            raise self._decode_failure(inst, error_kind(exc), exc) from None
+        if not first:
+            raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
+        self.pool.record_success(inst)
+        out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
+        usage = _SSEUsage(decision.prompt_tokens)
+        try:
+            await out.prepare(request)
+            await out.write(usage.feed(first))
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except Exception as exc:  # too late to retry: tell the client
+                    self._upstream_error(inst, error_kind(exc), exc)
+                    msg = f"decoder {inst.name} failed mid-stream: {error_kind(exc)}"
+                    await out.write(usage.flush() + b"data: " + error_body(502, msg) + b"\n\n")
+                    break
+                if not chunk:
+                    await out.write(usage.flush())
+                    break
+                await out.write(usage.feed(chunk))
+            await out.write_eof()
+        except ConnectionResetError:  # the client left: stop reading (closes upstream)
+            self.metrics.client_disconnects.inc()
+        return out
+

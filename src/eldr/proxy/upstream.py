@@ -1,0 +1,216 @@
+"""The engines behind the router: their health, their load, and the models they serve.
+
+Health has two inputs. Active: every ``health_interval`` seconds each instance's
+``GET /health`` is called; ``unhealthy_after`` consecutive failures take it out, one
+success brings it back. Passive: a request that cannot even connect to an instance takes
+it out at once (a refused connection is definitive), and other request failures count
+like failed checks. Nothing is ever removed for good: a restarted engine is taken back by
+the next successful check.
+
+Load. The decode loads the routing policy sees live in one
+:class:`eldr.routing.LoadTracker`: +1 when the router dispatches a decode, −1 when it
+ends. With ``scrape_interval > 0`` each decoder's own ``/metrics`` is also read and
+``vllm:num_requests_running + vllm:num_requests_waiting`` replaces the tracked value
+(``LoadTracker.report``), so several router replicas in front of the same engines see the
+same loads instead of only their own share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.metrics import parse_samples
+from eldr.routing import LoadTracker
+
+__all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
+
+log = logging.getLogger("eldr.serve")
+
+ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+@dataclass(slots=True, eq=False)
+class Instance:
+    """One engine the router sends requests to."""
+
+    role: str  # "prefill" or "decode"
+    index: int  # position in its pool: prefill i, or decode worker k
+    url: str  # base URL, no trailing slash
+    name: str  # label in metrics and /health: the artifact worker id, or "prefill-i"
+    healthy: bool = True  # may receive requests now
+    failures: int = 0  # consecutive failed checks or requests
+    in_flight: int = 0  # requests of THIS router at the instance now
+    last_error: str | None = None  # the most recent failure, for /health
+    engine_load: float | None = None  # running + waiting from the engine's /metrics, if scraped
+    models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
+
+    def describe(self) -> dict:
+        return {"name": self.name, "url": self.url, "healthy": self.healthy,
+                "in_flight": self.in_flight, "failures": self.failures,
+                "engine_load": self.engine_load, "last_error": self.last_error}
+
+
+def error_kind(exc: BaseException) -> str:
+    """A short label for an upstream failure: the ``kind`` of the error metric."""
+    import aiohttp
+
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
+                        aiohttp.ClientOSError)):
+        return "disconnect"
+    if isinstance(exc, (ValueError, aiohttp.ContentTypeError)):
+        return "protocol"
+    return "other"
+
+
+class UpstreamPool:
+    """Prefill and decode instances, health checks, load scraping, served models."""
+
+    def __init__(self, config: ServeConfig, decode_names: list[str]) -> None:
+        self.config = config
+        self.prefill = [Instance("prefill", i, u, f"prefill-{i}")
+                        for i, u in enumerate(config.prefill_urls)]
+        self.decode = [Instance("decode", k, u, decode_names[k])
+                       for k, u in enumerate(config.decode_urls)]
+        self.tracker = LoadTracker(len(self.decode))  # decode loads + health, for policies
+        self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
+        self.prefill_healthy = np.ones(len(self.prefill), dtype=bool)  # (P,)
+        self.on_recover = None  # callback(instance) when an instance comes back
+        self._session = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- state changes -------------------------------------------------------------------
+    def _set_healthy(self, inst: Instance, ok: bool) -> None:
+        if inst.healthy == ok:
+            return
+        inst.healthy = ok
+        if inst.role == "decode":
+            self.tracker.set_healthy(inst.index, ok)
+        else:
+            self.prefill_healthy[inst.index] = ok
+        log.warning("%s %s (%s) is %s%s", inst.role, inst.name, inst.url,
+                    "healthy again" if ok else "unhealthy",
+                    "" if ok else f": {inst.last_error}")
+        if ok and self.on_recover is not None:
+            self.on_recover(inst)
+
+    def record_success(self, inst: Instance) -> None:
+        inst.failures = 0
+        self._set_healthy(inst, True)
+
+    def record_failure(self, inst: Instance, kind: str, detail: str) -> None:
+        """A failed check or request. ``kind == "connect"`` takes the instance out at once."""
+        inst.failures += 1
+        inst.last_error = f"{kind}: {detail}"
+        if kind == "connect" or inst.failures >= self.config.unhealthy_after:
+            self._set_healthy(inst, False)
+
+    def begin(self, inst: Instance) -> None:
+        """A request of this router starts at ``inst``."""
+        inst.in_flight += 1
+        if inst.role == "decode":
+            self.tracker.on_dispatch(inst.index)
+        else:
+            self.prefill_loads[inst.index] += 1
+
+    def end(self, inst: Instance) -> None:
+        """That request ended (any outcome)."""
+        inst.in_flight -= 1
+        if inst.role == "decode":
+            self.tracker.on_complete(inst.index)
+        else:
+            self.prefill_loads[inst.index] -= 1
+
+    def models(self) -> tuple[str, ...]:
+        """Accepted model names: the configured ones, else all upstream instances report."""
+        if self.config.models:
+            return self.config.models
+        seen: dict[str, None] = {}
+        for inst in (*self.prefill, *self.decode):
+            for m in inst.models:
+                seen[m] = None
+        return tuple(seen)
+
+    # -- background loops ----------------------------------------------------------------
+    async def start(self, session) -> None:
+        """Run one health round now, then keep checking (and scraping) in the background."""
+        self._session = session
+        await self.check_all()
+        self._tasks.append(asyncio.create_task(self._loop(self.check_all,
+                                                          self.config.health_interval)))
+        if self.config.scrape_interval > 0:
+            self._tasks.append(asyncio.create_task(self._loop(self.scrape_all,
+                                                              self.config.scrape_interval)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    @staticmethod
+    async def _loop(step, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await step()
+            except Exception:  # a bug in one round must not end the checks for good
+                log.exception("background round failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(i) for i in (*self.prefill, *self.decode)))
+
+    async def check(self, inst: Instance) -> bool:
+        """``GET /health`` (and ``/v1/models`` until known); updates the instance's health."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        try:
+            async with self._session.get(f"{inst.url}/health", timeout=timeout) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise ValueError(f"/health answered {resp.status}")
+            if not inst.models:
+                async with self._session.get(f"{inst.url}/v1/models", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        doc = await resp.json(content_type=None)
+                        inst.models = tuple(str(m["id"]) for m in doc.get("data", [])
+                                            if isinstance(m, dict) and "id" in m)
+        except Exception as exc:  # any failure is "unhealthy"
+            self.record_failure(inst, error_kind(exc), str(exc) or type(exc).__name__)
+            return False
+        self.record_success(inst)
+        return True
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(i) for i in self.decode if i.healthy))
+
+    async def scrape(self, inst: Instance) -> None:
+        """Read a decoder's running + waiting requests from its ``/metrics``."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        try:
+            async with self._session.get(f"{inst.url}/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except Exception as exc:  # health checks decide about health
+            log.debug("scrape of %s failed: %s", inst.url, exc)
+            return
+        samples = parse_samples(text, ENGINE_LOAD_METRICS)
+        if not samples:
+            return
+        inst.engine_load = sum(samples.values())
+        self.tracker.report(inst.index, inst.engine_load)

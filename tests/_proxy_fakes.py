@@ -1,0 +1,223 @@
+"""Stand-in vLLM engines for the router's unit tests (aiohttp servers in the test process).
+
+A :class:`FakeEngine` speaks just enough of vLLM's OpenAI API and PD protocol: a prefill
+(``kv_transfer_params.do_remote_decode``) answers one token plus ``kv_transfer_params``
+naming itself and carrying the eldr payload of the prompt's expert counts; a decode
+answers the tokens ``["tok0", "tok1", ...]`` as JSON or SSE and records the
+``kv_transfer_params`` it was given. ``mode`` injects failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import numpy as np
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from eldr.capture.payload import encode_counts
+from eldr.proxy.app import Router
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.decision import RoutingState
+from eldr.routing import make_policy
+from eldr.signature import SignatureEncoder
+
+L, E = 2, 8  # fingerprint of the fake model
+MODEL = "tiny"
+
+
+def domain_counts(prompt: str) -> np.ndarray:
+    """(L, E) counts: prompts mentioning 'code' use experts 0-3, others experts 4-7."""
+    counts = np.zeros((L, E), dtype=np.int64)
+    lo = 0 if "code" in prompt else 4
+    counts[:, lo:lo + 4] = 1 + len(prompt) % 3
+    return counts
+
+
+def fake_encoder() -> SignatureEncoder:
+    return SignatureEncoder.from_state({
+        "representation": "count", "num_layers": L, "num_experts": E,
+        "layers": np.arange(L), "idf": np.ones((L, E))})
+
+
+def fake_centroids() -> np.ndarray:
+    """(2, L*E): worker 0 = experts 0-3 ('code'), worker 1 = experts 4-7."""
+    enc = fake_encoder()
+    return np.stack([enc.transform(domain_counts("code")), enc.transform(domain_counts("law"))])
+
+
+def make_state(config: ServeConfig, *, tau: float = 0.0, names=("w-code", "w-other"),
+               encoder=None) -> RoutingState:
+    policy = make_policy(config.policy, num_workers=len(config.decode_urls),
+                         centroids=fake_centroids(), tau=tau, random_state=0)
+    return RoutingState(policy=policy, worker_names=tuple(names),
+                        encoder=encoder or fake_encoder(), num_layers=L, num_experts=E,
+                        tau=tau, artifact=None, loaded_at=0.0)
+
+
+def _prompt_of(body: dict) -> str:
+    if "messages" in body:
+        return " ".join(str(m.get("content", "")) for m in body["messages"])
+    return str(body.get("prompt", ""))
+
+
+class FakeEngine:
+    """One fake vLLM instance. ``mode``: ok | 500 | 400 | hang | drop | break | empty."""
+
+    def __init__(self, name: str, *, tokens: int = 3, payload: str = "counts",
+                 report_prompt_tokens: int | None = None) -> None:
+        self.name = name
+        self.tokens = [f"tok{i}" for i in range(tokens)]
+        self.payload = payload  # counts | blocks | routed | none | garbage
+        self.report_prompt_tokens = report_prompt_tokens  # decode usage override
+        self.mode = "ok"
+        self.healthy = True
+        self.requests: list[dict] = []  # bodies received on the completion routes
+        self.request_ids: list[str] = []
+        self.aborted = 0  # decodes whose client (the router) went away mid-answer
+        self.server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self.server = TestServer(app, port=0, handler_cancellation=True)
+        await self.server.start_server()
+        return self
+
+    async def close(self) -> None:
+        await self.server.close()
+
+    async def _health(self, request):
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+    async def _metrics(self, request):
+        return web.Response(text='vllm:num_requests_running{model_name="tiny"} 5.0\n'
+                                 'vllm:num_requests_waiting{model_name="tiny"} 2.0\n')
+
+    async def _complete(self, request):
+        body = await request.json()
+        self.requests.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        mode = self.mode
+        if mode == "500":
+            return web.json_response({"error": "boom"}, status=500)
+        if mode == "400":
+            return web.json_response({"error": {"message": "bad param"}}, status=400)
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        if mode == "drop":
+            request.transport.close()
+            return web.Response()
+        prompt = _prompt_of(body)
+        n_prompt = len(prompt.split())
+        kvp = body.get("kv_transfer_params") or {}
+        if kvp.get("do_remote_decode"):
+            return web.json_response(self._prefill_answer(prompt, n_prompt, body))
+        if body.get("stream"):
+            return await self._stream(request, body, n_prompt)
+        pt = self.report_prompt_tokens if self.report_prompt_tokens is not None else n_prompt
+        text = "".join(self.tokens)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                  if "messages" in body else {"index": 0, "text": text})
+        return web.json_response({"id": "x", "choices": [choice], "usage": {
+            "prompt_tokens": pt, "completion_tokens": len(self.tokens),
+            "total_tokens": pt + len(self.tokens)}})
+
+    def _prefill_answer(self, prompt: str, n_prompt: int, body: dict) -> dict:
+        counts = domain_counts(prompt)
+        kvp = {"do_remote_prefill": True, "do_remote_decode": False,
+               "remote_engine_id": self.name, "remote_block_ids": [1, 2],
+               "remote_host": "127.0.0.1", "remote_port": 1}
+        choice = {"index": 0, "text": "t"}
+        if self.payload == "counts":
+            kvp["eldr"] = encode_counts(counts)
+        elif self.payload == "blocks":
+            kvp["eldr"] = encode_counts(np.stack([counts, counts]))
+        elif self.payload == "garbage":
+            kvp["eldr"] = {"v": 1, "shape": [L, E], "dtype": "uint16", "data": "!!"}
+        elif self.payload == "routed":
+            import base64
+            import io
+            ids = np.zeros((max(n_prompt, 1), L, 2), dtype=np.int32)
+            lo = 0 if "code" in prompt else 4
+            ids[:, :, 0], ids[:, :, 1] = lo, lo + 1
+            buf = io.BytesIO()
+            np.save(buf, ids)
+            choice["routed_experts"] = base64.b64encode(buf.getvalue()).decode()
+        return {"id": "p", "choices": [choice], "kv_transfer_params": kvp,
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": 1,
+                          "total_tokens": n_prompt + 1}}
+
+    async def _stream(self, request, body: dict, n_prompt: int):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chat = "messages" in body
+        try:
+            for i, tok in enumerate(self.tokens):
+                delta = {"delta": {"content": tok}} if chat else {"text": tok}
+                await resp.write(b"data: " + json.dumps(
+                    {"id": "x", "choices": [{"index": 0, **delta}]}).encode() + b"\n\n")
+                if self.mode == "break" and i == 0:
+                    request.transport.close()
+                    return resp
+                if self.mode == "slow":
+                    await asyncio.sleep(0.05)
+            opts = body.get("stream_options") or {}
+            if opts.get("include_usage"):
+                pt = self.report_prompt_tokens if self.report_prompt_tokens is not None \
+                    else n_prompt
+                usage = {"prompt_tokens": pt, "completion_tokens": len(self.tokens),
+                         "total_tokens": pt + len(self.tokens)}
+                await resp.write(b"data: " + json.dumps(
+                    {"id": "x", "choices": [], "usage": usage}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+        return resp
+
+
+@contextlib.asynccontextmanager
+async def cluster(*, num_prefill: int = 1, num_decode: int = 2, policy: str = "eldr",
+                  tau: float = 0.0, state_kw: dict | None = None, engine_kw: dict | None = None,
+                  **config_kw):
+    """Fake engines + a router in front; yields (router, client, prefills, decoders)."""
+    from aiohttp.test_utils import TestClient
+
+    prefills = [await FakeEngine(f"p{i}", **(engine_kw or {})).start()
+                for i in range(num_prefill)]
+    decoders = [await FakeEngine(f"d{k}", **(engine_kw or {})).start()
+                for k in range(num_decode)]
+    settings = {"health_interval": 0.05, "health_timeout": 1.0, "unhealthy_after": 1,
+                "artifact": None, **config_kw}
+    config = ServeConfig(prefill_urls=tuple(e.url for e in prefills),
+                         decode_urls=tuple(e.url for e in decoders), policy=policy,
+                         **settings)
+    names = tuple(["w-code", "w-other", "w-2", "w-3"][:num_decode])
+    router = Router(config, state=make_state(config, tau=tau, names=names, **(state_kw or {})))
+    server = TestServer(router.make_app(), port=0, handler_cancellation=True)
+    client = TestClient(server)
+    await client.start_server()
+    try:
+        yield router, client, prefills, decoders
+    finally:
+        await client.close()
+        for e in (*prefills, *decoders):
+            await e.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
