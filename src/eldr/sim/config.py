@@ -1,0 +1,172 @@
+"""Simulator configuration: hardware presets and the frozen, validated :class:`SimConfig`.
+
+Hardware presets hold what a decode or prefill step costs on one GPU; the MoE-layer
+constants ``a`` (fixed µs per layer) and ``b`` (µs per distinct expert) are per model, so
+:func:`moe_constants` resolves them for a (hardware, model) pair.
+
+H200 (``h200``). ``a`` and ``b`` are the measured fused-MoE fits of design.md §7 (stored in
+the model presets). HBM bandwidth 4.8 TB/s, 141 GB HBM3e, 989 TFLOPS dense bf16.
+``t_fixed`` = 2.0 ms per step is an ASSUMPTION: everything in a decode step that is neither
+a routed-expert GEMM nor a weight/KV read — attention/norm/rotary kernels at small batch,
+sampling, the scheduler and the CPU↔GPU sync under CUDA graphs. With it a batch-1
+Qwen3-30B-A3B step is 2.0 + 48·(18.7 + 2.22·8) µs + 2.46 GB / 4.8 TB/s ≈ 4.3 ms
+(≈ 230 tokens/s single stream), in line with public single-stream reports for this model
+on H100/H200. It dilutes every relative TPOT gain, so it is a CLI option
+(``--t-fixed-ms``).
+
+MI300X (``mi300x``). No measured fits are published here, so the constants are DERIVED:
+``b`` = bytes of one expert / (5.3 TB/s × η), with η = 0.886 the bandwidth efficiency the
+H200 fit implies for Qwen3-30B-A3B (9.44 MB / 4.8 TB/s = 1.97 µs vs the measured
+2.22 µs). ``a`` comes from the paper's microbenchmark (Fig. 2): 16 → 128 active experts
+makes an MoE layer 4.7× slower, so (a + 128 b) / (a + 16 b) = 4.7, i.e.
+a = (128 − 4.7·16) / 3.7 · b ≈ 14.3 b. ``t_fixed`` = 3.0 ms (ASSUMED; ROCm launch and
+sync overheads are larger). 192 GB HBM3, 1307 TFLOPS dense bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from eldr.models import ModelPreset, get_preset
+
+__all__ = ["HARDWARE", "Hardware", "SimConfig", "get_hardware", "moe_constants"]
+
+# Bandwidth efficiency implied by the H200 Qwen3-30B fit: 9,437,184 B / 4.8e12 B/s / 2.22 µs.
+_ETA = 9_437_184 / 4.8e12 / 2.22e-6  # = 0.886
+# a / b from the paper's 4.7x at D = 16 -> 128: (128 - 4.7*16) / (4.7 - 1)
+A_OVER_B_MI300X = (128 - 4.7 * 16) / (4.7 - 1)  # = 14.27
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator, as the step-time model sees it."""
+
+    name: str  # preset key
+    hbm_bandwidth: float  # B/s of HBM (weights and KV are streamed at this rate)
+    hbm_bytes: float  # HBM capacity in bytes (KV capacity = util x HBM - weights)
+    peak_flops: float  # dense bf16 FLOP/s (prefill is compute bound)
+    t_fixed_s: float  # fixed per-step overhead in seconds (see module docstring)
+    measured_moe: bool  # True: a, b from the model preset's fit; False: derived (see above)
+    a_over_b: float = A_OVER_B_MI300X  # a = a_over_b x b when not measured
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_bandwidth", "hbm_bytes", "peak_flops", "a_over_b"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be > 0, "
+                                 f"got {getattr(self, name)!r}")
+        if not self.t_fixed_s >= 0:
+            raise ValueError(f"hardware {self.name!r}: t_fixed_s must be >= 0, "
+                             f"got {self.t_fixed_s!r}")
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware("h200", hbm_bandwidth=4.8e12, hbm_bytes=141e9, peak_flops=989e12,
+                     t_fixed_s=2.0e-3, measured_moe=True),
+    "mi300x": Hardware("mi300x", hbm_bandwidth=5.3e12, hbm_bytes=192e9, peak_flops=1307e12,
+                       t_fixed_s=3.0e-3, measured_moe=False),
+}
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """The hardware preset ``name``; a :class:`Hardware` passes through."""
+    if isinstance(name, Hardware):
+        return name
+    key = str(name).strip().lower()
+    if key not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE)}")
+    return HARDWARE[key]
+
+
+def moe_constants(hardware: Hardware, model: ModelPreset) -> tuple[float, float]:
+    """(a, b) in SECONDS of one MoE layer, ``t = a + b·D``, for ``model`` on ``hardware``.
+
+    Measured fits when the hardware has them and the preset carries them; otherwise
+    ``b = expert_bytes / (bandwidth · η)`` and ``a = a_over_b · b`` (module docstring).
+    """
+    if (hardware.measured_moe and model.moe_layer_fixed_us is not None
+            and model.moe_layer_per_expert_us is not None):
+        return model.moe_layer_fixed_us * 1e-6, model.moe_layer_per_expert_us * 1e-6
+    b = model.expert_bytes / (hardware.hbm_bandwidth * _ETA)
+    return hardware.a_over_b * b, b
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything one simulation run needs besides the trace and the policy.
+
+    Times are seconds, bandwidths bytes/s. ``None`` for an override means "from the
+    hardware / model preset". Validated on construction.
+    """
+
+    model: str = "qwen3-30b-a3b"  # model preset (weights, KV bytes, a, b)
+    hardware: str = "h200"  # hardware preset
+    num_prefill: int = 8  # prefill workers
+    num_decode: int = 16  # decode workers (= routing targets K)
+    qps: float = 20.0  # Poisson arrival rate, requests per second
+    warmup_s: float = 30.0  # arrivals before this are simulated but not measured
+    duration_s: float = 120.0  # measured window [warmup, warmup + duration) of arrivals
+    seed: int = 0  # arrivals, request sampling and per-token expert draws
+    # decode workers
+    max_batch: int = 256  # max running requests per decode worker (vLLM max_num_seqs)
+    max_batch_tokens: int = 8192  # token budget per step (a decode request uses 1)
+    kv_capacity_tokens: int | None = None  # per decode worker; None: from HBM (see docs)
+    gpu_memory_utilization: float = 0.9  # share of HBM for weights + KV
+    tp: int = 1  # tensor parallel degree of a worker (dense + KV split across tp GPUs)
+    ep: int = 1  # expert parallel ranks of a decode worker (tp x ep GPUs... see docs)
+    # prefill workers
+    prefill_max_batch_tokens: int = 8192  # prompt tokens per prefill step (whole requests)
+    prefill_mfu: float = 0.5  # achieved share of peak FLOP/s in prefill
+    affinity_blocks: int = 1  # prefix affinity key = hash of the first N full KV blocks
+    spill_tokens: int = 8192  # spill to least loaded if the target holds this many more
+    prefix_caching: bool = False  # prefill workers keep an LRU prefix cache of KV blocks
+    prefix_cache_blocks: int = 65_536  # blocks of that cache per prefill worker
+    # network
+    link_bandwidth: float = 50e9  # KV transfer, B/s (400 Gb/s NDR InfiniBand per GPU)
+    link_latency_s: float = 100e-6  # per transfer (handshake, NIXL metadata)
+    # step-time overrides
+    t_fixed_s: float | None = None  # per-step fixed overhead
+    moe_a_s: float | None = None  # MoE layer fixed time a
+    moe_b_s: float | None = None  # MoE layer time per distinct expert b
+    hbm_bandwidth: float | None = None  # B/s for dense weights and KV reads
+
+    def __post_init__(self) -> None:
+        get_preset(self.model)
+        get_hardware(self.hardware)
+        for name in ("num_prefill", "num_decode", "max_batch", "max_batch_tokens", "tp", "ep",
+                     "prefill_max_batch_tokens", "affinity_blocks", "prefix_cache_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SimConfig: {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"SimConfig: seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("qps", "duration_s", "link_bandwidth", "prefill_mfu",
+                     "gpu_memory_utilization"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and v == v and v != float("inf")):
+                raise ValueError(f"SimConfig: {name} must be finite and > 0, got {v!r}")
+        for name in ("warmup_s", "link_latency_s", "spill_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < float("inf")):
+                raise ValueError(f"SimConfig: {name} must be finite and >= 0, got {v!r}")
+        if self.prefill_mfu > 1 or self.gpu_memory_utilization > 1:
+            raise ValueError("SimConfig: prefill_mfu and gpu_memory_utilization must be <= 1")
+        for name in ("t_fixed_s", "moe_a_s", "moe_b_s"):
+            v = getattr(self, name)
+            if v is not None and not (0 <= v < float("inf")):
+                raise ValueError(f"SimConfig: {name} must be finite and >= 0, got {v!r}")
+        if self.hbm_bandwidth is not None and not self.hbm_bandwidth > 0:
+            raise ValueError(f"SimConfig: hbm_bandwidth must be > 0, got {self.hbm_bandwidth!r}")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ValueError("SimConfig: kv_capacity_tokens must be >= 1 or None, "
+                             f"got {self.kv_capacity_tokens!r}")
+        E = get_preset(self.model).num_experts
+        if E % self.ep:
+            raise ValueError(f"SimConfig: ep={self.ep} must divide the {E} experts")
+
+    @property
+    def horizon_s(self) -> float:
+        """Arrivals happen in [0, warmup + duration)."""
+        return self.warmup_s + self.duration_s
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
