@@ -64,7 +64,7 @@ def _prompt_of(body: dict) -> str:
 
 
 class FakeEngine:
-    """One fake vLLM instance. ``mode``: ok | 500 | 400 | hang | drop | break | empty."""
+    """One fake vLLM instance. ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow."""
 
     def __init__(self, name: str, *, tokens: int = 3, payload: str = "counts",
                  report_prompt_tokens: int | None = None) -> None:
@@ -121,6 +121,10 @@ class FakeEngine:
         if mode == "drop":
             request.transport.close()
             return web.Response()
+        if mode == "empty":  # 200, then the stream ends before any byte
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            return resp
         prompt = _prompt_of(body)
         n_prompt = len(prompt.split())
         kvp = body.get("kv_transfer_params") or {}

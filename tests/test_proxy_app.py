@@ -1,0 +1,172 @@
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from _proxy_fakes import cluster, fake_centroids, run
+from eldr.proxy import app as app_mod
+from eldr.proxy.app import parse_body
+from eldr.proxy.errors import ProxyError
+from eldr.routing import make_policy
+
+CODE = {"model": "tiny", "prompt": "write code now"}
+TOKEN = "s3cret-token"
+
+
+@pytest.mark.parametrize("raw, kind, status, match", [
+    (b"{not json", "completions", 400, "not valid JSON"),
+    (b"\xff\xfe", "completions", 400, "not valid JSON"),
+    (b"[1, 2]", "completions", 400, "JSON object"),
+    (b'{"model": "m"}', "completions", 400, "'prompt' is required"),
+    (b'{"prompt": "x", "stream": "yes"}', "completions", 400, "'stream'"),
+    (b'{"messages": "hi"}', "chat", 400, "'messages' must be a list"),
+])
+def test_parse_body_errors(raw, kind, status, match):
+    with pytest.raises(ProxyError, match=match) as info:
+        parse_body(raw, kind)
+    assert info.value.status == status
+
+
+async def _post(client, path, **kw):
+    r = await client.post(path, **kw)
+    return r.status, await r.json()
+
+
+def test_client_errors_are_openai_shaped_4xx():
+    async def go():
+        async with cluster(max_body_bytes=1000) as (router, client, prefills, _):
+            out = [await _post(client, "/v1/completions", data=b"{oops"),
+                   await _post(client, "/v1/completions", json={"model": "gpt-9",
+                                                                "prompt": "x"}),
+                   await _post(client, "/v1/completions", json={"model": "tiny",
+                                                                "prompt": "x" * 2000}),
+                   await _post(client, "/v1/chat/completions", json={"model": "tiny"}),
+                   await _post(client, "/v1/nothing", json={})]
+            r = await client.get("/v1/completions")
+            out.append((r.status, await r.json()))
+            return router, out, prefills
+
+    router, out, prefills = run(go())
+    assert [s for s, _ in out] == [400, 404, 413, 400, 404, 405]
+    assert out[1][1]["error"]["code"] == "model_not_found"
+    assert all(set(doc["error"]) == {"message", "type", "param", "code"} for _, doc in out)
+    assert prefills[0].requests == []  # nothing reached an engine
+    assert router.metrics.requests.get(endpoint="completions", status="400") == 1
+    assert router.metrics.requests.get(endpoint="other", status="404") == 1
+
+
+def test_malformed_requests_do_not_disturb_concurrent_good_ones():
+    async def go():
+        async with cluster() as (_, client, _p, decoders):
+            decoders[0].mode = decoders[1].mode = "slow"
+            good = [client.post("/v1/completions", json={**CODE, "stream": True})
+                    for _ in range(4)]
+            bad = [client.post("/v1/completions", data=b"{") for _ in range(4)]
+            rs = await asyncio.gather(*good, *bad)
+            return [(r.status, await r.text()) for r in rs]
+
+    out = run(go())
+    assert [s for s, _ in out] == [200] * 4 + [400] * 4
+    assert all("[DONE]" in text for _, text in out[:4])
+
+
+def test_models_health_and_metrics_pages():
+    async def go():
+        async with cluster() as (_, client, _p, decoders):
+            models = await (await client.get("/v1/models")).json()
+            h1 = await client.get("/health")
+            decoders[0].healthy = False
+            await asyncio.sleep(0.3)
+            h2 = await client.get("/health")
+            decoders[1].healthy = False
+            await asyncio.sleep(0.3)
+            h3 = await client.get("/health")
+            r = await client.post("/v1/completions", json=CODE)
+            decoders[0].healthy = decoders[1].healthy = True
+            await asyncio.sleep(0.3)
+            h4 = await client.get("/health")
+            m = await client.get("/metrics")
+            return (models, [(h.status, (await h.json())["status"]) for h in (h1, h2, h3, h4)],
+                    (r.status, (await r.json())["error"]["code"]), m.content_type,
+                    await m.text())
+
+    models, healths, refused, ctype, page = run(go())
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert healths == [(200, "ok"), (200, "degraded"), (503, "unavailable"), (200, "ok")]
+    assert refused == (503, "no_decoder")
+    assert ctype == "text/plain"
+    assert 'eldr_upstream_healthy{role="decode",instance="w-code"} 1' in page
+
+
+def _swapped_state(router):
+    policy = make_policy("eldr", num_workers=2, centroids=fake_centroids()[::-1], tau=0.0)
+    return dataclasses.replace(router.state, policy=policy)
+
+
+def test_admin_reload_needs_the_token(monkeypatch):
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            monkeypatch.setattr(app_mod, "build_state", lambda config: _swapped_state(router))
+            before = await client.post("/v1/completions", json=CODE)
+            no = await client.post("/admin/reload")
+            wrong = await client.post("/admin/reload",
+                                      headers={"Authorization": "Bearer nope-nope"})
+            ok = await client.post("/admin/reload",
+                                   headers={"Authorization": f"Bearer {TOKEN}"})
+            after = await client.post("/v1/completions", json=CODE)
+            return (router, before.headers["X-Eldr-Decoder"], no.status, wrong.status,
+                    ok.status, await ok.json(), after.headers["X-Eldr-Decoder"])
+
+    router, before, no, wrong, ok, doc, after = run(go())
+    assert (no, wrong, ok) == (401, 401, 200)
+    assert doc["decoders"] == ["w-code", "w-other"]
+    assert (before, after) == ("w-code", "w-other")  # the new centroids are in use
+    assert router.metrics.reloads.get(result="ok") == 1
+
+
+def test_admin_disabled_without_a_token():
+    async def go():
+        async with cluster() as (_, client, _p, _d):
+            r = await client.post("/admin/reload", headers={"Authorization": "Bearer whatever"})
+            return r.status, await r.json()
+
+    status, doc = run(go())
+    assert status == 403 and doc["error"]["code"] == "admin_disabled"
+
+
+def test_failed_reload_keeps_the_running_artifact(monkeypatch):
+    def broken(config):
+        raise ValueError("artifact: centroids are not unit norm")
+
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            old = router.state
+            monkeypatch.setattr(app_mod, "build_state", broken)
+            r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
+            return router, old, r.status, await r.json()
+
+    router, old, status, doc = run(go())
+    assert status == 500 and "unit norm" in doc["error"]["message"]
+    assert router.state is old
+    assert router.metrics.reloads.get(result="error") == 1
+
+
+def test_reload_does_not_drop_requests_in_flight(monkeypatch):
+    async def go():
+        async with cluster(admin_token=TOKEN, engine_kw={"tokens": 20}) as (router, client, _,
+                                                                                decoders):
+            monkeypatch.setattr(app_mod, "build_state", lambda config: _swapped_state(router))
+            decoders[0].mode = "slow"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            first = await r.content.readany()
+            ok = await client.post("/admin/reload",
+                                   headers={"Authorization": f"Bearer {TOKEN}"})
+            rest = await r.read()
+            return first + rest, ok.status
+
+    text, status = run(go())
+    assert status == 200
+    events = [e for e in text.decode().split("\n\n") if e]
+    assert len(events) == 21 and events[-1] == "data: [DONE]"
+    assert json.loads(events[19][6:])["choices"][0]["text"] == "tok19"

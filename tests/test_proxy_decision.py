@@ -1,0 +1,98 @@
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from _proxy_fakes import E, L, domain_counts, fake_encoder, make_state
+from eldr.capture.payload import encode_counts
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.decision import build_state, read_signature, split_kv_params
+from eldr.signature import SignatureEncoder
+
+CFG = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),
+                  policy="eldr")
+
+
+def _npy_b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_payload_counts_give_the_encoders_signature():
+    state = make_state(CFG)
+    counts = domain_counts("code")
+    sig = read_signature({}, encode_counts(counts), state)
+    assert sig.source == "payload" and sig.problem is None
+    np.testing.assert_array_equal(sig.vector, fake_encoder().transform(counts))
+
+
+def test_block_payload_is_summed():
+    state = make_state(CFG)
+    counts = domain_counts("code")
+    blocks = np.stack([counts, 2 * counts])
+    sig = read_signature({}, encode_counts(blocks), state)
+    np.testing.assert_allclose(sig.vector, fake_encoder().transform(3 * counts))
+
+
+def test_routed_experts_field_is_read_when_no_payload():
+    state = make_state(CFG)
+    ids = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 3]]], dtype=np.int32)  # (T=2, L=2, k=2)
+    doc = {"choices": [{"routed_experts": _npy_b64(ids)}]}
+    sig = read_signature(doc, None, state)
+    counts = np.zeros((L, E))
+    counts[0, 0], counts[0, 1], counts[0, 2] = 2, 1, 1  # layer 0: experts 0,1 then 0,2
+    counts[1, 2], counts[1, 3] = 2, 2  # layer 1: experts 2,3 twice
+    assert sig.source == "routed_experts"
+    np.testing.assert_allclose(sig.vector, fake_encoder().transform(counts))
+
+
+@pytest.mark.parametrize("doc, payload, source, problem", [
+    ({}, None, "none", "missing"),
+    ({}, {"v": 1, "shape": [L, E], "dtype": "uint16", "data": "!!"}, "payload", "malformed"),
+    ({}, encode_counts(np.ones((L + 1, E), dtype=np.int64)), "payload", "malformed"),
+    ({}, "not a dict", "payload", "malformed"),
+    ({"choices": [{"routed_experts": "@@"}]}, None, "routed_experts", "malformed"),
+    ({"choices": [{"routed_experts": _npy_b64(np.zeros((2, L + 1, 2), np.int32))}]}, None,
+     "routed_experts", "mismatch"),
+    ({"choices": [{"routed_experts": _npy_b64(np.full((2, L, 2), E, np.int32))}]}, None,
+     "routed_experts", "malformed"),
+])
+def test_bad_or_missing_signature_is_a_fallback_never_an_error(doc, payload, source, problem):
+    sig = read_signature(doc, payload, make_state(CFG))
+    assert (sig.vector, sig.source, sig.problem) == (None, source, problem)
+
+
+def test_gate_representation_cannot_use_counts():
+    enc = SignatureEncoder.from_state({"representation": "gate_prob", "num_layers": L,
+                                       "num_experts": E, "layers": np.arange(L),
+                                       "idf": np.ones((L, E))})
+    state = make_state(CFG, encoder=enc)
+    sig = read_signature({}, encode_counts(domain_counts("x")), state)
+    assert sig.problem == "unencodable"
+
+
+def test_split_kv_params_strips_the_payload_only():
+    doc = {"kv_transfer_params": {"remote_engine_id": "e", "eldr": {"v": 1}}}
+    assert split_kv_params(doc) == ({"remote_engine_id": "e"}, {"v": 1})
+    assert split_kv_params({"kv_transfer_params": None}) == (None, None)
+    assert split_kv_params({"kv_transfer_params": {"a": 1}}) == ({"a": 1}, None)
+
+
+def test_band_size():
+    state = make_state(CFG, tau=0.0)
+    s = fake_encoder().transform(domain_counts("code"))
+    assert state.band_size(s, None) == 1
+    assert make_state(CFG, tau=2.0).band_size(s, None) == 2
+    assert state.band_size(s, np.array([False, True])) == 1
+
+
+def test_build_state_without_artifact():
+    cfg = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),
+                      policy="jsq")
+    state = build_state(cfg)
+    assert state.worker_names == ("decode-0", "decode-1")
+    assert state.encoder is None and not state.needs_signature
+    with pytest.raises(ValueError, match="needs a routing artifact"):
+        build_state(CFG)

@@ -1,0 +1,94 @@
+"""``eldr serve`` as a process: arguments, start-up, a request, SIGHUP reload, SIGTERM."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from _proxy_fakes import FakeEngine
+from eldr.cli import main
+from eldr.commands.serve import config_from_args
+
+
+def _args(*argv):
+    from eldr.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_config_from_args():
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decode", "a=http://d:1",
+                                 "--decode", "b=http://d:2", "--policy", "jsq", "--tau", "0.2",
+                                 "--model", "tiny", "--admin-token", "0123456789"))
+    assert cfg.decode_ids == ("a", "b") and cfg.decode_urls == ("http://d:1", "http://d:2")
+    assert cfg.tau == 0.2 and cfg.models == ("tiny",) and cfg.admin_token == "0123456789"
+
+
+def test_mixed_decode_specs_are_refused():
+    with pytest.raises(ValueError, match="ids for all"):
+        config_from_args(_args("--prefill", "http://p:1", "--decode", "a=http://d:1",
+                               "--decode", "http://d:2"))
+
+
+def test_eldr_policy_without_artifact_exits_2(capsys):
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
+    assert "needs a routing artifact" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm():
+    async def go():
+        eng = await FakeEngine("e").start()
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--prefill", eng.url, "--decode", eng.url,
+             "--policy", "jsq", "--port", str(port), "--health-interval", "0.2"],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                try:
+                    status = await asyncio.to_thread(
+                        lambda: urllib.request.urlopen(base + "/health", timeout=1).status)
+                    break
+                except OSError:
+                    continue
+            else:
+                pytest.fail("eldr serve did not come up")
+            req = urllib.request.Request(base + "/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "hi"}).encode())
+            doc = await asyncio.to_thread(
+                lambda: json.loads(urllib.request.urlopen(req, timeout=5).read()))
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.3)
+            metrics = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(base + "/metrics", timeout=1).read().decode())
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.05)
+            return status, doc, metrics, proc.returncode, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            await eng.close()
+
+    status, doc, metrics, rc, err = asyncio.run(go())
+    assert status == 200
+    assert doc["choices"][0]["text"] == "tok0tok1tok2"
+    assert 'eldr_artifact_reloads_total{result="ok"} 1' in metrics
+    assert rc == 0, err
+    assert "listening on http://127.0.0.1" in err
