@@ -1,0 +1,79 @@
+"""``eldr reproduce [--quick] [--out DIR]``: the paper's main experiments in one command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HELP = ("Reproduce the paper's experiments in simulation on the embedded default data and "
+        "write DIR/report.md with tables and plots (the main command).")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes (2 rates, 20 s per point, 2,000-request traces): "
+                   "about 2 minutes on 2 cores")
+    p.add_argument("--out", default="eldr-report", help="output directory (default "
+                   "./eldr-report)")
+    p.add_argument("--trace", help="use this trace (.npz) for the first workload instead of "
+                   "generating it")
+    p.add_argument("--workloads", help="comma-separated workloads (default task,language)")
+    p.add_argument("--rates", type=_floats, help="request rates, e.g. 20,40,60,80,100")
+    p.add_argument("--duration", type=float, help="measured seconds per point")
+    p.add_argument("--warmup", type=float, help="warm-up seconds per point")
+    p.add_argument("--requests", type=int, help="requests per generated trace")
+    p.add_argument("--hardware", help="hardware preset: h200 (default) or mi300x")
+    p.add_argument("--seed", type=int, help="simulation seed (default 0)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes (default: number of CPUs, at most 4)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eldr.reproduce import FULL, QUICK, headline_text, run_plan, with_overrides, write_report
+
+    plan = QUICK if args.quick else FULL
+    workloads = None
+    if args.workloads:
+        from eldr.workloads import get_workload
+
+        workloads = tuple(get_workload(w).name for w in args.workloads.split(","))
+    plan = with_overrides(plan, workloads=workloads, rates=args.rates,
+                          duration_s=args.duration, warmup_s=args.warmup,
+                          num_requests=args.requests, hardware=args.hardware, seed=args.seed)
+    if args.rates and plan.tau_rate not in plan.rates:
+        plan = with_overrides(plan, tau_rate=max(plan.rates), pool_rates=plan.rates)
+    jobs = args.jobs if args.jobs is not None else min(os.cpu_count() or 1, 4)
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    trace = None
+    if args.trace:
+        from eldr.trace import load
+
+        trace = load(args.trace)
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    log(f"eldr reproduce ({plan.name}): {len(plan.workloads)} workload(s), rates "
+        f"{list(plan.rates)}, {plan.warmup_s:g}+{plan.duration_s:g} s per point")
+    results = run_plan(plan, jobs=jobs, trace=trace, log=log)
+    path = write_report(results, args.out)
+    from eldr.reproduce.report import Analysis
+
+    print(headline_text(Analysis(results)))
+    print(f"\nreport: {path} ({time.perf_counter() - t0:.0f} s)")
+    return 0

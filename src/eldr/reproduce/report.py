@@ -1,0 +1,332 @@
+"""Tables, plots and ``report.md`` from the rows of :func:`eldr.reproduce.sweeps.run_plan`.
+
+Every comparison is ELDR against the BEST load balancer (lowest median TPOT among random,
+round_robin, jsq and p2c) of the same (workload, rate, pool size): Δ% = 100 · (ELDR −
+best) / best, negative = ELDR faster. The paper reports −7.0…−13.9% (task) and
+−5.9…−10.0% (language) median TPOT at 8P16D.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from eldr.reproduce.sweeps import LOAD_BALANCERS, Results
+from eldr.sim.metrics import _atomic_write, write_csv, write_json
+
+__all__ = ["Analysis", "write_report"]
+
+PAPER = {"task": "−7.0…−13.9%", "language": "−5.9…−10.0%"}
+
+
+def _pct(new: float, base: float) -> float:
+    return 100.0 * (new - base) / base if base and np.isfinite(base) else float("nan")
+
+
+def _f(x: float, nd: int = 2) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.{nd}f}"
+
+
+def _s(x: float) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:+.1f}%"
+
+
+class Analysis:
+    """Lookups over the rows: (workload, qps, K, variant) → row (any experiment)."""
+
+    def __init__(self, results: Results) -> None:
+        self.results = results
+        self.plan = results.plan
+        self.index: dict[tuple, dict] = {}
+        for r in results.rows:
+            key = (r["workload"], float(r["qps"]), int(r["num_decode"]), r["variant"])
+            self.index.setdefault(key, r)
+
+    def get(self, wl: str, qps: float, K: int, variant: str) -> dict | None:
+        return self.index.get((wl, float(qps), int(K), variant))
+
+    def eldr(self, tau: float | None = None, kind: str = "balanced") -> str:
+        return f"eldr[tau={self.plan.tau if tau is None else tau:g},{kind}]"
+
+    def oracle(self) -> str:
+        return f"oracle_signature[tau={self.plan.tau:g},balanced]"
+
+    def best_lb(self, wl: str, qps: float, K: int) -> dict | None:
+        rows = [self.get(wl, qps, K, p) for p in LOAD_BALANCERS]
+        rows = [r for r in rows if r is not None]
+        return min(rows, key=lambda r: r["tpot_median_ms"]) if rows else None
+
+    def headline(self) -> list[dict]:
+        """Per workload × rate at 8P16D: ELDR, Domain and the oracle vs the best LB."""
+        out = []
+        K = self.plan.num_decode
+        for wl in self.plan.workloads:
+            for q in self.plan.rates:
+                b = self.best_lb(wl, q, K)
+                e = self.get(wl, q, K, self.eldr())
+                if b is None or e is None:
+                    continue
+                d = self.get(wl, q, K, "domain")
+                o = self.get(wl, q, K, self.oracle())
+                rr = self.get(wl, q, K, "round_robin")
+                out.append({
+                    "workload": wl, "qps": q, "best_lb": b["policy"],
+                    "lb_tpot_p50": b["tpot_median_ms"], "eldr_tpot_p50": e["tpot_median_ms"],
+                    "d_p50": _pct(e["tpot_median_ms"], b["tpot_median_ms"]),
+                    "lb_tpot_p99": b["tpot_p99_ms"], "eldr_tpot_p99": e["tpot_p99_ms"],
+                    "d_p99": _pct(e["tpot_p99_ms"], b["tpot_p99_ms"]),
+                    "d_ttft": _pct(e["ttft_median_ms"], b["ttft_median_ms"]),
+                    "domain_d_p50": _pct(d["tpot_median_ms"], b["tpot_median_ms"]) if d
+                    else float("nan"),
+                    "domain_d_p99": _pct(d["tpot_p99_ms"], b["tpot_p99_ms"]) if d
+                    else float("nan"),
+                    "oracle_d_p50": _pct(o["tpot_median_ms"], b["tpot_median_ms"]) if o
+                    else float("nan"),
+                    "eldr_vs_rr_p50": _pct(e["tpot_median_ms"], rr["tpot_median_ms"]) if rr
+                    else float("nan"),
+                    "lb_distinct": b["mean_distinct_per_layer"],
+                    "eldr_distinct": e["mean_distinct_per_layer"],
+                    "lb_batch": b["mean_batch"],
+                })
+        return out
+
+    def tau_rows(self) -> list[dict]:
+        wl, q, K = self.plan.workloads[0], self.plan.tau_rate, self.plan.num_decode
+        b = self.best_lb(wl, q, K)
+        out = []
+        for tau in self.plan.tau_values:
+            e = self.get(wl, q, K, self.eldr(tau))
+            if e is None or b is None:
+                continue
+            out.append({"tau": tau, "tpot_p50": e["tpot_median_ms"], "tpot_p99": e["tpot_p99_ms"],
+                        "d_p50": _pct(e["tpot_median_ms"], b["tpot_median_ms"]),
+                        "d_p99": _pct(e["tpot_p99_ms"], b["tpot_p99_ms"]),
+                        "distinct": e["mean_distinct_per_layer"],
+                        "max_share": e["max_request_share"]})
+        return out
+
+    def pool_rows(self) -> list[dict]:
+        wl = self.plan.workloads[0]
+        out = []
+        for K in self.plan.pool_sizes:
+            d50, d99 = [], []
+            for q in self.plan.pool_rates:
+                b, e = self.best_lb(wl, q, K), self.get(wl, q, K, self.eldr())
+                if b is None or e is None:
+                    continue
+                d50.append(_pct(e["tpot_median_ms"], b["tpot_median_ms"]))
+                d99.append(_pct(e["tpot_p99_ms"], b["tpot_p99_ms"]))
+            if d50:
+                out.append({"pool": f"{self.plan.num_prefill}P{K}D", "K": K,
+                            "d_p50": float(np.mean(d50)), "d_p99": float(np.mean(d99)),
+                            "rates": len(d50)})
+        return out
+
+    def vanilla_rows(self) -> list[dict]:
+        K = self.plan.num_decode
+        out = []
+        for wl in self.plan.workloads:
+            for kind in ("balanced", "vanilla"):
+                d50, d99 = [], []
+                for q in self.plan.rates:
+                    rr, e = self.get(wl, q, K, "round_robin"), self.get(wl, q, K,
+                                                                      self.eldr(kind=kind))
+                    if rr is None or e is None:
+                        continue
+                    d50.append(_pct(e["tpot_median_ms"], rr["tpot_median_ms"]))
+                    d99.append(_pct(e["tpot_p99_ms"], rr["tpot_p99_ms"]))
+                if d50:
+                    sizes = self.results.setups[wl].cluster_sizes(K, kind) \
+                        if wl in self.results.setups else np.array([np.nan])
+                    out.append({"workload": wl, "kind": kind, "d_p50": float(np.mean(d50)),
+                                "d_p99": float(np.mean(d99)),
+                                "cluster_max": int(sizes.max()), "cluster_min": int(sizes.min())})
+        return out
+
+
+# -- plots ------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_main(an: Analysis, wl: str, path: Path) -> None:
+    plt = _plt()
+    K = an.plan.num_decode
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    variants = [*LOAD_BALANCERS, "domain", an.eldr(), an.oracle()]
+    labels = {an.eldr(): "eldr", an.oracle(): "oracle_signature"}
+    for v in variants:
+        pts = [(q, an.get(wl, q, K, v)) for q in an.plan.rates]
+        pts = [(q, r) for q, r in pts if r is not None]
+        if not pts:
+            continue
+        qs = [q for q, _ in pts]
+        style = {"lw": 2.5, "color": "C3"} if v == an.eldr() else \
+            {"ls": "--", "color": "gray"} if v == an.oracle() else {}
+        for ax, key in zip(axes, ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms"),
+                           strict=True):
+            ax.plot(qs, [r[key] for _, r in pts], marker="o", label=labels.get(v, v), **style)
+    for ax, title in zip(axes, ("median TPOT (ms)", "p99 TPOT (ms)", "median TTFT (ms)"),
+                         strict=True):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{wl} workload, {an.plan.num_prefill}P{K}D, {an.plan.model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_bars(labels, series: dict[str, list[float]], title: str, ylabel: str,
+               path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(labels))
+    w = 0.8 / max(len(series), 1)
+    for j, (name, vals) in enumerate(series.items()):
+        ax.bar(x + j * w - 0.4 + w / 2, vals, w, label=name)
+    ax.set_xticks(x, [str(v) for v in labels])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_decoders(an: Analysis, path: Path) -> list[dict]:
+    """Distinct experts per decoder, ELDR vs the best LB, first workload at tau_rate."""
+    wl, q, K = an.plan.workloads[0], an.plan.tau_rate, an.plan.num_decode
+    b = an.best_lb(wl, q, K)
+    rows = an.results.decoder_rows
+    want = {an.eldr(): "eldr", (b["policy"] if b else None): "best LB"}
+    series, table = {}, []
+    for v, label in want.items():
+        sel = [r for r in rows if r["workload"] == wl and r["variant"] == v
+               and float(r["qps"]) == float(q)]
+        if sel:
+            series[f"{label} ({v.split('[')[0]})"] = [r["mean_distinct_per_layer"] for r in sel]
+            table += sel
+    if series:
+        _plot_bars(list(range(K)), series, f"distinct experts per layer per step, {wl}, "
+                   f"{q:g} req/s", "mean distinct experts / layer / step", path)
+    return table
+
+
+# -- report -----------------------------------------------------------------------------------
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def headline_text(an: Analysis) -> str:
+    """The headline table as plain text (printed by ``eldr reproduce``)."""
+    lines = [f"{'workload':<9} {'req/s':>5} {'best LB':>11} {'TPOT p50':>9} {'ELDR':>7} "
+             f"{'Δp50':>7} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>7} {'domain':>7} {'oracle':>7}"]
+    for h in an.headline():
+        lines.append(
+            f"{h['workload']:<9} {h['qps']:>5g} {h['best_lb']:>11} {h['lb_tpot_p50']:>9.2f} "
+            f"{h['eldr_tpot_p50']:>7.2f} {_s(h['d_p50']):>7} {h['lb_tpot_p99']:>9.2f} "
+            f"{h['eldr_tpot_p99']:>7.2f} {_s(h['d_p99']):>7} {_s(h['domain_d_p50']):>7} "
+            f"{_s(h['oracle_d_p50']):>7}")
+    return "\n".join(lines)
+
+
+def write_report(results: Results, out: str | Path) -> Path:
+    """Write report.md, PNG plots, rows.csv, decoders.csv and results.json under ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    an = Analysis(results)
+    plan = results.plan
+    write_csv(results.rows, out / "rows.csv")
+    write_csv(results.decoder_rows, out / "decoders.csv")
+    md: list[str] = [f"# ELDR reproduction report ({plan.name})", ""]
+    md.append(f"Model preset `{plan.model}` on `{plan.hardware}`, {plan.num_prefill}P"
+              f"{plan.num_decode}D, rates {list(plan.rates)} req/s, warm-up {plan.warmup_s:g} s, "
+              f"measured {plan.duration_s:g} s per point, seed {plan.seed}. Traces: "
+              f"`eldr.synth` (calibrated to the paper's premises only), seed "
+              f"{plan.trace_seed}. Wall time {results.seconds.get('total', 0):.0f} s "
+              f"({results.seconds.get('jobs', 1)} process(es)).")
+    md.append("")
+    md.append("## Fit (calibration split only)\n")
+    md.append(_table(["workload", "calibration", "held-out", "ρ (count·idf)", "layers |S|",
+                      "encoder fit (s)"],
+                     [[wl, str(s.calib.num_requests), str(s.eval.num_requests),
+                       f"{s.encoder.rho_:.3f}", str(s.encoder.layers_.size),
+                       f"{s.fit_seconds:.1f}"] for wl, s in results.setups.items()]))
+    md.append("\n## Headline: ELDR vs the best load balancer (median / p99 TPOT)\n")
+    md.append(f"Paper at 8P16D: median TPOT {PAPER['task']} (task), {PAPER['language']} "
+              "(language). Δ = (policy − best LB) / best LB; negative is better.\n")
+    hl = an.headline()
+    md.append(_table(
+        ["workload", "req/s", "best LB", "LB p50 ms", "ELDR p50 ms", "Δ p50", "LB p99 ms",
+         "ELDR p99 ms", "Δ p99", "Δ TTFT p50", "domain Δ p50", "oracle Δ p50",
+         "D/layer LB→ELDR", "batch"],
+        [[h["workload"], f"{h['qps']:g}", h["best_lb"], _f(h["lb_tpot_p50"]),
+          _f(h["eldr_tpot_p50"]), _s(h["d_p50"]), _f(h["lb_tpot_p99"]), _f(h["eldr_tpot_p99"]),
+          _s(h["d_p99"]), _s(h["d_ttft"]), _s(h["domain_d_p50"]), _s(h["oracle_d_p50"]),
+          f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}", f"{h['lb_batch']:.1f}"]
+         for h in hl]))
+    for wl in plan.workloads:
+        _plot_main(an, wl, out / f"main_{wl}.png")
+        md.append(f"\n![{wl}](main_{wl}.png)\n")
+    tau = an.tau_rows()
+    if tau:
+        md.append(f"\n## τ sweep ({plan.workloads[0]}, {plan.tau_rate:g} req/s)\n")
+        md.append("τ = 0 is top-1 (nearest centroid only), τ = 1 is pure JSQ.\n")
+        md.append(_table(["τ", "TPOT p50 ms", "TPOT p99 ms", "Δ p50 vs best LB",
+                          "Δ p99 vs best LB", "D/layer", "max request share"],
+                         [[f"{r['tau']:g}", _f(r["tpot_p50"]), _f(r["tpot_p99"]),
+                           _s(r["d_p50"]), _s(r["d_p99"]), _f(r["distinct"], 1),
+                           _f(r["max_share"], 3)] for r in tau]))
+        _plot_bars([f"{r['tau']:g}" for r in tau],
+                   {"Δ median TPOT %": [r["d_p50"] for r in tau],
+                    "Δ p99 TPOT %": [r["d_p99"] for r in tau]},
+                   "ELDR vs best load balancer by τ", "% vs best LB", out / "tau.png")
+        md.append("\n![tau](tau.png)\n")
+    pool = an.pool_rows()
+    if pool:
+        md.append(f"\n## Decode-pool size ({plan.workloads[0]}, mean over rates "
+                  f"{list(plan.pool_rates)})\n")
+        md.append("Paper: 8.0 → 9.8 → 10.2% median TPOT reduction for 8P8D → 8P16D → 8P24D.\n")
+        md.append(_table(["pool", "Δ p50 vs best LB", "Δ p99 vs best LB"],
+                         [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"])] for r in pool]))
+        _plot_bars([r["pool"] for r in pool], {"Δ median TPOT %": [r["d_p50"] for r in pool],
+                                               "Δ p99 TPOT %": [r["d_p99"] for r in pool]},
+                   "ELDR vs best load balancer by decode-pool size", "% vs best LB",
+                   out / "pool.png")
+        md.append("\n![pool](pool.png)\n")
+    van = an.vanilla_rows()
+    if van:
+        md.append("\n## Vanilla vs balanced K-means (mean % Δ vs round-robin over rates)\n")
+        md.append("Paper (Fig. 15): vanilla −9.8% p50 but +17.4% p99; balanced −12.6% / "
+                  "−6.8%.\n")
+        md.append(_table(["workload", "centroids", "Δ p50 vs RR", "Δ p99 vs RR",
+                          "calibration cluster sizes (max/min)"],
+                         [[r["workload"], r["kind"], _s(r["d_p50"]), _s(r["d_p99"]),
+                           f"{r['cluster_max']}/{r['cluster_min']}"] for r in van]))
+        _plot_bars([f"{r['workload']}\n{r['kind']}" for r in van],
+                   {"Δ p50 vs RR %": [r["d_p50"] for r in van],
+                    "Δ p99 vs RR %": [r["d_p99"] for r in van]},
+                   "vanilla vs balanced K-means", "% vs round-robin", out / "vanilla.png")
+        md.append("\n![vanilla](vanilla.png)\n")
+    dec = _plot_decoders(an, out / "decoders.png")
+    if dec:
+        md.append(f"\n## Distinct experts per decoder ({plan.workloads[0]}, "
+                  f"{plan.tau_rate:g} req/s)\n")
+        md.append("![decoders](decoders.png)\n")
+    md.append("\n## Files\n\n`rows.csv` (one row per simulation), `decoders.csv` (per-decoder "
+              "statistics), `results.json` (headline, sweeps, timings).\n")
+    write_json({"plan": plan.__dict__, "headline": hl, "tau": tau, "pool": pool,
+                "vanilla": van, "seconds": results.seconds}, out / "results.json")
+    return _atomic_write(out / "report.md", "\n".join(md) + "\n")

@@ -1,0 +1,108 @@
+"""The routing set-up of an experiment: traces, the fitted artifact, policy inputs.
+
+For one workload: generate (or take) a trace, split it into a calibration part (the
+offline fit sees only this) and a held-out evaluation part (the simulator replays only
+this), fit the :class:`~eldr.signature.SignatureEncoder` (IDF, greedy layer mask by ρ)
+and, per decode-pool size K, balanced (and vanilla) spherical K-means centroids
+(:class:`eldr.cluster.BalancedKMeans`). The ``oracle_signature`` bound gets centroids of
+the calibration requests' TRUE decode patterns, clustered the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eldr.routing import decode_patterns, make_policy
+from eldr.sim import TokenBank
+from eldr.trace import Trace
+
+__all__ = ["RoutingSetup", "fit_setup"]
+
+
+@dataclass(eq=False)
+class RoutingSetup:
+    """Everything the sweeps need for one workload. Centroids are cached per (K, kind)."""
+
+    workload: str  # workload name
+    calib: Trace  # calibration split (fit only)
+    eval: Trace  # held-out split (simulated)
+    encoder: object  # fitted SignatureEncoder
+    signatures: np.ndarray  # (R_eval, d) float32 unit rows of the eval requests
+    patterns: np.ndarray  # (R_eval, L*E) float32 unit decode patterns (oracle only)
+    domain_shares: np.ndarray | None  # (D,) calibration share of each domain
+    tokens: TokenBank  # per-request decode bitsets of the eval split, shared by runs
+    seed: int  # seed of the K-means fits
+    fit_seconds: float = 0.0  # encoder fit time
+    _centroids: dict = field(default_factory=dict)  # (K, kind) -> (K, d) float32
+    _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration cluster sizes
+
+    def centroids(self, K: int, kind: str = "balanced") -> np.ndarray:
+        """(K, d) centroids. kind: ``balanced``, ``vanilla`` or ``oracle`` (decode patterns,
+        balanced)."""
+        key = (K, kind)
+        if key not in self._centroids:
+            from eldr.cluster import BalancedKMeans
+
+            if kind == "oracle":
+                X = decode_patterns(self.calib.decode_counts)
+            else:
+                X = self.encoder.transform(self.calib)
+            km = BalancedKMeans(K, balanced=kind != "vanilla", random_state=self.seed).fit(X)
+            self._centroids[key] = np.asarray(km.cluster_centers_, dtype=np.float32)
+            self._labels[key] = np.bincount(km.labels_, minlength=K)
+        return self._centroids[key]
+
+    def cluster_sizes(self, K: int, kind: str = "balanced") -> np.ndarray:
+        self.centroids(K, kind)
+        return self._labels[(K, kind)]
+
+    def policy(self, name: str, K: int, *, tau: float = 0.1, seed: int = 0,
+               kind: str = "balanced"):
+        """A fresh policy instance (policies keep state: round-robin pointer, RNG)."""
+        centroids = None
+        if name in ("eldr", "eldr_top1"):
+            centroids = self.centroids(K, kind)
+        elif name == "oracle_signature":
+            centroids = self.centroids(K, "oracle")
+        return make_policy(name, num_workers=K, centroids=centroids, tau=tau,
+                           domain_shares=self.domain_shares, random_state=seed)
+
+    def inputs(self, name: str) -> dict:
+        """Keyword inputs of :func:`eldr.sim.simulate` this policy needs."""
+        if name == "oracle_signature":
+            return {"decode_patterns": self.patterns}
+        if name in ("eldr", "eldr_top1"):
+            return {"signatures": self.signatures}
+        return {}
+
+
+def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0,
+              selection_max_pairs: int | None = 100_000, max_pairs: int | None = 200_000,
+              representation: str = "count_idf") -> RoutingSetup:
+    """Split ``trace`` (``calib_requests`` for calibration), fit the encoder, encode eval."""
+    from eldr.signature import SignatureEncoder
+
+    R = trace.num_requests
+    if not 3 <= calib_requests < R:
+        raise ValueError(f"calib_requests={calib_requests} must be in [3, {R})")
+    calib, ev = trace.split(calib_requests / R, random_state=seed)
+    t0 = time.perf_counter()
+    enc = SignatureEncoder(representation=representation, random_state=seed,
+                           selection_max_pairs=selection_max_pairs, max_pairs=max_pairs)
+    enc.fit(calib)
+    fit_s = time.perf_counter() - t0
+    shares = None
+    if calib.domains is not None:
+        shares = np.bincount(calib.domains, minlength=len(calib.domain_names)).astype(float)
+        shares = shares / shares.sum()
+        if (shares == 0).any():  # a domain absent from calibration still needs a worker
+            shares = (shares + 1e-6) / (shares + 1e-6).sum()
+    return RoutingSetup(
+        workload=workload, calib=calib, eval=ev, encoder=enc,
+        signatures=enc.transform(ev), patterns=decode_patterns(ev.decode_counts),
+        domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
+        fit_seconds=fit_s,
+    )
