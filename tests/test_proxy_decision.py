@@ -78,6 +78,7 @@ def test_split_kv_params_strips_the_payload_only():
     assert split_kv_params(doc) == ({"remote_engine_id": "e"}, {"v": 1})
     assert split_kv_params({"kv_transfer_params": None}) == (None, None)
     assert split_kv_params({"kv_transfer_params": {"a": 1}}) == ({"a": 1}, None)
+    assert split_kv_params({"kv_transfer_params": {"eldr": 1}}) == (None, 1)
 
 
 def test_band_size():

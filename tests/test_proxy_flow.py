@@ -4,7 +4,7 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, run
-from eldr.proxy.flow import RequestFlow, _SSEUsage, fix_usage, prompt_key
+from eldr.proxy.flow import RequestFlow, _SSEUsage, decode_body, fix_usage, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -41,6 +41,18 @@ def test_prompt_key():
     assert prompt_key({"prompt": "héllo"}, "completions") == "héllo".encode()
     assert prompt_key({"messages": [{"role": "user", "content": "hi"}]}, "chat") == \
         b'[{"role":"user","content":"hi"}]'
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x", "n": 1} \n', b'{"prompt":"x","n":1}'])
+def test_decode_body_splices_or_reserialises(raw):
+    body = json.loads(raw)
+    kvp = {"remote_engine_id": "e", "remote_block_ids": [1]}
+    assert json.loads(decode_body(body, raw, kvp)) == {**body, "kv_transfer_params": kvp}
+    assert decode_body(body, raw, None) == raw
+    old = {**body, "kv_transfer_params": {"stale": True}}
+    assert json.loads(decode_body(old, json.dumps(old).encode(), kvp)) == \
+        {**body, "kv_transfer_params": kvp}
+    assert json.loads(decode_body(old, None, None)) == body
 
 
 def test_prefill_body():

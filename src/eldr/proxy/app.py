@@ -139,7 +139,7 @@ class Router:
         raw = await request.read()
         body = parse_body(raw, kind)
         self._check_model(body)
-        return await self.flow.run(request, body, kind)
+        return await self.flow.run(request, body, kind, raw)
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")

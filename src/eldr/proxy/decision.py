@@ -123,7 +123,9 @@ def build_state(config: ServeConfig) -> RoutingState:
 def split_kv_params(doc: dict) -> tuple[dict | None, object]:
     """(kv_transfer_params to relay to the decoder, the eldr payload or None).
 
-    The payload is removed from what is relayed: the decoder has no use for it.
+    The payload is removed from what is relayed: the decoder has no use for it. Nothing is
+    relayed when the payload was all there was (a connector that returns no parameters,
+    e.g. vLLM's ExampleConnector, with the capture plugin adding the payload).
     """
     kvp = doc.get("kv_transfer_params")
     if not isinstance(kvp, dict):
@@ -131,7 +133,7 @@ def split_kv_params(doc: dict) -> tuple[dict | None, object]:
     if PAYLOAD_KEY not in kvp:
         return kvp, None
     relay = {k: v for k, v in kvp.items() if k != PAYLOAD_KEY}
-    return relay, kvp[PAYLOAD_KEY]
+    return relay or None, kvp[PAYLOAD_KEY]
 
 
 def read_signature(doc: dict, payload: object, state: RoutingState) -> SignatureResult:

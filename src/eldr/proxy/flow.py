@@ -21,6 +21,7 @@ engine's 4xx is the client's problem: relayed as is, never retried.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -111,6 +112,27 @@ class _SSEUsage:
         return event + b"\n\n"
 
 
+def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
+    """The decode request: the client's body plus the relayed ``kv_transfer_params``.
+
+    When the client's JSON (``raw``, already parsed into ``body``) has no
+    ``kv_transfer_params`` key, the field is spliced in before its closing brace instead of
+    re-serialising the whole body: a long prompt is then never encoded twice.
+    """
+    if raw is not None and "kv_transfer_params" not in body and body:
+        if kv_params is None:
+            return raw
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + b', "kv_transfer_params": ' + json.dumps(kv_params).encode() + b"}"
+    dec = dict(body)
+    if kv_params is None:
+        dec.pop("kv_transfer_params", None)
+    else:
+        dec["kv_transfer_params"] = kv_params
+    return json.dumps(dec).encode()
+
+
 def prompt_key(body: dict, kind: str) -> bytes:
     """The bytes whose prefix blocks drive prefill affinity."""
     prompt = body.get("messages") if kind == "chat" else body.get("prompt")
@@ -128,12 +150,18 @@ class RequestFlow:
         self.config = router.config
         self.pool = router.pool
         self.metrics = router.metrics
+        self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
+        self._id_count = itertools.count()
 
-    async def run(self, request, body: dict, kind: str):
+    def _new_id(self) -> str:
+        """A request id for clients that sent none: a per-process prefix and a counter."""
+        return f"{self._id_prefix}{next(self._id_count)}"
+
+    async def run(self, request, body: dict, kind: str, raw: bytes | None = None):
         from aiohttp import web
 
         config = self.config
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = request.headers.get("X-Request-Id") or self._new_id()
         stream = bool(body.get("stream", False))
         hashes = self.router.affinity.hashes(prompt_key(body, kind))
         headers = {"Content-Type": "application/json"}
@@ -150,8 +178,8 @@ class RequestFlow:
             reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
             try:
-                return await self._decode(request, body, decoder, decision, headers, reply,
-                                          stream, web)
+                return await self._decode(request, body, raw, decoder, decision, headers,
+                                          reply, stream, web)
             except _RetryDecode as exc:
                 last = exc
                 excluded.append(decision.worker)
@@ -259,15 +287,11 @@ class RequestFlow:
         return Decision(k, sig, kv_params, pt if isinstance(pt, int) else None)
 
     # -- decode ----------------------------------------------------------------------------
-    async def _decode(self, request, body: dict, inst: Instance, decision: Decision,
-                      headers: dict, reply: dict, stream: bool, web):
+    async def _decode(self, request, body: dict, raw: bytes | None, inst: Instance,
+                      decision: Decision, headers: dict, reply: dict, stream: bool, web):
         import aiohttp
 
-        dec = dict(body)
-        if decision.kv_params is None:
-            dec.pop("kv_transfer_params", None)
-        else:
-            dec["kv_transfer_params"] = decision.kv_params
+        data = decode_body(body, raw, decision.kv_params)
         path = "/v1/chat/completions" if request.path.endswith("chat/completions") \
             else "/v1/completions"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
@@ -277,7 +301,7 @@ class RequestFlow:
         try:
             try:
                 resp = await self.router.session.post(
-                    inst.url + path, data=json.dumps(dec).encode(), headers=headers,
+                    inst.url + path, data=data, headers=headers,
                     timeout=timeout)
             except Exception as exc:
                 raise self._decode_failure(inst, error_kind(exc), exc) from None
