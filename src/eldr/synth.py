@@ -1,0 +1,415 @@
+"""Calibrated synthetic expert-routing traces for the paper's models and workloads.
+
+No real routing traces of the paper's models can be captured here, so this module
+generates them from a small latent model of MoE routing (docs/synth.md):
+
+* per layer, a global expert popularity: Gaussian logits whose spread grows linearly with
+  depth (deeper layers are more skewed), plus a few "generalist" experts with a boost;
+* per domain, a preference for a random subset of experts, and per domain "subdomains"
+  (topics) with their own, smaller subsets. For a sharp workload (``task``) topics belong
+  to a domain; for a soft one (``language``) topics are shared by all languages;
+* per request, Gaussian variation around its domain and topic;
+* per token, k distinct experts by Gumbel-top-k on the request's logits
+  (:mod:`eldr.synth_sampling`), prefill from the request's logits, decode from a drifted
+  copy (part of the request term is redrawn, and the global logits shift a little), so
+  prefill and decode expert counts correlate below 1;
+* shared system prompts: with probability ``workload.shared_prefix_prob`` a request starts
+  with one of its domain's few system prompts (whole KV blocks). The prefix is routed once
+  from its domain's logits, so requests sharing it share its token ids, its per-token top-k
+  and its counts, as a real model's prefix cache would see them.
+
+Calibration. The parameters in ``CALIBRATION`` were fitted, by hand with the search
+script ``scripts/calibrate_synth.py``, to the paper's published premises ONLY: the
+prefill↔decode Pearson of each model, the same-domain distinct-expert reduction of each
+workload, ρ(count·idf) > ρ(gate_prob) and the effective number of experts per layer. They
+were never tuned to any routing outcome (TPOT, TTFT or an ELDR-vs-baseline gap): doing so
+would make the evaluation circular. :func:`eldr.premises.calibration_report` measures the
+premises on a generated trace.
+
+Everything is seeded: the same (model, workload, number of requests, seed, keep_topk)
+gives bit-identical arrays. Randomness comes from independent streams spawned from the seed
+(structure, requests, one per layer), so the result does not depend on chunking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from eldr._progress import Progress
+from eldr.models import ModelPreset, get_preset
+from eldr.synth_sampling import aggregate_counts, approx_gate_sums, inclusion_probs, token_topk
+from eldr.trace import Trace, TraceMeta
+from eldr.workloads import Workload, get_workload
+
+__all__ = [
+    "CALIBRATION",
+    "DEFAULT_TRACE",
+    "SynthParams",
+    "default_trace",
+    "generate",
+    "get_params",
+]
+
+GENERATOR = "eldr-synth-v1"
+_TOKEN_CHUNK = 65_536  # tokens routed at once on the token path (bounds memory to ~100 MB)
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    """Latent routing structure of one model on one kind of workload (logit units)."""
+
+    domain_strength: float  # α_d: logit boost of a domain's preferred experts
+    subdomain_strength: float  # α_s: logit boost of a topic's preferred experts
+    request_strength: float  # β: std of a request's own logit variation
+    decode_drift: float  # ω in [0, 1]: share of the request term redrawn for decode
+    skew_first: float = 0.45  # std of global popularity logits at the first layer
+    skew_last: float = 0.85  # ... at the last layer (linear in depth in between)
+    num_generalists: int = 2  # experts per layer that most tokens like
+    generalist_boost: float = 1.0  # their extra logit
+    domain_fraction: float = 0.2  # share of experts in a domain's preferred subset
+    num_subdomains: int = 4  # topics per domain (sharp) or in total x domains (soft)
+    subdomain_fraction: float = 0.08  # share of experts in a topic's preferred subset
+    decode_shift: float = 0.2  # std of a global, per-layer prefill→decode logit shift
+    stickiness: float = 0.0  # P(a decode token repeats the previous token's selection)
+    gate_scale: float = 1.0  # router logits = gate_scale x (z + Gumbel): softmax sharpness
+    style_strength: float = 0.0  # std of per-request "form" noise on the popular experts
+    style_fraction: float = 0.25  # share of experts (most popular first) that form touches
+
+    def __post_init__(self) -> None:
+        for name in ("domain_strength", "subdomain_strength", "request_strength",
+                     "skew_first", "skew_last", "generalist_boost", "decode_shift",
+                     "gate_scale", "style_strength"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value >= 0):
+                raise ValueError(f"SynthParams: {name} must be finite and >= 0, got {value!r}")
+        for name in ("decode_drift", "domain_fraction", "subdomain_fraction",
+                     "style_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"SynthParams: {name} must be in [0, 1], got {value!r}")
+        if not 0.0 <= self.stickiness < 1.0:
+            raise ValueError(f"SynthParams: stickiness must be in [0, 1), got {self.stickiness!r}")
+        if self.num_generalists < 0 or self.num_subdomains < 1:
+            raise ValueError("SynthParams: num_generalists must be >= 0 and num_subdomains >= 1")
+
+
+# Fitted to the premises only (module docstring). Keys: (model preset, workload sharpness).
+CALIBRATION: dict[tuple[str, str], SynthParams] = {
+    ("qwen3-30b-a3b", "sharp"): SynthParams(
+        domain_strength=1.6, subdomain_strength=0.8, request_strength=0.5, decode_drift=0.45),
+    ("qwen3-30b-a3b", "soft"): SynthParams(
+        domain_strength=0.6, subdomain_strength=0.9, request_strength=0.5, decode_drift=0.45),
+    ("gpt-oss-120b", "sharp"): SynthParams(
+        domain_strength=1.6, subdomain_strength=0.8, request_strength=0.5, decode_drift=0.8),
+    ("gpt-oss-120b", "soft"): SynthParams(
+        domain_strength=0.6, subdomain_strength=0.9, request_strength=0.5, decode_drift=0.8),
+    ("gemma-4-26b-a4b", "sharp"): SynthParams(
+        domain_strength=1.6, subdomain_strength=0.8, request_strength=0.5, decode_drift=0.4),
+    ("gemma-4-26b-a4b", "soft"): SynthParams(
+        domain_strength=0.6, subdomain_strength=0.9, request_strength=0.5, decode_drift=0.4),
+    ("qwen3-235b-a22b", "sharp"): SynthParams(
+        domain_strength=1.6, subdomain_strength=0.8, request_strength=0.5, decode_drift=0.45),
+    ("qwen3-235b-a22b", "soft"): SynthParams(
+        domain_strength=0.6, subdomain_strength=0.9, request_strength=0.5, decode_drift=0.45),
+}
+
+# The embedded default trace that ``eldr reproduce`` uses with no arguments.
+DEFAULT_TRACE = {"model": "qwen3-30b-a3b", "workload": "task", "num_requests": 2000,
+                 "seed": 20260402, "keep_topk": False}
+
+
+def get_params(model: str | ModelPreset, workload: str | Workload) -> SynthParams:
+    """The calibrated parameters of ``model`` on ``workload`` (by its sharpness)."""
+    preset, wl = get_preset(model), get_workload(workload)
+    key = (preset.name, wl.domain_sharpness)
+    if key not in CALIBRATION:
+        raise ValueError(f"no synthetic calibration for model {preset.name!r} on a "
+                         f"{wl.domain_sharpness} workload; pass params= explicitly")
+    return CALIBRATION[key]
+
+
+def default_trace(*, progress: bool = False) -> Trace:
+    """The fixed default trace (``DEFAULT_TRACE``): same arrays on every machine."""
+    return generate(DEFAULT_TRACE["model"], DEFAULT_TRACE["workload"],
+                    num_requests=DEFAULT_TRACE["num_requests"], seed=DEFAULT_TRACE["seed"],
+                    keep_topk=DEFAULT_TRACE["keep_topk"], progress=progress)
+
+
+# -- latent structure -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Structure:
+    """Per-layer logit components shared by all requests. Arrays are (L, ·, E) float64."""
+
+    glob: np.ndarray  # (L, E) global popularity logits
+    shift: np.ndarray  # (L, E) global prefill→decode shift (added to decode logits)
+    domain: np.ndarray  # (L, D, E) domain preference logits
+    topic: np.ndarray  # (L, D, S, E) topic preference logits of each domain's topics
+    style: np.ndarray  # (L, E) 1.0 on the experts that prompt/answer form touches, else 0
+
+
+def _subset_logits(rng: np.random.Generator, shape: tuple, E: int, fraction: float,
+                   strength: float) -> np.ndarray:
+    """strength x (1 + 0.3 N(0,1)) on a random ``fraction`` of experts, 0 elsewhere."""
+    m = max(1, round(fraction * E))
+    keys = rng.random((*shape, E))
+    chosen = np.argsort(keys, axis=-1)[..., :m]
+    out = np.zeros((*shape, E))
+    vals = strength * (1.0 + 0.3 * rng.standard_normal((*shape, m)))
+    np.put_along_axis(out, chosen, vals, axis=-1)
+    return out
+
+
+def _structure(rng: np.random.Generator, preset: ModelPreset, wl: Workload,
+               p: SynthParams) -> _Structure:
+    L, E, D, S = preset.num_layers, preset.num_experts, wl.num_domains, p.num_subdomains
+    depth = np.linspace(0.0, 1.0, L)[:, None] if L > 1 else np.zeros((1, 1))
+    skew = p.skew_first + (p.skew_last - p.skew_first) * depth
+    glob = skew * rng.standard_normal((L, E))
+    if p.num_generalists:
+        gen = np.argsort(rng.random((L, E)), axis=1)[:, : p.num_generalists]
+        np.put_along_axis(glob, gen, np.take_along_axis(glob, gen, axis=1)
+                          + p.generalist_boost, axis=1)
+    shift = p.decode_shift * rng.standard_normal((L, E))
+    domain = _subset_logits(rng, (L, D), E, p.domain_fraction, p.domain_strength)
+    if wl.domain_sharpness == "sharp":  # topics belong to their domain
+        topic = _subset_logits(rng, (L, D, S), E, p.subdomain_fraction, p.subdomain_strength)
+    else:  # topics cut across languages: the same S x D topics for every language
+        shared = _subset_logits(rng, (L, D * S), E, p.subdomain_fraction, p.subdomain_strength)
+        topic = np.broadcast_to(shared[:, None, :, :], (L, D, D * S, E))
+    m = max(1, round(p.style_fraction * E)) if p.style_fraction > 0 else 0
+    style = np.zeros((L, E))
+    np.put_along_axis(style, np.argsort(-glob, axis=1)[:, :m], 1.0, axis=1)
+    return _Structure(glob, shift, domain, topic, style)
+
+
+# -- requests -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Requests:
+    """Per-request draws (R requests) and the shared prefixes (Q = D x per-domain)."""
+
+    domains: np.ndarray  # (R,) int32
+    topics: np.ndarray  # (R,) int64 topic index into _Structure.topic[:, domain]
+    user_lens: np.ndarray  # (R,) int64 prompt tokens after the shared prefix
+    output_lens: np.ndarray  # (R,) int64
+    prefix: np.ndarray  # (R,) int64 shared prefix id, or -1 for none (internal only)
+    prefix_lens: np.ndarray  # (Q,) int64 tokens of each shared prefix
+    prefix_domain: np.ndarray  # (Q,) int64 domain of each shared prefix
+
+
+def _draw_requests(rng: np.random.Generator, wl: Workload, R: int, num_topics: int,
+                   block_size: int) -> _Requests:
+    D, per = wl.num_domains, wl.shared_prefixes_per_domain
+    domains = wl.sample_domains(rng, R)
+    topics = rng.integers(0, num_topics, size=R)
+    user_lens = wl.prompt_len.sample(rng, R)
+    output_lens = wl.output_len.sample(rng, R)
+    lo, hi = wl.shared_prefix_blocks
+    prefix_lens = rng.integers(lo, hi + 1, size=D * per) * block_size
+    prefix_domain = np.repeat(np.arange(D), per)
+    has = rng.random(R) < wl.shared_prefix_prob
+    prefix = np.where(has, domains * per + rng.integers(0, per, size=R), -1)
+    return _Requests(domains, topics, user_lens, output_lens, prefix, prefix_lens,
+                     prefix_domain)
+
+
+# -- generation -------------------------------------------------------------------------------
+def generate(
+    model: str | ModelPreset,
+    workload: str | Workload,
+    *,
+    num_requests: int | None = None,
+    seed: int = 0,
+    keep_topk: bool = True,
+    params: SynthParams | None = None,
+    block_size: int = 16,
+    progress: bool = False,
+) -> Trace:
+    """Generate a synthetic routing trace.
+
+    model: preset name or :class:`~eldr.models.ModelPreset`; workload: name or
+    :class:`~eldr.workloads.Workload`; num_requests: default ``workload.num_requests``;
+    keep_topk: route every token explicitly and keep ``prefill_topk``/``decode_topk``
+    (memory ≈ (prompt + output tokens) x L x k x 2 bytes, ~1 µs per token and layer);
+    ``False`` draws the per-request counts and gate sums directly (count path of
+    :mod:`eldr.synth_sampling`), ~100x faster. params: override the calibrated
+    :data:`CALIBRATION` entry. Returns a validated :class:`~eldr.trace.Trace` with
+    counts, lengths, domains, gate sums, prompt token ids (system prompts shared) and,
+    when ``keep_topk``, per-token top-k.
+    """
+    preset, wl = get_preset(model), get_workload(workload)
+    p = get_params(preset, wl) if params is None else params
+    R = wl.num_requests if num_requests is None else int(num_requests)
+    if R <= 0:
+        raise ValueError(f"generate: num_requests must be positive, got {num_requests!r}")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"generate: seed must be a non-negative integer, got {seed!r}")
+    if p.stickiness > 0 and not keep_topk:
+        raise ValueError("generate: stickiness > 0 needs keep_topk=True (the count path "
+                         "treats decode tokens as independent)")
+    L, E, k = preset.num_layers, preset.num_experts, preset.top_k
+    ss = np.random.SeedSequence([int(seed), 0x5E1D])
+    s_struct, s_req, s_ids, *s_layers = ss.spawn(3 + L)
+    st = _structure(np.random.default_rng(s_struct), preset, wl, p)
+    num_topics = st.topic.shape[2]
+    rq = _draw_requests(np.random.default_rng(s_req), wl, R, num_topics, block_size)
+
+    # Segments routed with one logit vector each: Q shared prefixes, then R user prompts.
+    Q = rq.prefix_lens.shape[0]
+    seg_lens = np.concatenate([rq.prefix_lens, rq.user_lens])
+    dec_lens = rq.output_lens - 1
+
+    prefill_counts = np.zeros((R, L, E), np.int32)
+    decode_counts = np.zeros((R, L, E), np.int32)
+    gate_prob = np.zeros((R, L, E), np.float32)
+    gate_logit = np.zeros((R, L, E), np.float32)
+    plan = _TopkPlan(rq, seg_lens, dec_lens, L, k) if keep_topk else None
+    with Progress(L, f"synth {preset.name}/{wl.name}", enabled=None if progress else False) as bar:
+        for layer in range(L):
+            rng = np.random.default_rng(s_layers[layer])
+            u = p.request_strength * rng.standard_normal((R, E))
+            v = p.request_strength * rng.standard_normal((R, E))
+            base = st.glob[layer] + st.domain[layer, rq.domains] \
+                + st.topic[layer, rq.domains, rq.topics]
+            form_pre, form_dec = p.style_strength * st.style[layer] \
+                * rng.standard_normal((2, R, E))
+            z_user = base + u + form_pre
+            z_dec = base + st.shift[layer] + np.sqrt(1.0 - p.decode_drift**2) * u \
+                + p.decode_drift * v + form_dec
+            z_pre = st.glob[layer] + st.domain[layer, rq.prefix_domain]
+            z_seg = np.concatenate([z_pre, z_user])
+            if keep_topk:
+                cnt, prob, logit = plan.route_prefill(rng, layer, z_seg, E, p.gate_scale)
+                dcnt = plan.route_decode(rng, layer, z_dec, E, p.stickiness)
+            else:
+                pi = inclusion_probs(z_seg, k)
+                cnt = aggregate_counts(rng, pi, seg_lens, k)
+                prob, logit = approx_gate_sums(rng, z_seg, seg_lens, gate_scale=p.gate_scale)
+                dcnt = aggregate_counts(rng, inclusion_probs(z_dec, k), dec_lens, k)
+            # A request's prefill = its shared prefix (if any) + its own prompt.
+            has = rq.prefix >= 0
+            pre_idx = np.where(has, rq.prefix, 0)
+            prefill_counts[:, layer] = cnt[Q:] + cnt[pre_idx] * has[:, None]
+            gate_prob[:, layer] = prob[Q:] + prob[pre_idx] * has[:, None]
+            gate_logit[:, layer] = logit[Q:] + logit[pre_idx] * has[:, None]
+            decode_counts[:, layer] = dcnt
+            bar.update(1)
+
+    prompt_lens = rq.user_lens + np.where(rq.prefix >= 0, rq.prefix_lens[rq.prefix.clip(0)], 0)
+    token_ids = _token_ids(np.random.default_rng(s_ids), rq, preset.vocab_size)
+    meta = TraceMeta(model=preset.name, num_layers=L, num_experts=E, top_k=k,
+                     block_size=block_size,
+                     source=f"synthetic:{GENERATOR}:{wl.name}:seed={int(seed)}")
+    return Trace(
+        meta=meta,
+        prefill_counts=prefill_counts,
+        decode_counts=decode_counts,
+        prompt_lens=prompt_lens,
+        output_lens=rq.output_lens,
+        domains=rq.domains,
+        domain_names=wl.domain_names,
+        prefill_gate_prob=gate_prob,
+        prefill_gate_logit=gate_logit,
+        prefill_topk=None if plan is None else plan.prefill_topk(),
+        decode_topk=None if plan is None else plan.decode_topk,
+        prompt_token_ids=token_ids,
+    )
+
+
+def _token_ids(rng: np.random.Generator, rq: _Requests, vocab: int) -> np.ndarray:
+    """(P,) int32 prompt token ids: shared prefix ids (fixed per prefix) + random user ids.
+
+    Ids are uniform over ``[256, vocab)`` (the first 256 are left to special tokens); the
+    routing does not depend on them, only prefix caching and block hashing do.
+    """
+    prefixes = [rng.integers(256, vocab, size=n).astype(np.int32) for n in rq.prefix_lens]
+    user = rng.integers(256, vocab, size=int(rq.user_lens.sum())).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(rq.user_lens)])
+    parts = []
+    for r in range(rq.user_lens.shape[0]):
+        if rq.prefix[r] >= 0:
+            parts.append(prefixes[rq.prefix[r]])
+        parts.append(user[starts[r]:starts[r + 1]])
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+class _TopkPlan:
+    """Token-path bookkeeping: per-token top-k of segments, assembled per request."""
+
+    def __init__(self, rq: _Requests, seg_lens: np.ndarray, dec_lens: np.ndarray,
+                 L: int, k: int) -> None:
+        self.rq, self.seg_lens, self.dec_lens, self.k = rq, seg_lens, dec_lens, k
+        self.seg_off = np.concatenate([[0], np.cumsum(seg_lens)])
+        self.seg_topk = np.zeros((int(self.seg_off[-1]), L, k), np.int16)
+        self.dec_off = np.concatenate([[0], np.cumsum(dec_lens)])
+        self.decode_topk = np.zeros((int(self.dec_off[-1]), L, k), np.int16)
+
+    def _chunks(self, offsets: np.ndarray):
+        """Consecutive segment ranges [a, b) holding about ``_TOKEN_CHUNK`` tokens each."""
+        n = offsets.shape[0] - 1
+        a = 0
+        while a < n:
+            b = int(np.searchsorted(offsets, offsets[a] + _TOKEN_CHUNK, side="right")) - 1
+            b = min(max(b, a + 1), n)
+            yield a, b
+            a = b
+
+    def route_prefill(self, rng, layer, z_seg, E, gate_scale):
+        S = z_seg.shape[0]
+        cnt = np.zeros((S, E), np.int64)
+        prob = np.zeros((S, E), np.float64)
+        logit = np.zeros((S, E), np.float64)
+        for a, b in self._chunks(self.seg_off):
+            lens = self.seg_lens[a:b]
+            seg = np.repeat(np.arange(a, b), lens)
+            if seg.size == 0:
+                continue
+            top, h, pr = token_topk(rng, z_seg[seg], self.k, with_gates=True,
+                                    gate_scale=gate_scale)
+            t0, t1 = self.seg_off[a], self.seg_off[b]
+            self.seg_topk[t0:t1, layer] = top
+            flat = np.repeat(seg, self.k) * E + top.ravel().astype(np.int64)
+            cnt += np.bincount(flat, minlength=S * E).reshape(S, E)
+            nz = np.flatnonzero(lens)
+            starts = (self.seg_off[a:b] - t0)[nz]
+            prob[a + nz] = np.add.reduceat(pr, starts, axis=0, dtype=np.float64)
+            logit[a + nz] = np.add.reduceat(h, starts, axis=0, dtype=np.float64)
+        return cnt, prob, logit
+
+    def route_decode(self, rng, layer, z_dec, E, stickiness):
+        R = z_dec.shape[0]
+        cnt = np.zeros((R, E), np.int64)
+        for a, b in self._chunks(self.dec_off):
+            lens = self.dec_lens[a:b]
+            req = np.repeat(np.arange(a, b), lens)
+            if req.size == 0:
+                continue
+            top, _, _ = token_topk(rng, z_dec[req], self.k, with_gates=False)
+            if stickiness > 0:
+                first = np.zeros(req.size, bool)
+                first[(self.dec_off[a:b] - self.dec_off[a])[lens > 0]] = True
+                fresh = first | (rng.random(req.size) >= stickiness)
+                src = np.maximum.accumulate(np.where(fresh, np.arange(req.size), 0))
+                top = top[src]
+            self.decode_topk[self.dec_off[a]:self.dec_off[b], layer] = top
+            flat = np.repeat(req, self.k) * E + top.ravel().astype(np.int64)
+            cnt += np.bincount(flat, minlength=R * E).reshape(R, E)
+        return cnt
+
+    def prefill_topk(self) -> np.ndarray:
+        """(P, L, k) int16: each request's shared-prefix rows, then its own prompt rows."""
+        rq, Q = self.rq, self.rq.prefix_lens.shape[0]
+        rows = []
+        for r in range(rq.user_lens.shape[0]):
+            if rq.prefix[r] >= 0:
+                q = rq.prefix[r]
+                rows.append(np.arange(self.seg_off[q], self.seg_off[q + 1]))
+            rows.append(np.arange(self.seg_off[Q + r], self.seg_off[Q + r + 1]))
+        idx = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        return self.seg_topk[idx]
+
+
+def with_params(model: str | ModelPreset, workload: str | Workload, **changes) -> SynthParams:
+    """The calibrated parameters with some fields replaced (for calibration searches)."""
+    return replace(get_params(model, workload), **changes)
