@@ -21,6 +21,8 @@ TOKEN = "s3cret-token"
     (b'{"model": "m"}', "completions", 400, "'prompt' is required"),
     (b'{"prompt": "x", "stream": "yes"}', "completions", 400, "'stream'"),
     (b'{"messages": "hi"}', "chat", 400, "'messages' must be a list"),
+    (b'{"prompt": "x", "max_tokens": 0}', "completions", 400, "'max_tokens' must be"),
+    (b'{"messages": [], "max_completion_tokens": 1.5}', "chat", 400, "'max_completion_tokens'"),
 ])
 def test_parse_body_errors(raw, kind, status, match):
     with pytest.raises(ProxyError, match=match) as info:

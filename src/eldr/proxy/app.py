@@ -244,6 +244,12 @@ def parse_body(raw: bytes, kind: str) -> dict:
                          code="invalid_json")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise ProxyError(400, "'stream' must be true or false", param="stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ProxyError(400, f"'{key}' must be a positive integer, got {value!r}",
+                             param=key)
     field = "messages" if kind == "chat" else "prompt"
     if field not in body:
         raise ProxyError(400, f"'{field}' is required", param=field)
