@@ -88,9 +88,14 @@ def run(args: argparse.Namespace) -> int:
     def ms(x):
         return None if x is None else x * 1e-3
 
+    from eldr.models import PRESETS
+
+    # a trace names its model; a trace of an unknown model uses --model's costs (shapes
+    # are checked by the simulator)
+    model = trace.meta.model if trace.meta.model in PRESETS else args.model
     rows = []
     for q in args.qps:
-        cfg = SimConfig(model=args.model if not args.trace else trace.meta.model,
+        cfg = SimConfig(model=model,
                         hardware=args.hardware, num_prefill=args.prefill,
                         num_decode=args.decode, qps=q, warmup_s=args.warmup,
                         duration_s=args.duration, seed=args.seed, max_batch=args.max_batch,

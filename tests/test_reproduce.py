@@ -1,0 +1,69 @@
+"""`eldr reproduce` on a tiny plan (seconds), and the `eldr simulate` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import make_trace
+from eldr.cli import main
+from eldr.reproduce import Plan, headline_text, run_plan, write_report
+from eldr.reproduce.report import Analysis
+from eldr.reproduce.sweeps import plan_tasks
+from eldr.trace import save
+
+L, E, K_TOP = 48, 128, 8
+
+TINY = Plan(
+    name="tiny", workloads=("task",), calib_requests=40, rates=(150.0,), warmup_s=0.05,
+    duration_s=0.3, num_prefill=2, num_decode=4,
+    policies=("round_robin", "jsq", "p2c", "domain", "eldr", "oracle_signature"),
+    tau_values=(0.0, 0.1, 1.0), tau_rate=150.0, pool_sizes=(2, 4), pool_rates=(150.0,),
+    selection_max_pairs=2_000, max_pairs=5_000,
+)
+
+
+def test_plan_tasks_cover_every_experiment_once():
+    tasks = plan_tasks(TINY)
+    keys = [(t.workload, t.qps, t.num_decode, t.variant) for t in tasks]
+    assert len(keys) == len(set(keys))  # no duplicated simulation
+    assert {t.experiment for t in tasks} == {"main", "tau", "pool", "vanilla"}
+    assert len([t for t in tasks if t.experiment == "main"]) == len(TINY.policies)
+
+
+def test_tiny_reproduce_writes_a_report(tmp_path):
+    pytest.importorskip("eldr.cluster")
+    trace = make_trace(100, L, E, K_TOP, seed=5, with_topk=False)
+    res = run_plan(TINY, trace=trace, jobs=1, log=lambda msg: None, progress=False)
+    assert len(res.rows) == len(plan_tasks(TINY))
+    for row in res.rows:
+        assert row["requests_measured"] > 0 and np.isfinite(row["tpot_median_ms"])
+    path = write_report(res, tmp_path)
+    text = path.read_text()
+    assert "## Headline" in text and "τ sweep" in text and "Decode-pool size" in text
+    for png in ("main_task.png", "tau.png", "pool.png", "vanilla.png", "decoders.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    head = Analysis(res).headline()
+    assert len(head) == 1 and head[0]["best_lb"] in ("round_robin", "jsq", "p2c")
+    assert "task" in headline_text(Analysis(res))
+    assert json.loads((tmp_path / "results.json").read_text())["headline"]
+
+
+def test_simulate_command_json(tmp_path, capsys):
+    path = save(make_trace(60, L, E, K_TOP, seed=6, with_topk=False), tmp_path / "t.npz")
+    rc = main(["simulate", "--trace", str(path), "--calib", "20", "--prefill", "2",
+               "--decode", "3", "--qps", "100,200", "--policies", "jsq,round_robin",
+               "--duration", "0.2", "--warmup", "0.05", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["policy"], r["qps"]) for r in rows] == [
+        ("jsq", 100.0), ("round_robin", 100.0), ("jsq", 200.0), ("round_robin", 200.0)]
+    assert all(r["num_decode"] == 3 for r in rows)
+
+
+def test_simulate_command_rejects_unknown_policy(tmp_path, capsys):
+    path = save(make_trace(20, L, E, K_TOP, seed=6, with_topk=False), tmp_path / "t.npz")
+    assert main(["simulate", "--trace", str(path), "--policies", "nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
