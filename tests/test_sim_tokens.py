@@ -1,0 +1,49 @@
+"""TokenBank: n_out rows per request, from decode_topk or dealt from counts, seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conftest import make_trace
+from eldr.sim import TokenBank, topk_bitsets
+
+
+def test_rows_from_decode_topk_with_step0_reusing_token0():
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=True)
+    bank = TokenBank(tr)
+    off = tr.decode_offsets
+    for r in range(tr.num_requests):
+        rows = bank.decode(r)
+        assert rows.shape == (tr.output_lens[r], 48, 2)
+        if tr.output_lens[r] > 1:
+            bits = topk_bitsets(tr.decode_topk[off[r]:off[r + 1]], 128)
+            np.testing.assert_array_equal(rows[1:], bits)
+            np.testing.assert_array_equal(rows[0], bits[0])
+        else:
+            assert not rows.any()
+
+
+def test_dealt_rows_match_counts_and_are_seeded():
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=False)
+    a, b, c = TokenBank(tr, seed=3), TokenBank(tr, seed=3), TokenBank(tr, seed=4)
+    r = int(np.argmax(tr.output_lens))
+    rows = a.decode(r)
+    counts = np.unpackbits(rows[1:].view(np.uint8), axis=2, bitorder="little").sum(axis=0)
+    np.testing.assert_array_equal(counts, tr.decode_counts[r])
+    np.testing.assert_array_equal(rows, b.decode(r))
+    assert not np.array_equal(rows, c.decode(r))
+    assert a.decode(r) is rows  # cached
+
+
+def test_cache_budget_is_respected():
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=False)
+    bank = TokenBank(tr, max_bytes=0)
+    first = bank.decode(0)
+    assert bank.decode(0) is not first and np.array_equal(bank.decode(0), first)
+
+
+def test_prefill_bitsets_mark_selected_experts():
+    tr = make_trace(5, 48, 128, 8, seed=2)
+    bank = TokenBank(tr)
+    unpacked = np.unpackbits(bank.prefill.view(np.uint8), axis=2, bitorder="little")
+    np.testing.assert_array_equal(unpacked.astype(bool), tr.prefill_counts > 0)
