@@ -78,6 +78,7 @@ class PrefillWorker:
         self.caching = config.prefix_caching
         self.capacity = config.prefix_cache_blocks
         self.cache: OrderedDict[BlockHash, None] = OrderedDict()  # LRU, oldest first
+        self.pending: list[list[BlockHash]] = []  # block hashes of the running batch
 
     def enqueue(self, i: int, prompt_tokens: int) -> None:
         self.queue.append(i)
@@ -118,7 +119,7 @@ class PrefillWorker:
             if batch and fresh_total + fresh > self.budget:
                 break
             if self.caching:
-                self._insert(hashes)
+                self.pending.append(hashes)
             self.queue.popleft()
             batch.append(i)
             cached_out[i] = cached
@@ -128,6 +129,11 @@ class PrefillWorker:
         return batch, fresh_total
 
     def finish_batch(self) -> None:
+        """The batch's KV exists now: its blocks enter the prefix cache (not before, so
+        two requests of one batch never share blocks that are still being computed)."""
+        for hashes in self.pending:
+            self._insert(hashes)
+        self.pending = []
         self.queued_tokens -= self.batch_tokens
         self.batch, self.batch_tokens = [], 0
 
