@@ -163,7 +163,9 @@ class RequestFlow:
         config = self.config
         rid = request.headers.get("X-Request-Id") or self._new_id()
         stream = bool(body.get("stream", False))
-        hashes = self.router.affinity.hashes(prompt_key(body, kind))
+        # Affinity only matters with a choice of prefill instances.
+        hashes = (self.router.affinity.hashes(prompt_key(body, kind))
+                  if len(self.pool.prefill) > 1 else [])
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]

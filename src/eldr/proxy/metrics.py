@@ -57,10 +57,13 @@ class _Family:
         self.labelnames = tuple(labelnames)
 
     def _key(self, labels: dict[str, str]) -> LabelValues:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name}: labels {sorted(labels)} given, "
-                             f"expected {list(self.labelnames)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
+        try:
+            if len(labels) == len(self.labelnames):
+                return tuple([str(labels[n]) for n in self.labelnames])
+        except KeyError:
+            pass
+        raise ValueError(f"{self.name}: labels {sorted(labels)} given, "
+                         f"expected {list(self.labelnames)}")
 
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
