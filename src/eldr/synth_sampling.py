@@ -55,6 +55,25 @@ def inclusion_probs(z: np.ndarray, k: int) -> np.ndarray:
     return -np.expm1(-lam * w)
 
 
+def _multinomial_rows(rng: np.random.Generator, weights: np.ndarray,
+                      amounts: np.ndarray) -> np.ndarray:
+    """(N, E) int64: row i is Multinomial(amounts[i], weights[i] / weights[i].sum()).
+
+    Inverse-CDF on one flattened, row-offset cumulative array: cost grows with
+    ``amounts.sum()``, not with N x E (numpy's multinomial walks every category).
+    """
+    N, E = weights.shape
+    cum = np.cumsum(weights, axis=1)
+    tot = cum[:, -1:].copy()
+    tot[tot <= 0] = 1.0
+    cum = cum / tot + np.arange(N)[:, None]
+    cum[:, -1] = np.arange(1, N + 1)  # exact row ends despite rounding
+    rows = np.repeat(np.arange(N), amounts)
+    hit = np.searchsorted(cum.ravel(), rows + rng.random(rows.size), side="right")
+    hit = np.minimum(hit, rows * E + E - 1)  # stay inside the row
+    return np.bincount(hit, minlength=N * E).reshape(N, E)
+
+
 def aggregate_counts(
     rng: np.random.Generator, pi: np.ndarray, n: np.ndarray, k: int
 ) -> np.ndarray:
@@ -74,20 +93,15 @@ def aggregate_counts(
             break
         add = delta > 0
         if add.any():
-            p = room_w[add] * (n[add, None] - c[add] > 0)
-            p /= p.sum(axis=1, keepdims=True)
-            c[add] += rng.multinomial(delta[add], p)
-            c[add] = np.minimum(c[add], n[add, None])
+            w = room_w[add] * (n[add, None] - c[add] > 0)
+            c[add] = np.minimum(c[add] + _multinomial_rows(rng, w, delta[add]), n[add, None])
         rem = delta < 0
         if rem.any():
-            p = c[rem] * room_w[rem]
-            p /= p.sum(axis=1, keepdims=True)
-            c[rem] -= rng.multinomial(-delta[rem], p)
-            c[rem] = np.maximum(c[rem], 0)
+            w = c[rem] * room_w[rem]
+            c[rem] = np.maximum(c[rem] - _multinomial_rows(rng, w, -delta[rem]), 0)
     delta = target - c.sum(axis=1)
     for i in np.flatnonzero(delta):  # rare leftovers: settle deterministically
-        order = np.argsort(-pi[i])
-        for e in order:
+        for e in np.argsort(-pi[i]):
             if delta[i] == 0:
                 break
             move = min(n[i] - c[i, e], delta[i]) if delta[i] > 0 else -min(c[i, e], -delta[i])
