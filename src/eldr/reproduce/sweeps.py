@@ -197,8 +197,11 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
     tasks = plan_tasks(plan)
     for t in tasks:
         _prime(t)
+    if jobs > 1:  # forked workers then share the decode-token rows copy-on-write
+        for st in setups.values():
+            st.tokens.build_all()
     t2 = time.perf_counter()
-    log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool/kinds "
+    log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool sizes/kinds "
         f"({t2 - t1:.1f}s); running {len(tasks)} simulations with {jobs} process(es)")
     rows, dec_rows = [], []
     from eldr._progress import Progress

@@ -75,6 +75,16 @@ def expert_bitsets(mask: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed).view(np.uint64)
 
 
+def _ids_to_words(ids: np.ndarray, W: int, axis: int) -> np.ndarray:
+    """Distinct expert ids along ``axis`` → their OR as W uint64 words (new last axis)."""
+    e = ids.astype(np.uint64)
+    word = e >> np.uint64(6)
+    bit = np.left_shift(np.uint64(1), e & np.uint64(63))
+    zero = np.uint64(0)
+    return np.stack([np.bitwise_or.reduce(np.where(word == w, bit, zero), axis=axis)
+                     for w in range(W)], axis=-1)
+
+
 def deal_bitsets(counts: np.ndarray, num_tokens: int, rng: np.random.Generator) -> np.ndarray:
     """Per-token expert sets that reproduce a request's decode counts EXACTLY.
 
@@ -98,13 +108,12 @@ def deal_bitsets(counts: np.ndarray, num_tokens: int, rng: np.random.Generator) 
     if (per_layer != per_layer[0]).any() or per_layer[0] % T:
         raise ValueError(f"deal_bitsets: layer counts {per_layer.tolist()} are not k x {T}")
     k = int(per_layer[0]) // T
-    experts = np.repeat(np.tile(np.arange(E, dtype=np.int64), L), counts.ravel())  # (L*k*T,)
-    i = np.tile(np.arange(k * T, dtype=np.int64), L)
-    layer = np.repeat(np.arange(L, dtype=np.int64), k * T)
+    # (L, k, T): item j*T + t of a layer's sorted selections is slot j of token t
+    items = np.repeat(np.tile(np.arange(E, dtype=np.int64), L), counts.ravel())
+    items = items.reshape(L, k, T)
     perm = rng.permuted(np.tile(np.arange(T, dtype=np.int64), (L, 1)), axis=1)  # (L, T)
-    token = perm[layer, i % T]
-    flat = (token * L + layer) * (W * 8) + (experts >> 3)
-    return _pack(flat, experts & 7, T, L, W)
+    items = np.take_along_axis(items, perm[:, None, :], axis=2)
+    return np.ascontiguousarray(_ids_to_words(items, W, axis=1).transpose(1, 0, 2))
 
 
 def union_distinct(rows: np.ndarray) -> np.ndarray:

@@ -42,6 +42,15 @@ class TokenBank:
         # (R, L, W) uint64: experts each request's prompt selects at least once
         self.prefill = expert_bitsets(trace.prefill_counts > 0)
 
+    def build_all(self) -> int:
+        """Build (and cache, within budget) every request's rows now, e.g. before forking
+        worker processes so they share the rows. Returns the number cached."""
+        for r in range(self.trace.num_requests):
+            if self._bytes >= self.max_bytes:
+                break
+            self.decode(r)
+        return len(self._decode)
+
     def decode(self, r: int) -> np.ndarray:
         """(n_out, L, W) uint64 bitsets of trace request ``r``'s decode steps."""
         rows = self._decode.get(r)
