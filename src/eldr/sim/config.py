@@ -120,6 +120,7 @@ class SimConfig:
     spill_tokens: int = 8192  # spill to least loaded if the target holds this many more
     prefix_caching: bool = False  # prefill workers keep an LRU prefix cache of KV blocks
     prefix_cache_blocks: int = 65_536  # blocks of that cache per prefill worker
+    signature_source: str = "trace"  # trace / fresh / sigcache (eldr.sim.signatures)
     # network
     link_bandwidth: float = 50e9  # KV transfer, B/s (400 Gb/s NDR InfiniBand per GPU)
     link_latency_s: float = 100e-6  # per transfer (handshake, NIXL metadata)
@@ -159,6 +160,12 @@ class SimConfig:
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError("SimConfig: kv_capacity_tokens must be >= 1 or None, "
                              f"got {self.kv_capacity_tokens!r}")
+        if self.signature_source not in ("trace", "fresh", "sigcache"):
+            raise ValueError("SimConfig: signature_source must be trace, fresh or sigcache, "
+                             f"got {self.signature_source!r}")
+        if self.signature_source != "trace" and not self.prefix_caching:
+            raise ValueError(f"SimConfig: signature_source={self.signature_source!r} only "
+                             "differs from 'trace' with prefix_caching=True")
         E = get_preset(self.model).num_experts
         if E % self.ep:
             raise ValueError(f"SimConfig: ep={self.ep} must divide the {E} experts")

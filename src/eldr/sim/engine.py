@@ -104,6 +104,7 @@ def simulate(
     placement: np.ndarray | None = None,
     arrivals: tuple[np.ndarray, np.ndarray] | None = None,
     tokens: TokenBank | None = None,
+    encoder=None,
     record_events: bool = False,
     progress: bool = False,
 ) -> SimResult:
@@ -114,7 +115,9 @@ def simulate(
     expert, (L, E) for one global layout or (num_decode, L, E) per decoder (``None``:
     contiguous blocks when ``ep > 1``); arrivals: explicit (times, trace index) instead of
     Poisson; tokens: a :class:`TokenBank` shared across runs (seeded by ``config.seed``
-    otherwise). ``record_events`` keeps a log of (time, event, request, worker).
+    otherwise); encoder: the fitted SignatureEncoder, needed when
+    ``config.signature_source`` is ``fresh`` or ``sigcache`` (:mod:`eldr.sim.signatures`).
+    ``record_events`` keeps a log of (time, event, request, worker).
     """
     wall0 = time.perf_counter()
     masks = _check_inputs(trace, config, policy, signatures, decode_patterns, placement)
@@ -158,6 +161,13 @@ def simulate(
         "tokens_out": np.zeros(N, np.int64),
         "finishes": np.zeros(N, np.int64),
     }
+    online = None
+    if config.signature_source != "trace":
+        from eldr.sim.signatures import OnlineSignatures
+
+        online = OnlineSignatures(trace, config.signature_source, encoder, config.num_prefill,
+                                  config.prefix_cache_blocks)
+        rec["signature_exact"] = np.zeros(N, dtype=bool)
     router = PrefillRouter(trace, config)
     prefills = [PrefillWorker(config) for _ in range(P)]
     decoders = [DecodeWorker() for _ in range(K)]
@@ -271,9 +281,15 @@ def simulate(
                 pw = prefills[x]
                 for i in pw.batch:
                     r = int(tidx[i])
+                    sig = None if signatures is None else signatures[r]
+                    if online is not None and sig is not None:
+                        exact = sig
+                        sig = online.signature(x, r, int(rec["cached_tokens"][i]),
+                                               router.hashes(r))
+                        rec["signature_exact"][i] = np.allclose(sig, exact, rtol=0, atol=1e-6)
                     req = RouteRequest(
                         str(i),
-                        signature=None if signatures is None else signatures[r],
+                        signature=sig,
                         domain=None if domains is None else int(domains[r]),
                         decode_pattern=None if decode_patterns is None else decode_patterns[r],
                     )
