@@ -87,31 +87,27 @@ class DistinctExperts:
     per_layer_mixed: np.ndarray  # (L,) float64 mean over batches
     batch_size: int  # requests per batch
     num_batches: int  # batches of each kind
-    source: str  # "decode_topk" (a real decode token) or "decode_counts" (sampled)
+    source: str  # "decode_topk" (a recorded token) or "decode_counts" (expectation)
 
 
-def _step_masks_from_counts(rng: np.random.Generator, counts: np.ndarray, k: int,
-                            dec_lens: np.ndarray) -> np.ndarray:
-    """(B, L, E) bool: one decode token per request, k distinct experts per layer.
+def _expected_union_from_counts(trace: Trace, batches: list[np.ndarray]) -> np.ndarray:
+    """(num_batches, L) float64: expected distinct experts of one decode step per batch.
 
-    Systematic sampling with inclusion probabilities ``π = counts / decode_len`` (each
-    ≤ 1, summing to k): a random expert order, cumulative π, and the points u, u+1, ...,
-    u+k-1 pick exactly k distinct experts with exactly those marginals. The expected
-    union size of a batch depends only on these marginals (requests are independent), so
-    this matches a real decode token on average.
+    Each request contributes one decode token whose k distinct experts have inclusion
+    probabilities ``π = counts / decode_len`` (each ≤ 1, summing to k). Requests are
+    independent, so the expected union is ``Σ_e 1 - Π_r (1 - π_re)``, whatever the joint
+    law of a token's k experts: this is the exact mean of sampling such tokens, without
+    the sampling noise. One matrix product over all batches.
     """
-    B, L, E = counts.shape
-    pi = counts.astype(np.float64) / dec_lens[:, None, None]
-    order = np.argsort(rng.random((B, L, E)), axis=2)
-    pi_o = np.take_along_axis(pi, order, axis=2)
-    cum = np.cumsum(pi_o, axis=2)
-    cum[..., -1] = k  # exact total despite rounding
-    u = rng.random((B, L, 1))
-    hits = np.floor(cum - u) - np.floor(np.concatenate(
-        [np.zeros((B, L, 1)), cum[..., :-1]], axis=2) - u)
-    mask = np.zeros((B, L, E), dtype=bool)
-    np.put_along_axis(mask, order, hits > 0.5, axis=2)
-    return mask
+    idx = np.unique(np.concatenate(batches))
+    pos = np.searchsorted(idx, np.concatenate(batches))
+    R, L, E = idx.size, trace.meta.num_layers, trace.meta.num_experts
+    pi = trace.decode_counts[idx].reshape(R, L * E) / trace.decode_lens[idx, None]
+    log_miss = np.log1p(-np.minimum(pi, 1.0 - 1e-12))  # finite, so 0 * log_miss is 0
+    member = np.zeros((len(batches), R))
+    member[np.repeat(np.arange(len(batches)), [b.size for b in batches]), pos] = 1.0
+    hit = 1.0 - np.exp(member @ log_miss)  # (num_batches, L*E)
+    return hit.reshape(len(batches), L, E).sum(axis=2)
 
 
 def _step_masks_from_topk(rng: np.random.Generator, trace: Trace, idx: np.ndarray) -> np.ndarray:
@@ -138,9 +134,9 @@ def distinct_experts_reduction(
     one decode token (one step). Same-domain batches: a domain is drawn in proportion to
     its eligible requests (domains with fewer than ``batch_size`` are skipped), then the
     requests. Mixed batches: requests drawn from the whole trace, i.e. the workload's
-    natural mix. The token is a random row of ``decode_topk`` when the trace has it, else
-    k distinct experts sampled from the request's decode counts
-    (:func:`_step_masks_from_counts`).
+    natural mix. The token is a random row of ``decode_topk`` when the trace has it; else
+    the step is a token of k distinct experts with the request's decode frequencies,
+    evaluated in expectation (:func:`_expected_union_from_counts`).
     """
     if trace.domains is None:
         raise ValueError("distinct_experts_reduction needs a trace with domain labels")
@@ -162,15 +158,10 @@ def distinct_experts_reduction(
     same = [rng.choice(by_dom[int(d)], batch_size, replace=False)
             for d in rng.choice(ok, size=num_batches, p=share)]
     mixed = [rng.choice(eligible, batch_size, replace=False) for _ in range(num_batches)]
-    k = trace.meta.top_k
-
     def union(batches: list[np.ndarray]) -> np.ndarray:  # (num_batches, L)
-        idx = np.concatenate(batches)
-        if trace.decode_topk is not None:
-            m = _step_masks_from_topk(rng, trace, idx)
-        else:
-            m = _step_masks_from_counts(rng, trace.decode_counts[idx], k,
-                                        trace.decode_lens[idx])
+        if trace.decode_topk is None:
+            return _expected_union_from_counts(trace, batches)
+        m = _step_masks_from_topk(rng, trace, np.concatenate(batches))
         m = m.reshape(num_batches, batch_size, *m.shape[1:])
         return m.any(axis=1).sum(axis=2).astype(np.float64)
 
