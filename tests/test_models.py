@@ -1,0 +1,98 @@
+"""Model presets: the design table's numbers, derived bytes, lookup and validation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from eldr.models import PRESETS, ModelPreset, get_preset
+
+
+def test_four_presets_with_routing_shapes_from_the_design_table():
+    shapes = {name: (p.num_layers, p.num_experts, p.top_k, p.hidden_size,
+                     p.expert_intermediate_size) for name, p in PRESETS.items()}
+    assert shapes == {
+        "qwen3-30b-a3b": (48, 128, 8, 2048, 768),
+        "gpt-oss-120b": (36, 128, 4, 2880, 2880),
+        "gemma-4-26b-a4b": (30, 128, 8, 2816, 704),
+        "qwen3-235b-a22b": (94, 128, 8, 4096, 1536),
+    }
+
+
+@pytest.mark.parametrize(("name", "mb"), [
+    ("qwen3-30b-a3b", 9.44), ("gpt-oss-120b", 13.2), ("gemma-4-26b-a4b", 11.9),
+    ("qwen3-235b-a22b", 37.7),
+])
+def test_expert_bytes_match_the_design_table(name, mb):
+    assert round(PRESETS[name].expert_bytes / 1e6, 2 if mb < 10 else 1) == mb
+
+
+def test_expert_bytes_exact_for_bf16_and_mxfp4():
+    assert PRESETS["qwen3-30b-a3b"].expert_bytes == 3 * 2048 * 768 * 2
+    # 3 x 2880^2 weights at 4 bits + one scale byte per 32 weights + bf16 biases
+    w = 3 * 2880 * 2880
+    assert PRESETS["gpt-oss-120b"].expert_bytes == w // 2 + w // 32 + 3 * 2880 * 2
+
+
+@pytest.mark.parametrize(("name", "kib", "fixed_mib"), [
+    ("qwen3-30b-a3b", 96, 0), ("gpt-oss-120b", 36, 4.5), ("gemma-4-26b-a4b", 20, 200),
+    ("qwen3-235b-a22b", 188, 0),
+])
+def test_kv_bytes_match_the_design_table(name, kib, fixed_mib):
+    p = PRESETS[name]
+    assert p.kv_bytes_per_token == kib * 1024
+    assert p.kv_fixed_bytes_per_request == fixed_mib * 2**20
+
+
+def test_kv_bytes_caps_sliding_layers_at_the_window():
+    p = PRESETS["gpt-oss-120b"]  # window 128
+    assert p.kv_bytes(0) == 0
+    assert p.kv_bytes(100) == 100 * (p.kv_bytes_per_token + p.kv_sliding_bytes_per_token)
+    assert p.kv_bytes(1000) == 1000 * p.kv_bytes_per_token + p.kv_fixed_bytes_per_request
+    assert PRESETS["qwen3-30b-a3b"].kv_bytes(10) == 10 * 96 * 1024
+    with pytest.raises(ValueError, match="context_tokens"):
+        p.kv_bytes(-1)
+
+
+def test_dense_bytes_exceed_attention_and_include_the_lm_head():
+    for p in PRESETS.values():
+        assert p.dense_bytes_per_step > p.num_layers * p.attn_bytes_per_layer
+        assert p.dense_bytes_per_step > p.vocab_size * p.hidden_size  # LM head >= 1 B/param
+    q = PRESETS["qwen3-30b-a3b"]
+    assert q.attn_bytes_per_layer == (2048 * 4096 * 2 + 2 * 2048 * 512) * 2
+    assert q.dense_bytes_per_step == 2_459_435_008
+
+
+def test_moe_layer_fits_from_the_design():
+    assert PRESETS["qwen3-30b-a3b"].moe_layer_fixed_us == 18.7
+    assert PRESETS["qwen3-30b-a3b"].moe_layer_per_expert_us == 2.22
+
+
+def test_get_preset_is_case_insensitive_and_passes_presets_through():
+    p = get_preset("Qwen3-30B-A3B")
+    assert p is PRESETS["qwen3-30b-a3b"]
+    assert get_preset(p) is p
+
+
+def test_get_preset_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="qwen3-30b-a3b, gpt-oss-120b") as exc:
+        get_preset("mixtral")
+    assert "'mixtral'" in str(exc.value)
+
+
+@pytest.mark.parametrize(("field", "value", "msg"), [
+    ("num_layers", 0, "num_layers"),
+    ("top_k", 200, "top_k"),
+    ("expert_bytes", 1.5, "expert_bytes"),
+    ("sliding_window", 0, "sliding_window"),
+])
+def test_invalid_presets_are_refused(field, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        replace(PRESETS["qwen3-30b-a3b"], **{field: value})
+
+
+def test_sliding_window_needs_its_bytes():
+    with pytest.raises(ValueError, match="together"):
+        replace(PRESETS["qwen3-30b-a3b"], sliding_window=128)
+    assert isinstance(PRESETS["gemma-4-26b-a4b"], ModelPreset)
