@@ -19,7 +19,7 @@ from eldr.routing import decode_patterns, make_policy
 from eldr.sim import TokenBank
 from eldr.trace import Trace
 
-__all__ = ["RoutingSetup", "fit_setup"]
+__all__ = ["RoutingSetup", "fit_setup", "greedy_placement"]
 
 
 @dataclass(eq=False)
@@ -37,7 +37,8 @@ class RoutingSetup:
     seed: int  # seed of the K-means fits
     fit_seconds: float = 0.0  # encoder fit time
     _centroids: dict = field(default_factory=dict)  # (K, kind) -> (K, d) float32
-    _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration cluster sizes
+    _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration labels
+    _placements: dict = field(default_factory=dict)  # (K, ep, layout) -> placement
 
     def centroids(self, K: int, kind: str = "balanced") -> np.ndarray:
         """(K, d) centroids. kind: ``balanced``, ``vanilla`` or ``oracle`` (decode patterns,
@@ -52,12 +53,30 @@ class RoutingSetup:
                 X = self.encoder.transform(self.calib)
             km = BalancedKMeans(K, balanced=kind != "vanilla", random_state=self.seed).fit(X)
             self._centroids[key] = np.asarray(km.cluster_centers_, dtype=np.float32)
-            self._labels[key] = np.bincount(km.labels_, minlength=K)
+            self._labels[key] = np.asarray(km.labels_, dtype=np.int64)
         return self._centroids[key]
 
     def cluster_sizes(self, K: int, kind: str = "balanced") -> np.ndarray:
         self.centroids(K, kind)
-        return self._labels[(K, kind)]
+        return np.bincount(self._labels[(K, kind)], minlength=K)
+
+    def placement(self, K: int, ep: int, layout: str) -> np.ndarray:
+        """EP layout from calibration decode activation: ``global`` (L, E) balances the
+        whole calibration set; ``per_decoder`` (K, L, E) balances each decoder's cluster
+        (balanced K-means labels), design.md §3."""
+        key = (K, ep, layout)
+        if key not in self._placements:
+            dc = self.calib.decode_counts.astype(np.float64)
+            if layout == "global":
+                self._placements[key] = greedy_placement(dc.sum(axis=0), ep)
+            elif layout == "per_decoder":
+                self.centroids(K, "balanced")
+                labels = self._labels[(K, "balanced")]
+                self._placements[key] = np.stack(
+                    [greedy_placement(dc[labels == k].sum(axis=0), ep) for k in range(K)])
+            else:
+                raise ValueError(f"unknown EP layout {layout!r}")
+        return self._placements[key]
 
     def policy(self, name: str, K: int, *, tau: float = 0.1, seed: int = 0,
                kind: str = "balanced"):
@@ -77,6 +96,28 @@ class RoutingSetup:
         if name in ("eldr", "eldr_top1"):
             return {"signatures": self.signatures}
         return {}
+
+
+def greedy_placement(activation: np.ndarray, ep: int) -> np.ndarray:
+    """(L, E) expected activation → (L, E) int64 EP rank per expert, E/ep experts per rank.
+
+    Per layer, experts in decreasing activation go to the least-loaded rank that still has
+    room (ties → lowest rank): METRO-style greedy balancing (design.md §3).
+    """
+    L, E = activation.shape
+    if E % ep:
+        raise ValueError(f"ep={ep} must divide E={E}")
+    cap = E // ep
+    out = np.empty((L, E), dtype=np.int64)
+    for layer in range(L):
+        load = np.zeros(ep)
+        room = np.full(ep, cap)
+        for e in np.argsort(-activation[layer], kind="stable"):
+            r = int(np.argmin(np.where(room > 0, load, np.inf)))
+            out[layer, e] = r
+            load[r] += activation[layer, e]
+            room[r] -= 1
+    return out
 
 
 def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0,

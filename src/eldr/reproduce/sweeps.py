@@ -53,6 +53,20 @@ class Plan:
     pool_sizes: tuple[int, ...] = (8, 16, 24)
     pool_rates: tuple[float, ...] = (20, 40, 60, 80, 100)
     vanilla: bool = True
+    # prefix caching (task, tau_rate): ELDR through the signature cache vs fresh-token counts;
+    # needs a per-token trace (slow to generate), so "full" only
+    prefix: bool = False
+    prefix_requests: int = 2000
+    # expert parallelism: Qwen3-235B-A22B at TP4/EP4, 2P8D (paper §6), task workload;
+    # placements: vLLM's contiguous layout, one global greedy layout, per-decoder layouts
+    ep_experiment: bool = False
+    ep_model: str = "qwen3-235b-a22b"
+    ep_requests: int = 2000
+    ep_num_prefill: int = 2
+    ep_num_decode: int = 8
+    ep_tp: int = 4
+    ep: int = 4
+    ep_rates: tuple[float, ...] = (10, 20, 30, 40)
     selection_max_pairs: int | None = 100_000  # layer-mask search pairs (encoder fit)
     max_pairs: int | None = 200_000  # pairs for the reported ρ
     hardware: str = "h200"
@@ -63,27 +77,39 @@ QUICK = Plan(
     tau_values=(0.0, 0.1, 0.3, 1.0), tau_rate=80, pool_sizes=(8, 16, 24), pool_rates=(80,),
     selection_max_pairs=10_000, max_pairs=50_000,
 )
-FULL = Plan(name="full", num_requests=None)
+FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
+            ep_experiment=True)
 
 
 @dataclass(frozen=True)
 class Task:
     """One simulation run."""
 
-    experiment: str  # main / tau / pool / vanilla
-    workload: str
+    experiment: str  # main / tau / pool / vanilla / prefix / ep
+    workload: str  # key of the routing set-up (workload, or workload@model, workload+topk)
     policy: str
     qps: float
     num_decode: int
     tau: float
     kind: str = "balanced"  # centroid kind for eldr: balanced / vanilla
     keep_decoders: bool = False  # also return per-decoder rows
+    num_prefill: int | None = None  # None: the plan's
+    model: str | None = None  # None: the plan's
+    tp: int = 1
+    ep: int = 1
+    placement: str = "contiguous"  # EP layout: contiguous / global / per_decoder
+    signature_source: str | None = None  # prefix caching on with this source; None: off
 
     @property
     def variant(self) -> str:
+        v = self.policy
         if self.policy in ("eldr", "oracle_signature", "eldr_top1"):
-            return f"{self.policy}[tau={self.tau:g},{self.kind}]"
-        return self.policy
+            v = f"{self.policy}[tau={self.tau:g},{self.kind}]"
+        if self.signature_source is not None:
+            v += f"+prefix[{self.signature_source}]"
+        if self.ep > 1:
+            v += f"+ep[{self.placement}]"
+        return v
 
 
 def plan_tasks(plan: Plan) -> list[Task]:
@@ -111,28 +137,55 @@ def plan_tasks(plan: Plan) -> list[Task]:
         for wl in plan.workloads:
             for q in plan.rates:
                 tasks.append(Task("vanilla", wl, "eldr", q, K, plan.tau, kind="vanilla"))
+    if plan.prefix:
+        key = f"{wl0}+topk"
+        for p in LOAD_BALANCERS:
+            tasks.append(Task("prefix", key, p, plan.tau_rate, K, plan.tau,
+                              signature_source="trace"))
+        for src in ("sigcache", "fresh"):
+            tasks.append(Task("prefix", key, "eldr", plan.tau_rate, K, plan.tau,
+                              signature_source=src))
+    if plan.ep_experiment:
+        key = f"{wl0}@{plan.ep_model}"
+        common = dict(num_prefill=plan.ep_num_prefill, model=plan.ep_model, tp=plan.ep_tp,
+                      ep=plan.ep)
+        for q in plan.ep_rates:
+            for p in LOAD_BALANCERS:
+                for layout in ("contiguous", "global"):
+                    tasks.append(Task("ep", key, p, q, plan.ep_num_decode, plan.tau,
+                                      placement=layout, **common))
+            for layout in ("contiguous", "global", "per_decoder"):
+                tasks.append(Task("ep", key, "eldr", q, plan.ep_num_decode, plan.tau,
+                                  placement=layout, **common))
     return tasks
 
 
 def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup]:
-    """Generate each workload's trace (or use ``trace`` for the first) and fit it."""
+    """Generate each workload's trace (or use ``trace`` for the first) and fit it; plus the
+    per-token trace of the prefix experiment and the large model's trace of the EP one."""
     from eldr.synth import generate
 
+    wl0 = plan.workloads[0]
+    jobs = [(wl, wl, plan.model, plan.num_requests, False) for wl in plan.workloads]
+    if plan.prefix:
+        jobs.append((f"{wl0}+topk", wl0, plan.model, plan.prefix_requests, True))
+    if plan.ep_experiment:
+        jobs.append((f"{wl0}@{plan.ep_model}", wl0, plan.ep_model, plan.ep_requests, False))
     setups = {}
-    for n, wl in enumerate(plan.workloads):
+    for n, (key, wl, model, num_requests, keep_topk) in enumerate(jobs):
         t0 = time.perf_counter()
         if n == 0 and trace is not None:
             tr = trace
         else:
-            tr = generate(plan.model, wl, num_requests=plan.num_requests, seed=plan.trace_seed,
-                          keep_topk=False)
+            tr = generate(model, wl, num_requests=num_requests, seed=plan.trace_seed,
+                          keep_topk=keep_topk)
         t1 = time.perf_counter()
         calib = min(plan.calib_requests, tr.num_requests // 2)
-        setups[wl] = fit_setup(tr, wl, calib_requests=calib, seed=plan.seed,
-                               selection_max_pairs=plan.selection_max_pairs,
-                               max_pairs=plan.max_pairs)
-        st = setups[wl]
-        log(f"[{wl}] trace {tr.num_requests} requests ({t1 - t0:.1f}s); calibration "
+        setups[key] = fit_setup(tr, wl, calib_requests=calib, seed=plan.seed,
+                                selection_max_pairs=plan.selection_max_pairs,
+                                max_pairs=plan.max_pairs)
+        st = setups[key]
+        log(f"[{key}] trace {tr.num_requests} requests ({t1 - t0:.1f}s); calibration "
             f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
             f"{st.encoder.rho_:.3f} on {st.encoder.layers_.size} layers "
             f"({st.fit_seconds:.1f}s)")
@@ -144,9 +197,20 @@ _PLAN: Plan | None = None
 
 
 def _config(plan: Plan, task: Task) -> SimConfig:
-    return SimConfig(model=plan.model, hardware=plan.hardware, num_prefill=plan.num_prefill,
-                     num_decode=task.num_decode, qps=float(task.qps), warmup_s=plan.warmup_s,
-                     duration_s=plan.duration_s, seed=plan.seed)
+    src = task.signature_source
+    warmup, duration = plan.warmup_s, plan.duration_s
+    if src is not None:
+        # Replayed trace requests repeat once arrivals outnumber them, and a repeat hits
+        # the prefix cache with its WHOLE prompt: not what real traffic does. So the
+        # prefix experiment stops arrivals before the held-out requests run out.
+        horizon = min(warmup + duration,
+                      0.95 * _SETUPS[task.workload].eval.num_requests / task.qps)
+        warmup, duration = 0.2 * horizon, 0.8 * horizon
+    return SimConfig(model=task.model or plan.model, hardware=plan.hardware,
+                     num_prefill=task.num_prefill or plan.num_prefill,
+                     num_decode=task.num_decode, qps=float(task.qps), warmup_s=warmup,
+                     duration_s=duration, seed=plan.seed, tp=task.tp, ep=task.ep,
+                     prefix_caching=src is not None, signature_source=src or "trace")
 
 
 def run_task(task: Task) -> tuple[dict, list[dict]]:
@@ -154,11 +218,19 @@ def run_task(task: Task) -> tuple[dict, list[dict]]:
     plan, st = _PLAN, _SETUPS[task.workload]
     policy = st.policy(task.policy, task.num_decode, tau=task.tau, seed=plan.seed,
                        kind=task.kind)
+    placement = None
+    if task.ep > 1 and task.placement != "contiguous":
+        placement = st.placement(task.num_decode, task.ep, task.placement)
     res = simulate(st.eval, _config(plan, task), policy, tokens=st.tokens,
-                   **st.inputs(task.policy))
+                   placement=placement, encoder=st.encoder, **st.inputs(task.policy))
     head = {"experiment": task.experiment, "workload": task.workload,
-            "variant": task.variant, "tau": task.tau, "kind": task.kind}
+            "variant": task.variant, "tau": task.tau, "kind": task.kind,
+            "model": task.model or plan.model}
     row = {**head, **res.summary()}
+    if "signature_exact" in res.requests:
+        m = res.measured
+        row["signature_exact_share"] = float(res.requests["signature_exact"][m].mean())
+        row["prefix_hit_share"] = float((res.requests["cached_tokens"][m] > 0).mean())
     dec = [{**head, "qps": task.qps, **d} for d in res.decoder_table()] \
         if task.keep_decoders else []
     return row, dec
@@ -171,6 +243,8 @@ def _prime(task: Task) -> None:
         st.centroids(task.num_decode, task.kind)
     elif task.policy == "oracle_signature":
         st.centroids(task.num_decode, "oracle")
+    if task.ep > 1 and task.placement != "contiguous":
+        st.placement(task.num_decode, task.ep, task.placement)
 
 
 @dataclass
