@@ -249,6 +249,8 @@ def calibration_report(
     *,
     workload: str | None = None,
     with_rho: bool = True,
+    rho_max_requests: int | None = 800,
+    rho_max_pairs: int | None = 100_000,
     random_state=0,
 ) -> list[PremiseRow]:
     """Every premise measured on ``trace`` next to its published target.
@@ -256,7 +258,8 @@ def calibration_report(
     model: preset name (default ``trace.meta.model``) for the Pearson target; workload:
     ``task``/``language`` for the reduction target (default: read from a synthetic trace's
     source or matched by its domain names). ``with_rho=False`` skips the ρ premise (the
-    slowest measurement).
+    slowest measurement); ``rho_max_requests``/``rho_max_pairs`` bound its cost
+    (:func:`representation_rho`).
     """
     model = str(getattr(model, "name", model) or trace.meta.model).lower()
     workload = workload or _infer_workload(trace)
@@ -285,7 +288,8 @@ def calibration_report(
         ))
 
     if with_rho and trace.prefill_gate_prob is not None and trace.num_requests >= 3:
-        r = representation_rho(trace, random_state=random_state)
+        r = representation_rho(trace, max_requests=rho_max_requests, max_pairs=rho_max_pairs,
+                               random_state=random_state)
         rows.append(PremiseRow(
             "rho(count_idf) - rho(gate_prob)", r["count_idf"] - r["gate_prob"],
             "> 0 (paper 0.76 vs 0.62)", bool(r["count_idf"] > r["gate_prob"]),
