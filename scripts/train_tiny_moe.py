@@ -18,7 +18,7 @@ Every sequence is one window of one domain's token stream (domains drawn uniform
 batch mixes domains but a sequence never does. A small Switch-style load-balancing loss
 (coefficient 0.01, transformers' ``router_aux_loss_coef``) keeps all experts in use
 without forcing every domain onto every expert. Seeded (``--seed``). By default the run
-lasts ``--max-cpu-minutes`` of process CPU time (38 = 19 minutes of 2 idle cores) and the
+lasts ``--max-cpu-minutes`` of process CPU time (24 = 12 minutes of 2 idle cores) and the
 cosine schedule follows the CPU time used, so a machine shared with other jobs trains
 the same amount, only slower in wall-clock terms (the summary records both);
 ``--steps N`` gives a step-driven schedule that is reproducible on the same machine,
@@ -126,9 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-cpu-minutes", type=float, default=38.0,
-                    help="CPU-time budget of the training loop, summed over threads (38 = "
-                    "19 wall-clock minutes on 2 idle cores; a shared machine takes longer)")
+    ap.add_argument("--max-cpu-minutes", type=float, default=24.0,
+                    help="CPU-time budget of the training loop, summed over threads (24 = "
+                    "12 wall-clock minutes on 2 idle cores; a shared machine takes longer)")
     ap.add_argument("--checkpoint-every", type=int, default=100,
                     help="save the model to --out every N steps (0: only at the end)")
     ap.add_argument("--seed", type=int, default=0)

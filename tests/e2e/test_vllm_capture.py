@@ -113,10 +113,19 @@ def server(tmp_path_factory):
 
 
 def _prompts(model: Path, n: int = 8) -> list[list[int]]:
-    """Token ids of held-out prompts from the shipped trace (distinct, 40–200 tokens)."""
-    from eldr.capture import tiny_moe_trace_path
+    """Token ids of held-out prompts from the shipped trace (distinct, 40–200 tokens);
+    seeded random ids when another model is tested."""
+    from eldr.capture import tiny_moe_dir, tiny_moe_trace_path
     from eldr.trace import load
 
+    try:
+        shipped = tiny_moe_dir().resolve()
+    except ValueError:  # not installed: another model is under test
+        shipped = None
+    if model.resolve() != shipped:
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        rng = np.random.default_rng(0)
+        return [rng.integers(1, vocab, size=int(m)).tolist() for m in rng.integers(40, 200, n)]
     trace = load(tiny_moe_trace_path())
     out = []
     for r in range(trace.num_requests):
