@@ -4,10 +4,11 @@ import io
 import numpy as np
 import pytest
 
-from _proxy_fakes import E, L, domain_counts, fake_encoder, make_state
+from _proxy_fakes import E, L, domain_counts, fake_centroids, fake_encoder, make_state
 from eldr.capture.payload import encode_counts
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import build_state, read_signature, split_kv_params
+from eldr.routing import RouteRequest
 from eldr.signature import SignatureEncoder
 
 CFG = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),
@@ -97,3 +98,57 @@ def test_build_state_without_artifact():
     assert state.encoder is None and not state.needs_signature
     with pytest.raises(ValueError, match="needs a routing artifact"):
         build_state(CFG)
+
+
+class _FakeArtifact:
+    def __init__(self, worker_ids):
+        self.encoder = fake_encoder()
+        self.centroids = fake_centroids()
+        self.worker_ids = worker_ids
+        self.tau = 0.25
+
+
+@pytest.fixture
+def fake_artifact_module(monkeypatch):
+    import sys
+    import types
+
+    mod = types.ModuleType("eldr.artifact")
+    mod.loaded = []
+
+    def load(path):
+        mod.loaded.append(path)
+        return _FakeArtifact(("w-code", "w-other"))
+
+    mod.load = load
+    monkeypatch.setitem(sys.modules, "eldr.artifact", mod)
+    import eldr
+
+    monkeypatch.setattr(eldr, "artifact", mod, raising=False)
+    return mod
+
+
+def test_build_state_maps_decoders_by_order_or_by_id(fake_artifact_module):
+    urls = ("http://d:1", "http://d:2")
+    by_order = build_state(ServeConfig(prefill_urls=("http://p:1",), decode_urls=urls,
+                                       artifact="A", policy="eldr"))
+    assert by_order.worker_names == ("w-code", "w-other") and by_order.tau == 0.25
+    by_id = build_state(ServeConfig(prefill_urls=("http://p:1",), decode_urls=urls,
+                                    decode_ids=("w-other", "w-code"), artifact="A",
+                                    policy="eldr", tau=0.0))
+    assert by_id.worker_names == ("w-other", "w-code") and by_id.tau == 0.0
+    s = fake_encoder().transform(domain_counts("code"))
+    assert by_order.policy.choose(RouteRequest("r", s), np.zeros(2)) == 0
+    assert by_id.policy.choose(RouteRequest("r", s), np.zeros(2)) == 1  # rows permuted
+    assert fake_artifact_module.loaded == ["A", "A"]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"decode_urls": ("http://d:1",)}, "has 2 decode workers"),
+    ({"decode_ids": ("w-code", "w-9")}, "do not match"),
+])
+def test_build_state_refuses_a_decoder_mismatch(fake_artifact_module, kw, match):
+    base = {"prefill_urls": ("http://p:1",), "decode_urls": ("http://d:1", "http://d:2"),
+            "artifact": "A", "policy": "eldr"}
+    with pytest.raises(ValueError, match=match):
+        build_state(ServeConfig(**{**base, **kw}))

