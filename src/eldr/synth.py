@@ -39,7 +39,8 @@ import numpy as np
 
 from eldr._progress import Progress
 from eldr.models import ModelPreset, get_preset
-from eldr.synth_sampling import aggregate_counts, approx_gate_sums, inclusion_probs, token_topk
+from eldr.synth_sampling import aggregate_counts, approx_gate_sums, inclusion_probs
+from eldr.synth_tokens import TokenRecorder
 from eldr.trace import Trace, TraceMeta
 from eldr.workloads import Workload, get_workload
 
@@ -50,10 +51,10 @@ __all__ = [
     "default_trace",
     "generate",
     "get_params",
+    "with_params",
 ]
 
 GENERATOR = "eldr-synth-v1"
-_TOKEN_CHUNK = 65_536  # tokens routed at once on the token path (bounds memory to ~100 MB)
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def generate(
     decode_counts = np.zeros((R, L, E), np.int32)
     gate_prob = np.zeros((R, L, E), np.float32)
     gate_logit = np.zeros((R, L, E), np.float32)
-    plan = _TopkPlan(rq, seg_lens, dec_lens, L, k) if keep_topk else None
+    plan = TokenRecorder(seg_lens, dec_lens, L, k) if keep_topk else None
     with Progress(L, f"synth {preset.name}/{wl.name}", enabled=None if progress else False) as bar:
         for layer in range(L):
             rng = np.random.default_rng(s_layers[layer])
@@ -298,7 +299,7 @@ def generate(
         domain_names=wl.domain_names,
         prefill_gate_prob=gate_prob,
         prefill_gate_logit=gate_logit,
-        prefill_topk=None if plan is None else plan.prefill_topk(),
+        prefill_topk=None if plan is None else plan.prefill_topk(rq.prefix, Q),
         decode_topk=None if plan is None else plan.decode_topk,
         prompt_token_ids=token_ids,
     )
@@ -319,82 +320,6 @@ def _token_ids(rng: np.random.Generator, rq: _Requests, vocab: int) -> np.ndarra
             parts.append(prefixes[rq.prefix[r]])
         parts.append(user[starts[r]:starts[r + 1]])
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
-
-
-class _TopkPlan:
-    """Token-path bookkeeping: per-token top-k of segments, assembled per request."""
-
-    def __init__(self, rq: _Requests, seg_lens: np.ndarray, dec_lens: np.ndarray,
-                 L: int, k: int) -> None:
-        self.rq, self.seg_lens, self.dec_lens, self.k = rq, seg_lens, dec_lens, k
-        self.seg_off = np.concatenate([[0], np.cumsum(seg_lens)])
-        self.seg_topk = np.zeros((int(self.seg_off[-1]), L, k), np.int16)
-        self.dec_off = np.concatenate([[0], np.cumsum(dec_lens)])
-        self.decode_topk = np.zeros((int(self.dec_off[-1]), L, k), np.int16)
-
-    def _chunks(self, offsets: np.ndarray):
-        """Consecutive segment ranges [a, b) holding about ``_TOKEN_CHUNK`` tokens each."""
-        n = offsets.shape[0] - 1
-        a = 0
-        while a < n:
-            b = int(np.searchsorted(offsets, offsets[a] + _TOKEN_CHUNK, side="right")) - 1
-            b = min(max(b, a + 1), n)
-            yield a, b
-            a = b
-
-    def route_prefill(self, rng, layer, z_seg, E, gate_scale):
-        S = z_seg.shape[0]
-        cnt = np.zeros((S, E), np.int64)
-        prob = np.zeros((S, E), np.float64)
-        logit = np.zeros((S, E), np.float64)
-        for a, b in self._chunks(self.seg_off):
-            lens = self.seg_lens[a:b]
-            seg = np.repeat(np.arange(a, b), lens)
-            if seg.size == 0:
-                continue
-            top, h, pr = token_topk(rng, z_seg[seg], self.k, with_gates=True,
-                                    gate_scale=gate_scale)
-            t0, t1 = self.seg_off[a], self.seg_off[b]
-            self.seg_topk[t0:t1, layer] = top
-            flat = np.repeat(seg, self.k) * E + top.ravel().astype(np.int64)
-            cnt += np.bincount(flat, minlength=S * E).reshape(S, E)
-            nz = np.flatnonzero(lens)
-            starts = (self.seg_off[a:b] - t0)[nz]
-            prob[a + nz] = np.add.reduceat(pr, starts, axis=0, dtype=np.float64)
-            logit[a + nz] = np.add.reduceat(h, starts, axis=0, dtype=np.float64)
-        return cnt, prob, logit
-
-    def route_decode(self, rng, layer, z_dec, E, stickiness):
-        R = z_dec.shape[0]
-        cnt = np.zeros((R, E), np.int64)
-        for a, b in self._chunks(self.dec_off):
-            lens = self.dec_lens[a:b]
-            req = np.repeat(np.arange(a, b), lens)
-            if req.size == 0:
-                continue
-            top, _, _ = token_topk(rng, z_dec[req], self.k, with_gates=False)
-            if stickiness > 0:
-                first = np.zeros(req.size, bool)
-                first[(self.dec_off[a:b] - self.dec_off[a])[lens > 0]] = True
-                fresh = first | (rng.random(req.size) >= stickiness)
-                src = np.maximum.accumulate(np.where(fresh, np.arange(req.size), 0))
-                top = top[src]
-            self.decode_topk[self.dec_off[a]:self.dec_off[b], layer] = top
-            flat = np.repeat(req, self.k) * E + top.ravel().astype(np.int64)
-            cnt += np.bincount(flat, minlength=R * E).reshape(R, E)
-        return cnt
-
-    def prefill_topk(self) -> np.ndarray:
-        """(P, L, k) int16: each request's shared-prefix rows, then its own prompt rows."""
-        rq, Q = self.rq, self.rq.prefix_lens.shape[0]
-        rows = []
-        for r in range(rq.user_lens.shape[0]):
-            if rq.prefix[r] >= 0:
-                q = rq.prefix[r]
-                rows.append(np.arange(self.seg_off[q], self.seg_off[q + 1]))
-            rows.append(np.arange(self.seg_off[Q + r], self.seg_off[Q + r + 1]))
-        idx = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        return self.seg_topk[idx]
 
 
 def with_params(model: str | ModelPreset, workload: str | Workload, **changes) -> SynthParams:
