@@ -210,3 +210,27 @@ def test_approx_gate_sums_mean_matches_the_token_model():
     assert logit.shape == (200, 64)
     with pytest.raises(ValueError, match="gate_scale"):
         approx_gate_sums(rng, z, np.array([5]), gate_scale=1.0)
+
+
+# -- the command ----------------------------------------------------------------------------
+def test_eldr_synth_command_writes_a_trace_and_prints_the_premises(tmp_path, capsys):
+    from eldr.cli import main
+
+    out = tmp_path / "t.npz"
+    rc = main(["synth", "--model", "gpt-oss-120b", "--workload", "language", "--requests",
+               "40", "--seed", "3", "--no-topk", "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "prefill-decode Pearson" in text and "0.70 ± 0.05" in text
+    t = load(out)
+    assert t.num_requests == 40 and t.meta.model == "gpt-oss-120b" and t.decode_topk is None
+
+
+def test_eldr_synth_refuses_huge_topk_and_writes_the_default(tmp_path, capsys, monkeypatch):
+    from eldr.cli import main
+
+    assert main(["synth", "--requests", "20000", "-o", str(tmp_path / "x.npz")]) == 2
+    assert "--no-topk" in capsys.readouterr().err
+    monkeypatch.setitem(synth.DEFAULT_TRACE, "num_requests", 12)
+    assert main(["synth", "--default", "--no-check", "-o", str(tmp_path / "d.npz")]) == 0
+    assert load(tmp_path / "d.npz").meta.source.endswith(f"seed={DEFAULT_TRACE['seed']}")
