@@ -1,4 +1,5 @@
 import base64
+import dataclasses
 import io
 
 import numpy as np
@@ -27,6 +28,17 @@ def test_payload_counts_give_the_encoders_signature():
     sig = read_signature({}, encode_counts(counts), state)
     assert sig.source == "payload" and sig.problem is None
     np.testing.assert_array_equal(sig.vector, fake_encoder().transform(counts))
+
+
+@pytest.mark.parametrize("rep", ["count", "count_idf", "sqrt_count", "binary"])
+def test_masked_encoding_equals_the_full_transform(rep):
+    rng = np.random.default_rng(0)
+    enc = SignatureEncoder.from_state({
+        "representation": rep, "num_layers": 6, "num_experts": E, "layers": [1, 4],
+        "idf": rng.uniform(0, 2, (6, E))})
+    state = dataclasses.replace(make_state(CFG), encoder=enc, num_layers=6)
+    counts = rng.integers(0, 5, (6, E))
+    np.testing.assert_array_equal(state.encode(counts), enc.transform(counts))
 
 
 def test_block_payload_is_summed():

@@ -21,7 +21,7 @@ as an error of the request: routing quality may degrade, serving must not.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +46,22 @@ class RoutingState:
     tau: float | None  # band width in use (eldr policies), or None
     artifact: str | None  # directory it was loaded from
     loaded_at: float  # time.time() of the load
+    # the encoder restricted to its layer mask; derived from ``encoder``, never passed
+    masked: object | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.encoder is not None:
+            object.__setattr__(self, "masked", _masked_encoder(self.encoder))
+
+    def encode(self, counts: np.ndarray) -> np.ndarray:
+        """(d,) signature of (L, E) counts; equal to ``encoder.transform(counts)``.
+
+        Only the mask's layers are transformed (the representations are elementwise and
+        the norm is taken over the mask), a third of the work for a 16-of-48-layer mask.
+        """
+        if self.masked is None:
+            return self.encoder.transform(counts)
+        return self.masked.transform(counts[self.encoder.layers_])
 
     @property
     def needs_signature(self) -> bool:
@@ -69,6 +85,18 @@ class SignatureResult:
     vector: np.ndarray | None  # (d,) float32 unit row, or None (route by load)
     source: str  # "payload", "routed_experts" or "none"
     problem: str | None  # why there is no vector: "missing", "malformed", "mismatch", ...
+
+
+def _masked_encoder(encoder):
+    """The same encoder over only its masked layers (None if it cannot be rebuilt)."""
+    try:
+        state = encoder.state()
+        layers = np.asarray(state["layers"])
+        state.update(num_layers=int(layers.size), layers=np.arange(layers.size),
+                     idf=np.asarray(state["idf"])[layers])
+        return type(encoder).from_state(state)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _artifact_parts(path: str):
@@ -169,7 +197,7 @@ def read_signature(doc: dict, payload: object, state: RoutingState) -> Signature
     if getattr(enc, "representation", "") in _GATE_REPRESENTATIONS:
         return SignatureResult(None, source, "unencodable")  # needs gate sums, not counts
     try:
-        vector = enc.transform(counts)
+        vector = state.encode(counts)
     except ValueError:
         return SignatureResult(None, source, "unencodable")
     if not np.isfinite(vector).all():
