@@ -64,7 +64,9 @@ def test_routed_experts_field_is_read_when_no_payload():
 @pytest.mark.parametrize("doc, payload, source, problem", [
     ({}, None, "none", "missing"),
     ({}, {"v": 1, "shape": [L, E], "dtype": "uint16", "data": "!!"}, "payload", "malformed"),
-    ({}, encode_counts(np.ones((L + 1, E), dtype=np.int64)), "payload", "malformed"),
+    ({}, encode_counts(np.ones((L + 1, E), dtype=np.int64)), "payload", "mismatch"),
+    ({}, encode_counts(np.ones((3, L, E + 1), dtype=np.int64)), "payload", "mismatch"),
+    ({}, {"v": 1, "shape": [L, E], "dtype": "uint8", "data": ""}, "payload", "malformed"),
     ({}, "not a dict", "payload", "malformed"),
     ({"choices": [{"routed_experts": "@@"}]}, None, "routed_experts", "malformed"),
     ({"choices": [{"routed_experts": _npy_b64(np.zeros((2, L + 1, 2), np.int32))}]}, None,

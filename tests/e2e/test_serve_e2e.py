@@ -287,6 +287,7 @@ def deployment(tmp_path_factory):
             sys.executable, "-m", "eldr", "serve", "--prefill", dep.urls["prefill"],
             "--decode", dep.urls["decode0"], "--decode", dep.urls["decode1"], *routing,
             "--port", str(port), "--health-interval", "1", "--decode-timeout", "60",
+            "--scrape-interval", "1",
             "--max-attempts", "3", "--max-body-bytes", "262144"],
             {**os.environ, "ELDR_ADMIN_TOKEN": "e2e-admin-token"}, tmp / "router.log")
         dep.procs["router"], dep.urls["router"] = router, f"http://127.0.0.1:{port}"
@@ -449,6 +450,12 @@ def test_malformed_requests_get_4xx_while_good_ones_succeed(deployment):
         statuses = [f.result() for f in futures]
     assert statuses[:6] == [200] * 6
     assert statuses[6:] == [400, 404, 400, 413, 400, 400]
+
+
+def test_engine_loads_are_scraped(deployment):
+    time.sleep(1.5)  # > one scrape interval
+    health = json.loads(_request(deployment.router_url("/health"))[2])
+    assert [d["engine_load"] for d in health["decode"]] == [0.0, 0.0]  # idle engines
 
 
 def test_killing_a_decoder_under_load_loses_no_request(deployment):

@@ -20,6 +20,7 @@ as an error of the request: routing quality may degrade, serving must not.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -174,8 +175,12 @@ def read_signature(doc: dict, payload: object, state: RoutingState) -> Signature
     L, E = state.num_layers, state.num_experts
     if payload is not None:
         source = "payload"
+        shape = payload.get("shape") if isinstance(payload, dict) else None
+        if isinstance(shape, list) and len(shape) in (2, 3) and shape[-2:] != [L, E]:
+            _warn_once(f"prefill payloads have (layers, experts) = {shape[-2:]}, the artifact "
+                       f"expects [{L}, {E}]: is it fitted for another model? Routing by load.")
+            return SignatureResult(None, source, "mismatch")
         try:
-            shape = payload.get("shape") if isinstance(payload, dict) else None
             if isinstance(shape, list) and len(shape) == 3:
                 counts = wire.decode_block_counts(payload, num_layers=L, num_experts=E).sum(0)
             else:
@@ -190,6 +195,8 @@ def read_signature(doc: dict, payload: object, state: RoutingState) -> Signature
         try:
             ids = wire.decode_routed_experts(routed)
             if ids.shape[1] != L:
+                _warn_once(f"routed_experts have {ids.shape[1]} layers, the artifact expects "
+                           f"{L}: is it fitted for another model? Routing by load.")
                 return SignatureResult(None, source, "mismatch")
             counts = wire.topk_to_counts(ids, E)
         except ValueError:
@@ -203,6 +210,16 @@ def read_signature(doc: dict, payload: object, state: RoutingState) -> Signature
     if not np.isfinite(vector).all():
         return SignatureResult(None, source, "malformed")
     return SignatureResult(vector, source, None)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log a configuration problem once per process, not once per request."""
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("eldr.serve").warning(message)
 
 
 def _routed_experts(doc: dict) -> object:
