@@ -169,19 +169,20 @@ class RequestFlow:
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        prefill_data = self._prefill_body(body, kind)  # the same for every attempt
         excluded: list[int] = []
         last: _RetryDecode | None = None
         for attempt in range(config.max_attempts):
             attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
             headers["X-Request-Id"] = attempt_id
-            prefill, doc = await self._prefill(body, kind, hashes, headers)
+            prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
             decision = self._decide(attempt_id, doc, excluded)
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
             try:
-                return await self._decode(request, body, raw, decoder, decision, headers,
-                                          reply, stream, web)
+                return await self._decode(request, kind, body, raw, decoder, decision,
+                                          headers, reply, stream, web)
             except _RetryDecode as exc:
                 last = exc
                 excluded.append(decision.worker)
@@ -204,11 +205,10 @@ class RequestFlow:
             pre.pop(key, None)
         return json.dumps(pre).encode()
 
-    async def _prefill(self, body: dict, kind: str, hashes, headers) -> tuple[Instance, dict]:
+    async def _prefill(self, data: bytes, kind: str, hashes, headers) -> tuple[Instance, dict]:
         import aiohttp
 
         pool, config = self.pool, self.config
-        data = self._prefill_body(body, kind)
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
                                         sock_connect=config.connect_timeout)
@@ -289,13 +289,12 @@ class RequestFlow:
         return Decision(k, sig, kv_params, pt if isinstance(pt, int) else None)
 
     # -- decode ----------------------------------------------------------------------------
-    async def _decode(self, request, body: dict, raw: bytes | None, inst: Instance,
+    async def _decode(self, request, kind: str, body: dict, raw: bytes | None, inst: Instance,
                       decision: Decision, headers: dict, reply: dict, stream: bool, web):
         import aiohttp
 
         data = decode_body(body, raw, decision.kv_params)
-        path = "/v1/chat/completions" if request.path.endswith("chat/completions") \
-            else "/v1/completions"
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
                                         sock_read=self.config.decode_read_timeout)
         pool = self.pool
