@@ -6,8 +6,9 @@ fused MoE and attention vs transformers' eager PyTorch), so a token whose k-th a
 (k+1)-th router logits are within rounding of each other may pick a different expert:
 the test requires ≥ 99 % of all selections to agree, and reports the exact-match share.
 
-Starts one real server (≈ 40 s on 2 cores), so it is marked ``e2e``. Set
-``ELDR_E2E_MODEL`` to test another local Qwen3-MoE folder.
+Starts one real server (≈ 40 s on 2 idle cores), so it is marked ``e2e``. Set
+``ELDR_E2E_MODEL`` to test another local Qwen3-MoE folder, ``ELDR_E2E_DTYPE=bfloat16`` to
+compare both engines in bfloat16 instead.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ except Exception:  # ImportError, or a broken torchvision next to CPU torch
     HAVE_VLLM = False
 
 READY_TIMEOUT_S = 300
+DTYPE = os.environ.get("ELDR_E2E_DTYPE", "float32")
 
 
 def _model_dir() -> Path:
@@ -77,7 +79,7 @@ def server(tmp_path_factory):
            "VLLM_NO_USAGE_STATS": "1", "ELDR_CAPTURE": "prefill"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "1024", "--dtype", DTYPE, "--enforce-eager",
            "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)]
     log = open(tmp / "server.log", "w")  # closed in teardown
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -155,7 +157,7 @@ def test_prefill_payload_matches_transformers(server):
     with ThreadPoolExecutor(4) as pool:  # concurrent: rows must be split per request
         responses = list(pool.map(prefill, prompts))
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPE))
     num_experts = int(find_routers(hf)[0].num_experts)
     ref = to_trace(capture_ids(hf, prompts, max_new_tokens=1, progress=False),
                    model_name="tiny", num_experts=num_experts)
