@@ -1,0 +1,226 @@
+"""Balanced clustering of signatures (design.md §3): one centroid per decode worker.
+
+- :func:`balanced_assign` — the exact capacitated assignment step: every row to one
+  column, at most ``capacity`` rows per column, minimum total cost. Method and proof
+  sketch in :mod:`eldr._assign`.
+- :class:`BalancedKMeans` — spherical (cosine) K-means whose every assignment step is
+  ``balanced_assign`` on cost ``1 − cos``, so cluster sizes stay ≤ ⌈N/K⌉. With
+  ``balanced=False`` it is vanilla spherical K-means (the paper's ablation: better median
+  locality, worse tail because clusters, and so decoder loads, come out unequal).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr._assign import entropic_prices, repair
+
+__all__ = ["BalancedKMeans", "balanced_assign"]
+
+
+def balanced_assign(cost: np.ndarray, capacity: int | None = None) -> np.ndarray:
+    """Exact minimum-cost assignment of rows to columns with at most ``capacity`` each.
+
+    ``cost`` (N, K) float (converted to float64); ``capacity`` defaults to ⌈N/K⌉.
+    Returns labels (N,) int64 minimising ``cost[arange(N), labels].sum()`` subject to
+    ``bincount(labels) <= capacity``. Exact (float64 comparisons of the given costs, no
+    scaling or rounding) and deterministic; returns the plain ``argmin`` (lowest column
+    on ties) whenever that already fits. Raises ``ValueError`` for NaN/Inf costs or when
+    N > K · capacity.
+    """
+    C = np.asarray(cost, dtype=np.float64)
+    if C.ndim != 2 or C.shape[1] == 0:
+        raise ValueError(f"balanced_assign: cost must be (N, K) with K >= 1, got shape {C.shape}")
+    N, K = C.shape
+    if not np.isfinite(C).all():
+        raise ValueError("balanced_assign: cost contains NaN or Inf")
+    cap = _capacity(capacity, N, K, "balanced_assign")
+    if N == 0:
+        return np.zeros(0, dtype=np.int64)
+    labels = C.argmin(1).astype(np.int64)
+    if np.bincount(labels, minlength=K).max() <= cap:
+        return labels
+    C = np.ascontiguousarray(C)
+    p = entropic_prices(C, cap, target_excess=max(4, N // 1000))
+    return repair(C, cap, p)
+
+
+def _capacity(capacity: int | None, N: int, K: int, who: str) -> int:
+    if capacity is None:
+        return -(-N // K)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise ValueError(f"{who}: capacity must be an integer or None, got {capacity!r}")
+    cap = int(capacity)
+    if cap < 0 or N > K * cap:
+        raise ValueError(f"{who}: {N} rows do not fit {K} clusters of capacity {cap}")
+    return cap
+
+
+def _unit_rows(X: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(X, axis=1, keepdims=True)
+    return np.divide(X, norms, out=np.zeros_like(X), where=norms > 0)
+
+
+class BalancedKMeans:
+    """Spherical K-means with exactly balanced assignment steps.
+
+    Rows of ``X`` are L2-normalised (all-zero rows stay zero: cosine 0 to every centroid,
+    they fill whatever room is left). Centroids are re-normalised cluster means;
+    initialisation is k-means++ on the cosine distance ``1 − cos`` (∝ squared Euclidean
+    distance between unit vectors). An empty cluster is re-seeded with the row farthest
+    from its centroid. The best of ``n_init`` runs (lowest inertia) is kept.
+
+    Fitted attributes: ``cluster_centers_`` (K, d) float64 unit rows, ``labels_`` (N,)
+    int64, ``inertia_`` = Σ (1 − cos(x_i, c_{label_i})), ``n_iter_`` (iterations of the
+    kept run), ``capacity_`` (cluster size limit used; N when not balanced).
+    """
+
+    def __init__(self, n_clusters: int, *, balanced: bool = True, capacity: int | None = None,
+                 n_init: int = 4, max_iter: int = 100, tol: float = 1e-7,
+                 random_state: int | np.random.Generator | None = None) -> None:
+        self.n_clusters = n_clusters
+        self.balanced = balanced
+        self.capacity = capacity
+        self.n_init = n_init
+        self.max_iter = max_iter
+        self.tol = tol
+        self.random_state = random_state
+
+    # -- validation ------------------------------------------------------------------------
+    def _check_params(self, N: int) -> int:
+        K = self.n_clusters
+        if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
+            raise ValueError(f"BalancedKMeans: n_clusters must be a positive integer, got {K!r}")
+        if K > N:
+            raise ValueError(f"BalancedKMeans: n_clusters={K} exceeds the {N} rows to cluster")
+        for name in ("n_init", "max_iter"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"BalancedKMeans: {name} must be a positive integer, got {v!r}")
+        if not (np.isfinite(self.tol) and self.tol >= 0):
+            raise ValueError(f"BalancedKMeans: tol must be finite and >= 0, got {self.tol!r}")
+        if not self.balanced:
+            if self.capacity is not None:
+                raise ValueError("BalancedKMeans: capacity needs balanced=True")
+            return N
+        return _capacity(self.capacity, N, int(K), "BalancedKMeans")
+
+    @staticmethod
+    def _check_X(X, who: str) -> np.ndarray:
+        X = np.asarray(X)
+        if X.ndim != 2 or X.shape[1] == 0:
+            raise ValueError(f"{who}: X must be (N, d) with d >= 1, got shape {X.shape}")
+        if not np.issubdtype(X.dtype, np.floating) and not np.issubdtype(X.dtype, np.integer):
+            raise ValueError(f"{who}: X must be numeric, got dtype {X.dtype}")
+        X = X.astype(np.float64, copy=False)
+        if not np.isfinite(X).all():
+            raise ValueError(f"{who}: X contains NaN or Inf")
+        return X
+
+    # -- fitting ---------------------------------------------------------------------------
+    def fit(self, X: np.ndarray, y: None = None) -> BalancedKMeans:
+        """Cluster the rows of ``X`` (N, d) float. Returns ``self``."""
+        X = self._check_X(X, "BalancedKMeans.fit")
+        cap = self._check_params(X.shape[0])
+        X = _unit_rows(X)
+        rng = np.random.default_rng(self.random_state)
+        best = None
+        for _ in range(int(self.n_init)):
+            run = self._run(X, cap, rng)
+            if best is None or run[2] < best[2]:
+                best = run
+        self.cluster_centers_, self.labels_, self.inertia_, self.n_iter_ = best
+        self.capacity_ = cap
+        return self
+
+    def _assign(self, X: np.ndarray, centers: np.ndarray, cap: int) -> np.ndarray:
+        cost = 1.0 - X @ centers.T
+        if self.balanced:
+            return balanced_assign(cost, cap)
+        return cost.argmin(1).astype(np.int64)
+
+    def _run(self, X: np.ndarray, cap: int, rng: np.random.Generator):
+        K = int(self.n_clusters)
+        centers = _kmeans_pp(X, K, rng)
+        labels = self._assign(X, centers, cap)
+        n_iter = 0
+        while n_iter < self.max_iter:
+            n_iter += 1
+            new = _update_centers(X, labels, centers)
+            shift = float(np.max(1.0 - np.sum(new * centers, axis=1)))
+            centers = new
+            new_labels = self._assign(X, centers, cap)
+            done = np.array_equal(new_labels, labels) or shift <= self.tol
+            labels = new_labels
+            if done:
+                break
+        inertia = float(np.sum(1.0 - np.einsum("ij,ij->i", X, centers[labels])))
+        return centers, labels, inertia, n_iter
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "cluster_centers_"):
+            raise ValueError("BalancedKMeans: not fitted yet; call fit(X) first")
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Nearest centroid (highest cosine; lowest index on ties) per row: (N,) int64.
+
+        Unconstrained on purpose: online, balance comes from the router's load band, not
+        from capacities over a batch.
+        """
+        self._check_fitted()
+        X = self._check_X(X, "BalancedKMeans.predict")
+        if X.shape[1] != self.cluster_centers_.shape[1]:
+            raise ValueError(f"BalancedKMeans.predict: X has {X.shape[1]} features, "
+                             f"the model {self.cluster_centers_.shape[1]}")
+        return (1.0 - _unit_rows(X) @ self.cluster_centers_.T).argmin(1).astype(np.int64)
+
+    def fit_predict(self, X: np.ndarray, y: None = None) -> np.ndarray:
+        return self.fit(X).labels_
+
+
+def _kmeans_pp(X: np.ndarray, K: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding on the cosine distance: (K, d) unit centroids."""
+    N = X.shape[0]
+    idx = [int(rng.integers(N))]
+    dist = 1.0 - X @ X[idx[0]]
+    for _ in range(1, K):
+        w = np.maximum(dist, 0.0)
+        w[idx] = 0.0
+        total = w.sum()
+        if total > 0:
+            i = int(np.searchsorted(np.cumsum(w), rng.random() * total, side="right"))
+            i = min(i, N - 1)
+        else:  # every remaining row duplicates a chosen one: pick any unchosen row
+            rest = np.setdiff1d(np.arange(N), idx)
+            i = int(rest[rng.integers(rest.size)])
+        idx.append(i)
+        np.minimum(dist, 1.0 - X @ X[i], out=dist)
+    centers = X[idx].copy()
+    zero = np.linalg.norm(centers, axis=1) == 0
+    if zero.any():  # a zero row seeded a centroid: give it a unit vector along axis 0
+        centers[zero, 0] = 1.0
+    return centers
+
+
+def _update_centers(X: np.ndarray, labels: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Re-normalised cluster sums; empty (or all-zero) clusters are re-seeded."""
+    K = old.shape[0]
+    sums = np.zeros_like(old)
+    _add_rows(sums, labels, X)
+    norms = np.linalg.norm(sums, axis=1, keepdims=True)
+    centers = np.divide(sums, norms, out=old.copy(), where=norms > 0)
+    empty = np.flatnonzero(np.bincount(labels, minlength=K) == 0)
+    if empty.size:
+        far = np.argsort(np.einsum("ij,ij->i", X, centers[labels]), kind="stable")
+        for k, i in zip(empty, far, strict=False):
+            if np.linalg.norm(X[i]) > 0:
+                centers[k] = X[i]
+    return centers
+
+
+def _add_rows(sums: np.ndarray, labels: np.ndarray, X: np.ndarray) -> None:
+    order = np.argsort(labels, kind="stable")
+    starts = np.searchsorted(labels[order], np.arange(sums.shape[0]))
+    present = np.bincount(labels, minlength=sums.shape[0]) > 0
+    reduced = np.add.reduceat(X[order], starts[present], axis=0)
+    sums[present] = reduced
