@@ -1,0 +1,340 @@
+"""The routing artifact: everything the online router needs, fitted offline (design.md §3).
+
+An artifact is a directory with two files (format in ``docs/fit-and-routing.md``):
+
+- ``artifact.json`` — format name and version, the model fingerprint (name, L, E, k),
+  the signature settings (representation, layer mask, ρ and its greedy curve), the
+  routing settings (τ, decode worker ids, balanced or vanilla K-means) and fit statistics;
+- ``arrays.npz`` — ``idf`` (L, E) float64 and ``centroids`` (K, |S|·E) float32 unit rows
+  (row k is the centroid of ``worker_ids[k]``), read with ``allow_pickle=False``.
+
+:func:`save` writes a temporary directory next to the target and renames it into place,
+so a reader never sees half an artifact. :func:`load` validates everything it reads and
+refuses, with a message naming the problem, a wrong version, bad shapes, non-finite
+values, centroids that are not unit rows, a model fingerprint other than the expected one
+and (via :meth:`RoutingArtifact.check_workers`) a decode worker set other than the
+artifact's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from eldr.signature import REPRESENTATIONS, SignatureEncoder
+from eldr.trace import Trace, TraceMeta
+
+__all__ = ["ARTIFACT_VERSION", "RoutingArtifact", "fit_artifact", "load", "save"]
+
+ARTIFACT_VERSION = 1
+FORMAT_NAME = "eldr-routing-artifact"
+_JSON = "artifact.json"
+_ARRAYS = "arrays.npz"
+_UNIT_TOL = 1e-3  # centroid norms must be 1 within this (float32 storage)
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingArtifact:
+    """A fitted router: signature encoder, one centroid per decode worker, τ."""
+
+    model: str  # model name from the calibration trace
+    num_layers: int  # L, MoE layers of the model
+    num_experts: int  # E, routed experts per layer
+    top_k: int  # k, experts per token
+    encoder: SignatureEncoder  # fitted: representation, layer mask, IDF (L, E)
+    centroids: np.ndarray  # (K, |S|·E) float32 unit rows; row k belongs to worker_ids[k]
+    worker_ids: tuple[str, ...]  # K decode worker ids, in centroid order
+    tau: float  # locality band width of the eldr policy
+    balanced: bool = True  # balanced K-means (False: vanilla, the ablation)
+    fit_stats: dict = field(default_factory=dict)  # JSON-able statistics of the fit
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_ids)
+
+    @property
+    def layers(self) -> np.ndarray:
+        """(|S|,) int64 layer mask of the signature."""
+        return self.encoder.layers_
+
+    @property
+    def rho(self) -> float:
+        return float(self.encoder.rho_)
+
+    def fingerprint(self) -> str:
+        return f"L={self.num_layers} E={self.num_experts} k={self.top_k}"
+
+    def check_model(self, meta: TraceMeta | Trace, *, what: str = "trace") -> None:
+        """Refuse a model whose (L, E, k) differ from the artifact's."""
+        if isinstance(meta, Trace):
+            meta = meta.meta
+        theirs = (meta.num_layers, meta.num_experts, meta.top_k)
+        if theirs != (self.num_layers, self.num_experts, self.top_k):
+            raise ValueError(
+                f"artifact is for {self.fingerprint()} ({self.model}), {what} has "
+                f"L={theirs[0]} E={theirs[1]} k={theirs[2]} ({meta.model})"
+            )
+
+    def check_workers(self, worker_ids: Sequence[str]) -> np.ndarray:
+        """Refuse a decode worker set other than the artifact's; else return the order.
+
+        Returns ``order`` (K,) int64 with ``centroids[order][i]`` the centroid of
+        ``worker_ids[i]``: the caller may list the same workers in any order.
+        """
+        ids = [str(w) for w in worker_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"decode worker ids are not unique: {ids}")
+        missing = sorted(set(self.worker_ids) - set(ids))
+        extra = sorted(set(ids) - set(self.worker_ids))
+        if missing or extra:
+            raise ValueError(
+                f"decode workers do not match the artifact's {list(self.worker_ids)}: "
+                f"missing {missing}, unknown {extra}"
+            )
+        return np.array([self.worker_ids.index(w) for w in ids], dtype=np.int64)
+
+
+# -- fitting --------------------------------------------------------------------------------
+def fit_artifact(
+    trace: Trace,
+    *,
+    worker_ids: Sequence[str],
+    tau: float = 0.1,
+    representation: str = "count_idf",
+    layers: Sequence[int] | None = None,
+    balanced: bool = True,
+    n_init: int = 4,
+    random_state: int | None = 0,
+    on_stage=None,
+) -> RoutingArtifact:
+    """Fit encoder (IDF, greedy layer mask by ρ) then K-means with K = len(worker_ids).
+
+    ``on_stage(name)`` (optional) is called when a stage starts, for progress output.
+    """
+    from eldr.cluster import BalancedKMeans
+
+    ids = tuple(str(w) for w in worker_ids)
+    _check_worker_ids(ids)
+    tau = _check_tau(tau)
+    if len(ids) > trace.num_requests:
+        raise ValueError(f"{len(ids)} decode workers but only {trace.num_requests} "
+                         "calibration requests")
+    t0 = time.perf_counter()
+    if on_stage:
+        on_stage("signature encoder (IDF, layer mask by rho)")
+    encoder = SignatureEncoder(representation=representation, layers=layers,
+                               random_state=random_state).fit(trace)
+    X = encoder.transform(trace)
+    t1 = time.perf_counter()
+    if on_stage:
+        on_stage(f"{'balanced' if balanced else 'vanilla'} K-means, K={len(ids)}")
+    km = BalancedKMeans(len(ids), balanced=balanced, n_init=n_init,
+                        random_state=random_state).fit(X)
+    t2 = time.perf_counter()
+    sizes = np.bincount(km.labels_, minlength=len(ids))
+    stats = {
+        "num_requests": trace.num_requests,
+        "trace_source": trace.meta.source,
+        "cluster_sizes": [int(s) for s in sizes],
+        "capacity": int(km.capacity_),
+        "inertia": float(km.inertia_),
+        "n_iter": int(km.n_iter_),
+        "n_init": int(n_init),
+        "random_state": random_state,
+        "encoder_seconds": round(t1 - t0, 4),
+        "kmeans_seconds": round(t2 - t1, 4),
+        "fit_seconds": round(t2 - t0, 4),
+    }
+    m = trace.meta
+    return RoutingArtifact(
+        model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
+        encoder=encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
+        worker_ids=ids, tau=tau, balanced=balanced, fit_stats=stats,
+    )
+
+
+def _check_worker_ids(ids: tuple[str, ...]) -> None:
+    if not ids:
+        raise ValueError("at least one decode worker id is needed")
+    if any(not w or w != w.strip() for w in ids):
+        raise ValueError(f"decode worker ids must be non-empty without surrounding spaces: "
+                         f"{list(ids)}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"decode worker ids are not unique: {list(ids)}")
+
+
+def _check_tau(tau) -> float:
+    try:
+        value = float(tau)
+    except (TypeError, ValueError):
+        raise ValueError(f"tau must be a number, got {tau!r}") from None
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    return value
+
+
+# -- save -----------------------------------------------------------------------------------
+def _document(art: RoutingArtifact) -> dict:
+    enc = art.encoder.state()
+    return {
+        "format": FORMAT_NAME,
+        "version": ARTIFACT_VERSION,
+        "model": {"name": art.model, "num_layers": art.num_layers,
+                  "num_experts": art.num_experts, "top_k": art.top_k},
+        "signature": {"representation": enc["representation"],
+                      "layers": [int(x) for x in enc["layers"]],
+                      "rho": enc["rho"], "rho_curve": enc["rho_curve"]},
+        "routing": {"tau": art.tau, "worker_ids": list(art.worker_ids),
+                    "balanced": bool(art.balanced)},
+        "arrays": {"idf": list(enc["idf"].shape), "centroids": list(art.centroids.shape)},
+        "fit": art.fit_stats,
+    }
+
+
+def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
+    """Write ``artifact`` to ``directory`` atomically (temporary directory, then rename).
+
+    An existing artifact there is replaced; a directory holding anything else is refused
+    rather than deleted.
+    """
+    target = Path(directory)
+    if target.exists():
+        if not target.is_dir():
+            raise ValueError(f"{target}: exists and is not a directory")
+        foreign = sorted(p.name for p in target.iterdir() if p.name not in (_JSON, _ARRAYS))
+        if foreign:
+            raise ValueError(f"{target}: not an artifact directory (holds {foreign[:3]}); "
+                             "refusing to replace it")
+    doc = _document(artifact)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    old = None
+    try:
+        (tmp / _JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        with open(tmp / _ARRAYS, "wb") as fh:
+            np.savez(fh, idf=np.asarray(artifact.encoder.idf_, dtype=np.float64),
+                     centroids=np.asarray(artifact.centroids, dtype=np.float32))
+        if target.exists():  # a directory cannot be os.replace'd over a non-empty one
+            old = target.with_name(f".{target.name}.{os.getpid()}.old")
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not target.exists():
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+# -- load -----------------------------------------------------------------------------------
+def _get(doc: dict, path: str, kind):
+    node = doc
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            raise ValueError(f"artifact.json: missing field {path!r}")
+        node = node[key]
+    if kind is int and (isinstance(node, bool) or not isinstance(node, int)):
+        raise ValueError(f"artifact.json: {path} must be an integer, got {node!r}")
+    if kind is float and (isinstance(node, bool) or not isinstance(node, (int, float))):
+        raise ValueError(f"artifact.json: {path} must be a number, got {node!r}")
+    if kind in (str, list, dict, bool) and not isinstance(node, kind):
+        raise ValueError(f"artifact.json: {path} must be a {kind.__name__}, got {node!r}")
+    return node
+
+
+def load(directory: str | os.PathLike, *,
+         expect_model: TraceMeta | Trace | None = None) -> RoutingArtifact:
+    """Read and validate an artifact written by :func:`save`. Never unpickles anything.
+
+    ``expect_model`` (a trace or its meta): refuse the artifact unless (L, E, k) match.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"{d}: no such artifact directory")
+    try:
+        doc = json.loads((d / _JSON).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{d}: not an artifact (no {_JSON})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{d / _JSON}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise ValueError(f"{d / _JSON}: not an eldr routing artifact")
+    version = doc.get("version")
+    if version != ARTIFACT_VERSION:
+        raise ValueError(f"{d}: artifact format version {version!r} is not supported "
+                         f"(this eldr reads version {ARTIFACT_VERSION})")
+    try:
+        art = _from_document(doc, _read_arrays(d / _ARRAYS))
+    except ValueError as exc:
+        raise ValueError(f"{d}: {exc}") from exc
+    if expect_model is not None:
+        art.check_model(expect_model)
+    return art
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except FileNotFoundError:
+        raise ValueError(f"missing {_ARRAYS}") from None
+    except Exception as exc:  # zip/format errors, object arrays (they need pickle)
+        raise ValueError(f"{_ARRAYS} is not a readable array file ({exc})") from exc
+    if set(arrays) != {"idf", "centroids"}:
+        raise ValueError(f"{_ARRAYS} holds {sorted(arrays)}, expected ['centroids', 'idf']")
+    return arrays
+
+
+def _from_document(doc: dict, arrays: dict[str, np.ndarray]) -> RoutingArtifact:
+    name = _get(doc, "model.name", str)
+    L, E, k = (_get(doc, f"model.{f}", int) for f in ("num_layers", "num_experts", "top_k"))
+    if min(L, E, k) <= 0 or k > E:
+        raise ValueError(f"bad model fingerprint L={L} E={E} k={k}")
+    rep = _get(doc, "signature.representation", str)
+    if rep not in REPRESENTATIONS:
+        raise ValueError(f"unknown representation {rep!r}")
+    layers = _get(doc, "signature.layers", list)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise ValueError(f"signature.layers must be integers, got {layers!r}")
+    ids = _get(doc, "routing.worker_ids", list)
+    if not all(isinstance(w, str) for w in ids):
+        raise ValueError(f"routing.worker_ids must be strings, got {ids!r}")
+    _check_worker_ids(tuple(ids))
+    tau = _check_tau(_get(doc, "routing.tau", float))
+    balanced = _get(doc, "routing.balanced", bool)
+    fit_stats = doc.get("fit", {})
+    if not isinstance(fit_stats, dict):
+        raise ValueError("artifact.json: fit must be an object")
+
+    idf, centroids = arrays["idf"], arrays["centroids"]
+    if idf.shape != (L, E) or idf.dtype != np.float64:
+        raise ValueError(f"idf has shape {idf.shape} {idf.dtype}, expected ({L}, {E}) float64")
+    d = len(layers) * E
+    K = len(ids)
+    if centroids.shape != (K, d) or centroids.dtype != np.float32:
+        raise ValueError(f"centroids have shape {centroids.shape} {centroids.dtype}, expected "
+                         f"({K}, {d}) float32 for {K} workers and {len(layers)} layers x {E}")
+    if not np.isfinite(centroids).all():
+        raise ValueError("centroids contain NaN or Inf")
+    norms = np.linalg.norm(centroids.astype(np.float64), axis=1)
+    bad = np.flatnonzero(np.abs(norms - 1.0) > _UNIT_TOL)
+    if bad.size:
+        raise ValueError(f"centroid {int(bad[0])} has norm {norms[bad[0]]:.6f}, expected a "
+                         "unit row")
+    state = {"representation": rep, "num_layers": L, "num_experts": E, "layers": layers,
+             "idf": idf, "rho": _get(doc, "signature.rho", float),
+             "rho_curve": doc["signature"].get("rho_curve", [])}
+    encoder = SignatureEncoder.from_state(state)  # validates idf values and the layer mask
+    return RoutingArtifact(model=name, num_layers=L, num_experts=E, top_k=k, encoder=encoder,
+                           centroids=centroids, worker_ids=tuple(ids), tau=tau,
+                           balanced=balanced, fit_stats=fit_stats)

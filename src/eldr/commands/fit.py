@@ -1,0 +1,74 @@
+"""``eldr fit TRACE``: fit the routing artifact (encoder + one centroid per decode worker)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "Fit a routing artifact from a calibration trace (IDF, layer mask by rho, K-means)."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from eldr.signature import REPRESENTATIONS
+
+    p.add_argument("trace", help="calibration trace (.npz) written by eldr synth / capture")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--decoders", "-K", type=int, metavar="K",
+                     help="number of decode workers (ids decode-0 .. decode-K-1)")
+    who.add_argument("--workers", nargs="+", metavar="ID",
+                     help="decode worker ids, one centroid each (as given to eldr serve)")
+    p.add_argument("--tau", type=float, default=0.1,
+                   help="locality band width stored for the eldr policy (default 0.1)")
+    p.add_argument("--representation", "-r", default="count_idf", choices=REPRESENTATIONS,
+                   metavar="R", help=f"signature representation (default count_idf). One of: "
+                   f"{', '.join(REPRESENTATIONS)}")
+    p.add_argument("--layers", type=int, nargs="+", metavar="L",
+                   help="fixed layer mask (default: greedy forward selection by rho)")
+    p.add_argument("--vanilla", action="store_true",
+                   help="vanilla spherical K-means (no balance): the ablation")
+    p.add_argument("--n-init", type=int, default=4, help="K-means restarts (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed for pair sampling and K-means")
+    p.add_argument("--output", "-o", required=True, metavar="DIR",
+                   help="artifact directory to write (replaced atomically if it exists)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    import numpy as np
+
+    from eldr import artifact
+    from eldr.trace import load
+
+    if args.decoders is not None:
+        if args.decoders < 1:
+            raise ValueError(f"--decoders must be >= 1, got {args.decoders}")
+        ids = [f"decode-{k}" for k in range(args.decoders)]
+    else:
+        ids = args.workers
+    t0 = time.perf_counter()
+    trace = load(args.trace)
+    print(trace.describe())
+
+    def stage(name: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.2f}s] {name} ...", file=sys.stderr, flush=True)
+
+    art = artifact.fit_artifact(
+        trace, worker_ids=ids, tau=args.tau, representation=args.representation,
+        layers=args.layers, balanced=not args.vanilla, n_init=args.n_init,
+        random_state=args.seed, on_stage=stage,
+    )
+    out = artifact.save(art, args.output)
+    stats = art.fit_stats
+    sizes = np.asarray(stats["cluster_sizes"])
+    layers = ",".join(str(x) for x in art.layers.tolist())
+    print(f"rho = {art.rho:.4f} ({art.encoder.representation}), N* = {art.layers.size} of "
+          f"{art.num_layers} layers: {layers}")
+    print(f"{'balanced' if art.balanced else 'vanilla'} K-means, K = {art.num_workers}: "
+          f"cluster sizes {sizes.tolist()} (max/mean {sizes.max() / sizes.mean():.2f}, "
+          f"cap {stats['capacity']}), inertia {stats['inertia']:.3f}, "
+          f"{stats['n_iter']} iterations")
+    print(f"fit time {stats['fit_seconds']:.2f}s (encoder {stats['encoder_seconds']:.2f}s, "
+          f"K-means {stats['kmeans_seconds']:.2f}s); tau = {art.tau}")
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,196 @@
+import json
+
+import numpy as np
+import pytest
+
+from eldr import artifact
+from eldr.artifact import RoutingArtifact, fit_artifact
+from eldr.cli import main
+from eldr.routing import RouteRequest, make_policy
+from eldr.signature import SignatureEncoder
+from eldr.trace import Trace, TraceMeta
+from eldr.trace import save as save_trace
+
+L, E, K_TOP = 3, 8, 2
+
+
+def _trace(R=60, seed=0):
+    """Two domains using disjoint halves of the experts; prefill and decode agree."""
+    rng = np.random.default_rng(seed)
+    dom = np.arange(R) % 2
+    prompt = rng.integers(2, 6, R)
+    out = rng.integers(2, 5, R)
+    pre = np.zeros((R, L, E), dtype=np.int32)
+    dec = np.zeros((R, L, E), dtype=np.int32)
+    for r in range(R):
+        for layer in range(L):
+            base = 4 * dom[r]
+            for counts, n in ((pre, prompt[r]), (dec, out[r] - 1)):
+                for _ in range(n):
+                    chosen = base + rng.choice(4, K_TOP, replace=False)
+                    counts[r, layer, chosen] += 1
+    return Trace(meta=TraceMeta("toy", L, E, K_TOP, source="test"), prefill_counts=pre,
+                 decode_counts=dec, prompt_lens=prompt.astype(np.int64),
+                 output_lens=out.astype(np.int64), domains=dom.astype(np.int32),
+                 domain_names=("a", "b"))
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return fit_artifact(_trace(), worker_ids=["w0", "w1"], tau=0.05, n_init=2,
+                        random_state=0)
+
+
+def test_fit_gives_one_unit_centroid_per_worker(fitted):
+    assert fitted.centroids.shape == (2, fitted.layers.size * E)
+    assert fitted.centroids.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(fitted.centroids, axis=1), 1.0, rtol=1e-6)
+    assert sorted(fitted.fit_stats["cluster_sizes"]) == [30, 30]
+    assert fitted.fit_stats["capacity"] == 30
+    # the two domains land on different workers
+    trace = _trace()
+    sims = fitted.encoder.transform(trace) @ fitted.centroids.T
+    chosen = sims.argmax(1)
+    assert len({int(c) for c in chosen[trace.domains == 0]}) == 1
+    assert chosen[0] != chosen[1]
+
+
+def test_round_trip_preserves_everything(fitted, tmp_path):
+    out = artifact.save(fitted, tmp_path / "art")
+    back = artifact.load(out)
+    assert isinstance(back, RoutingArtifact)
+    assert (back.model, back.num_layers, back.num_experts, back.top_k) == ("toy", L, E, K_TOP)
+    assert back.worker_ids == ("w0", "w1") and back.tau == 0.05 and back.balanced
+    np.testing.assert_array_equal(back.centroids, fitted.centroids)
+    np.testing.assert_array_equal(back.encoder.idf_, fitted.encoder.idf_)
+    np.testing.assert_array_equal(back.layers, fitted.layers)
+    assert back.rho == pytest.approx(fitted.rho)
+    assert back.fit_stats == json.loads(json.dumps(fitted.fit_stats))
+    trace = _trace(seed=1)
+    np.testing.assert_array_equal(back.encoder.transform(trace), fitted.encoder.transform(trace))
+    pol = make_policy("eldr", num_workers=2, centroids=back.centroids, tau=back.tau)
+    s = back.encoder.transform(trace)[0]
+    assert pol.choose(RouteRequest("r", s), np.zeros(2)) in (0, 1)
+
+
+def test_save_replaces_an_artifact_but_not_other_directories(fitted, tmp_path):
+    out = artifact.save(fitted, tmp_path / "art")
+    artifact.save(fitted, out)  # replace in place
+    assert sorted(p.name for p in out.iterdir()) == ["arrays.npz", "artifact.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not an artifact directory"):
+        artifact.save(fitted, other)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_fingerprint_mismatch_is_refused_naming_both(fitted, tmp_path):
+    out = artifact.save(fitted, tmp_path / "art")
+    meta = TraceMeta("big", 48, 128, 8)
+    with pytest.raises(ValueError, match=r"artifact is for L=3 E=8 k=2 \(toy\), trace has "
+                                         r"L=48 E=128 k=8"):
+        artifact.load(out, expect_model=meta)
+    artifact.load(out, expect_model=_trace())  # a matching trace is fine
+
+
+def test_worker_set_mismatch_is_refused(fitted):
+    np.testing.assert_array_equal(fitted.check_workers(["w1", "w0"]), [1, 0])
+    with pytest.raises(ValueError, match=r"missing \['w1'\], unknown \['w9'\]"):
+        fitted.check_workers(["w0", "w9"])
+    with pytest.raises(ValueError, match="not unique"):
+        fitted.check_workers(["w0", "w0"])
+
+
+def _corrupt_json(path, edit):
+    doc = json.loads((path / "artifact.json").read_text())
+    edit(doc)
+    (path / "artifact.json").write_text(json.dumps(doc))
+
+
+def _corrupt_arrays(path, **changes):
+    with np.load(path / "arrays.npz") as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays.update(changes)
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    np.savez(path / "arrays.npz", **arrays)
+
+
+@pytest.mark.parametrize("name, damage, match", [
+    ("version", lambda p: _corrupt_json(p, lambda d: d.update(version=2)), "version 2"),
+    ("format", lambda p: _corrupt_json(p, lambda d: d.update(format="x")), "not an eldr"),
+    ("json", lambda p: (p / "artifact.json").write_text("{"), "not valid JSON"),
+    ("no json", lambda p: (p / "artifact.json").unlink(), "no artifact.json"),
+    ("no arrays", lambda p: (p / "arrays.npz").unlink(), "missing arrays.npz"),
+    ("garbage arrays", lambda p: (p / "arrays.npz").write_bytes(b"junk"), "not a readable"),
+    ("field", lambda p: _corrupt_json(p, lambda d: d["model"].pop("top_k")), "model.top_k"),
+    ("type", lambda p: _corrupt_json(p, lambda d: d["model"].update(num_layers="3")),
+     "must be an integer"),
+    ("tau", lambda p: _corrupt_json(p, lambda d: d["routing"].update(tau=-1)), "tau"),
+    ("workers", lambda p: _corrupt_json(p, lambda d: d["routing"].update(worker_ids=["a"])),
+     "expected"),
+    ("dup workers",
+     lambda p: _corrupt_json(p, lambda d: d["routing"].update(worker_ids=["a", "a"])),
+     "not unique"),
+    ("layers", lambda p: _corrupt_json(p, lambda d: d["signature"].update(layers=[0, 0, 9])),
+     "expected|layers"),
+    ("rep", lambda p: _corrupt_json(p, lambda d: d["signature"].update(representation="x")),
+     "unknown representation"),
+    ("nan", lambda p: _corrupt_arrays(p, centroids=np.full((2, 1), np.nan, np.float32)),
+     "shape"),
+    ("norm", lambda p: _corrupt_arrays(p, centroids=_scaled_centroids(p, 2.0)), "norm"),
+    ("inf", lambda p: _corrupt_arrays(p, centroids=_scaled_centroids(p, 1.0, inf=True)),
+     "NaN or Inf"),
+    ("idf shape", lambda p: _corrupt_arrays(p, idf=np.ones((2, 2))), "idf has shape"),
+    ("idf neg", lambda p: _corrupt_arrays(p, idf=-np.ones((L, E))), "idf"),
+    ("extra", lambda p: _corrupt_arrays(p, extra=np.ones(2)), "holds"),
+    ("pickle", lambda p: _corrupt_arrays(p, idf=np.array([{"a": 1}], dtype=object)),
+     "not a readable|pickle|Object"),
+])
+def test_each_corruption_is_refused(fitted, tmp_path, name, damage, match):
+    out = artifact.save(fitted, tmp_path / "art")
+    damage(out)
+    with pytest.raises(ValueError, match=match):
+        artifact.load(out)
+
+
+def _scaled_centroids(path, factor, inf=False):
+    with np.load(path / "arrays.npz") as npz:
+        c = (npz["centroids"] * np.float32(factor)).astype(np.float32)
+    if inf:
+        c[0, 0] = np.inf
+    return c
+
+
+def test_fit_validates_inputs():
+    trace = _trace()
+    with pytest.raises(ValueError, match="not unique"):
+        fit_artifact(trace, worker_ids=["a", "a"])
+    with pytest.raises(ValueError, match="tau"):
+        fit_artifact(trace, worker_ids=["a", "b"], tau=float("nan"))
+    with pytest.raises(ValueError, match="only 60 calibration"):
+        fit_artifact(trace, worker_ids=[f"w{i}" for i in range(61)])
+
+
+def test_vanilla_and_fixed_layers(tmp_path):
+    art = fit_artifact(_trace(), worker_ids=["a", "b", "c"], layers=[1], balanced=False,
+                       n_init=1)
+    assert not art.balanced and art.layers.tolist() == [1]
+    assert art.centroids.shape == (3, E)
+    back = artifact.load(artifact.save(art, tmp_path / "v"))
+    assert not back.balanced and isinstance(back.encoder, SignatureEncoder)
+
+
+def test_fit_command_writes_a_loadable_artifact(tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    save_trace(_trace(), path)
+    rc = main(["fit", str(path), "--workers", "x", "y", "--tau", "0.2", "--n-init", "1",
+               "-o", str(tmp_path / "art")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "rho = " in out and "N* = " in out and "cluster sizes [30, 30]" in out
+    art = artifact.load(tmp_path / "art")
+    assert art.worker_ids == ("x", "y") and art.tau == 0.2
+    rc = main(["fit", str(path), "--decoders", "0", "-o", str(tmp_path / "bad")])
+    assert rc == 2 and "--decoders must be >= 1" in capsys.readouterr().err
