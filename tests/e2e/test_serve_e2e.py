@@ -9,6 +9,7 @@ Checks (issue 7):
 - completions and chat, streaming and not, give the reference's greedy tokens;
 - prompts reach the decoder the artifact names for their signature (τ = 0: the nearest
   centroid), the prompts' domains use both decoders, and /metrics counts the decisions;
+- a client that disconnects mid-stream makes the decoder abort its request;
 - killing a decode instance under load loses no request (retries), /health reports it,
   and the restarted instance is taken back and receives its requests again;
 - malformed requests get 4xx while concurrent good requests succeed.
@@ -456,6 +457,47 @@ def test_engine_loads_are_scraped(deployment):
     time.sleep(1.5)  # > one scrape interval
     health = json.loads(_request(deployment.router_url("/health"))[2])
     assert [d["engine_load"] for d in health["decode"]] == [0.0, 0.0]  # idle engines
+
+
+def _engine_samples(url: str) -> dict[str, float]:
+    from eldr.proxy.metrics import parse_samples
+
+    page = _request(url + "/metrics")[2].decode()
+    return parse_samples(page, ("vllm:num_requests_running", "vllm:generation_tokens_total"))
+
+
+def test_client_disconnect_aborts_the_engine_request(deployment):
+    import http.client
+    from urllib.parse import urlsplit
+
+    dep = deployment
+    names = [d["name"] for d in json.loads(_request(dep.router_url("/health"))[2])["decode"]]
+    before = [_engine_samples(dep.urls[f"decode{k}"]) for k in (0, 1)]
+    url = urlsplit(dep.urls["router"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": MODEL_NAME, "prompt": _TEXT_PROMPTS[0][0], "max_tokens": 800,
+        "temperature": 0, "ignore_eos": True, "stream": True}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    k = names.index(resp.getheader("X-Eldr-Decoder"))
+    assert resp.readline().startswith(b"data: ")  # generation has started
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = _engine_samples(dep.urls[f"decode{k}"])
+        if now.get("vllm:num_requests_running", 1) == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the decoder still runs the request of the departed client")
+    generated = (now["vllm:generation_tokens_total"]
+                 - before[k].get("vllm:generation_tokens_total", 0))
+    assert 0 < generated < 800  # stopped early: aborted, not finished
+    page = _request(dep.router_url("/metrics"))[2].decode()
+    assert _metric(page, "eldr_client_disconnects_total") >= 1
 
 
 def test_killing_a_decoder_under_load_loses_no_request(deployment):
