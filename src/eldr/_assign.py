@@ -69,27 +69,29 @@ def _excess(best: np.ndarray, K: int, cap: int) -> int:
 
 def _smoothed(CT: np.ndarray, fixed: np.ndarray, p: np.ndarray, S: float, cap: float,
               eps: float) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Smoothed dual at p with soft rows CT (K, n) and ``fixed`` one-hot column counts.
+    """Smoothed dual at p with soft rows CT (K, n) float32 and ``fixed`` one-hot counts.
 
-    Returns (value, gradient (K,), softmin probabilities PT (K, n), their column sums
-    plus the dummy row's, the dummy row's probabilities (K,)).
+    Returns (value, gradient (K,), unnormalised softmin weights E (K, n) with their
+    per-row sums folded in as ``inv_s`` (n,) — P = E · inv_s —, column sums of P plus
+    the dummy row's, the dummy row's probabilities (K,)). float32 arrays, float64 sums:
+    the prices only need to be approximately right (the repair phase is exact).
     """
-    E = CT + p[:, None]
+    E = CT + (p.astype(np.float32))[:, None]
     m = E.min(0)
     np.subtract(m, E, out=E)
-    E *= 1.0 / eps
-    np.maximum(E, -_EXP_FLOOR, out=E)  # exp of huge negatives takes a slow path
+    E *= np.float32(1.0 / eps)
+    np.maximum(E, np.float32(-_EXP_FLOOR), out=E)  # exp of huge negatives is slow
     np.exp(E, out=E)
     s = E.sum(0)
-    E /= s
+    inv_s = 1.0 / s
     pm = p.min()
     ez = np.exp((pm - p) / eps)
     sz = ez.sum()
-    f = float(m.sum() - eps * np.log(s).sum() + fixed @ p
+    f = float(m.sum(dtype=np.float64) - eps * np.log(s).sum(dtype=np.float64) + fixed @ p
               + S * (pm - eps * np.log(sz)) - cap * p.sum())
     pz = ez / sz
-    cols = E.sum(1) + S * pz
-    return f, cols + fixed - cap, E, cols, pz
+    cols = (E @ inv_s).astype(np.float64) + S * pz
+    return f, cols + fixed - cap, (E, inv_s), cols, pz
 
 
 def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages: int,
@@ -103,7 +105,7 @@ def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages
     S = K * cap - n
     g_tol = max(0.5, n / 500.0)  # rows of imbalance accepted before ε shrinks
     for _stage in range(max_stages):
-        best, gap = _top2(CT + p[:, None])
+        best, gap = _top2(CT + p.astype(np.float32)[:, None])
         if eps < eps_stop or (target_excess is not None
                               and _excess(best, K, int(cap)) <= target_excess):
             break
@@ -116,7 +118,9 @@ def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages
         for _ in range(_NEWTON_STEPS):
             if np.abs(g).sum() < g_tol:
                 break
-            L = np.diag(cols) - P @ P.T - S * np.outer(pz, pz)
+            E, inv_s = P
+            Ps = E * inv_s
+            L = np.diag(cols) - (Ps @ Ps.T).astype(np.float64) - S * np.outer(pz, pz)
             L[np.diag_indices(K)] += 1e-9 * (np.trace(L) / K + 1.0)
             d = np.linalg.solve(L, eps * g)
             slope = float(g @ d)
@@ -147,7 +151,7 @@ def entropic_prices(C: np.ndarray, cap: int, *, target_excess: int) -> np.ndarra
     stages run on all rows, where by then only rows near a boundary are soft.
     """
     N, K = C.shape
-    CT = np.ascontiguousarray(C.T)
+    CT = np.ascontiguousarray(C.T, dtype=np.float32)
     p = np.zeros(K)
     _, gap = _top2(CT)
     span = float(gap.max())
