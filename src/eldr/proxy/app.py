@@ -90,8 +90,11 @@ class Router:
         import aiohttp
 
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        # No Accept-Encoding: engines answer uncompressed, and bytes are relayed as they come.
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",))
+                                             skip_auto_headers=("User-Agent",
+                                                                "Accept-Encoding"),
+                                             cookie_jar=aiohttp.DummyCookieJar())
         await self.pool.start(self.session)
 
     async def _cleanup(self, app) -> None:
