@@ -18,10 +18,10 @@ Targets (issue 7): p50 added <= 1 ms, >= 1,000 req/s on one core. The machine is
 and small (2 cores): figures are noisy; ratios within one run are the meaningful part.
 The router process's own CPU time per request is also reported (from /proc): it does
 not depend on what else runs on the core, so 1 / (CPU per request) is the throughput one
-fully available core sustains, and the CPU per request of the one-at-a-time run is the
-latency the router adds on an idle core. When other processes keep the router's core
-busy, each wake-up of the router waits for the scheduler and wall-clock latency grows
-by milliseconds that are not the router's.
+fully available core sustains; the CPU per request of the one-at-a-time run bounds the
+latency the router adds on an idle core. Both are inflated too when other processes
+share the core (cold caches, a busy sibling hyper-thread), just far less than wall-clock
+latency, where every wake-up of the router waits for the scheduler.
 
     python benchmarks/bench_serve.py [--policy eldr|jsq] [--requests 2000] [--seconds 5]
 """
@@ -302,8 +302,7 @@ def main() -> None:
           f"{r['throughput_ratio']:.2f}x the direct pair")
     print(f"  router CPU     : {r['router_cpu_us_per_request']:.0f} us per request under load "
           f"-> {r['router_capacity_rps_per_core']:,.0f} req/s per fully available core; "
-          f"{r['router_cpu_us_per_sequential_request']:.0f} us per request one at a time "
-          f"(the added latency on an idle core)")
+          f"{r['router_cpu_us_per_sequential_request']:.0f} us per request one at a time")
     print(f"  machine        : {r['cpus']} CPUs, 1-min load average "
           f"{r['load_average_1min']:.1f} (other work on the router's core inflates latency)")
 
