@@ -103,8 +103,11 @@ def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages
     """
     K, n = CT.shape
     S = K * cap - n
-    g_tol = max(0.5, n / 500.0)  # rows of imbalance accepted before ε shrinks
-    for _stage in range(max_stages):
+    g_tol = max(0.5, n / 200.0)  # rows of imbalance accepted before ε shrinks
+    done = 0
+    for _split in range(4 * max_stages):  # a stale split redoes the stage at the same ε
+        if done >= max_stages:
+            break
         best, gap = _top2(CT + p.astype(np.float32)[:, None])
         if eps < eps_stop or (target_excess is not None
                               and _excess(best, K, int(cap)) <= target_excess):
@@ -140,6 +143,7 @@ def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages
                 break
         if not stale:
             eps /= _SHRINK
+            done += 1
     return p, eps
 
 
@@ -186,28 +190,51 @@ class _ColumnGraph:
                  dummy: np.ndarray, pool_size: int) -> None:
         K = C.shape[1]
         self.C, self.labels, self.p, self.gap, self.K = C, labels, p, gap, K
-        order = np.argsort(labels, kind="stable")
+        order = np.lexsort((gap, labels))  # by column, then nearest the boundary first
         bounds = np.searchsorted(labels[order], np.arange(K + 1))
         self.start = [order[bounds[k]:bounds[k + 1]] for k in range(K)]  # rows at start
         self.dummy = dummy  # (K,) dummy slots held by each column
         self.margin = np.full(K, np.inf)  # rows of a outside its pool have gap >= margin
-        self.pools = [np.empty(0, dtype=np.int64) for _ in range(K)]
+        self.pools = [st[:pool_size] for st in self.start]
+        for a, st in enumerate(self.start):
+            if st.size > pool_size:
+                self.margin[a] = float(gap[st[pool_size]])
         self.W = np.full((K, K), np.inf)
         self.A = np.zeros((K, K), dtype=np.int64)  # row index, _DUMMY or _BOUND
-        for a in range(K):
-            self.widen(a, pool_size)
+        self._refresh_all()
 
-    def widen(self, a: int, size: int | None = None) -> None:
-        if size is None:
-            size = 4 * max(self.pools[a].size, 16)
+    def _refresh_all(self) -> None:
+        """``refresh`` of every column at once (pools padded to one length)."""
+        K, C = self.K, self.C
+        size = max(1, max(pool.size for pool in self.pools))
+        idx = np.zeros((K, size), dtype=np.int64)
+        valid = np.zeros((K, size), dtype=bool)
+        for a, pool in enumerate(self.pools):
+            idx[a, :pool.size] = pool
+            valid[a, :pool.size] = True
+        keys = C[idx] - C[idx, np.arange(K)[:, None]][:, :, None]  # (K, size, K)
+        keys[~valid] = np.inf
+        j = keys.argmin(1)  # (K, K)
+        W = np.take_along_axis(keys, j[:, None, :], axis=1)[:, 0, :]
+        A = np.take_along_axis(idx, j, axis=1)
+        has_dummy = (self.dummy > 0)[:, None] & (W > 0.0)
+        W[has_dummy] = 0.0
+        A[has_dummy] = _DUMMY
+        bound = self.margin[:, None] + self.p[:, None] - self.p[None, :]
+        use = bound < W
+        W[use] = bound[use]
+        A[use] = _BOUND
+        np.fill_diagonal(W, np.inf)
+        self.W, self.A = W, A
+
+    def widen(self, a: int) -> None:
         start = self.start[a]
+        size = 4 * max(self.pools[a].size, 16)
         if size >= start.size:
-            pool, self.margin[a] = start, np.inf
+            self.margin[a] = np.inf
         else:
-            part = np.argpartition(self.gap[start], size)
-            pool = start[part[:size]]
-            self.margin[a] = float(self.gap[start[part[size]]])
-        pool = np.union1d(pool, self.pools[a])
+            self.margin[a] = float(self.gap[start[size]])
+        pool = np.union1d(start[:size], self.pools[a])
         self.pools[a] = pool[self.labels[pool] == a]
         self.refresh(a)
 

@@ -219,8 +219,7 @@ def _update_centers(X: np.ndarray, labels: np.ndarray, old: np.ndarray) -> np.nd
 
 
 def _add_rows(sums: np.ndarray, labels: np.ndarray, X: np.ndarray) -> None:
-    order = np.argsort(labels, kind="stable")
-    starts = np.searchsorted(labels[order], np.arange(sums.shape[0]))
-    present = np.bincount(labels, minlength=sums.shape[0]) > 0
-    reduced = np.add.reduceat(X[order], starts[present], axis=0)
-    sums[present] = reduced
+    """sums[k] = Σ X[labels == k], as one (K, N) × (N, d) product (no copy of X)."""
+    onehot = np.zeros((sums.shape[0], X.shape[0]), dtype=X.dtype)
+    onehot[labels, np.arange(X.shape[0])] = 1.0
+    sums[:] = onehot @ X
