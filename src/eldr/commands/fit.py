@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vanilla", action="store_true",
                    help="vanilla spherical K-means (no balance): the ablation")
     p.add_argument("--n-init", type=int, default=4, help="K-means restarts (default 4)")
+    p.add_argument("--selection-max-pairs", type=int, default=20_000, metavar="P",
+                   help="request pairs ranked per candidate in the greedy layer search "
+                   "(default 20000; 0 = all pairs)")
     p.add_argument("--seed", type=int, default=0, help="seed for pair sampling and K-means")
     p.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="artifact directory to write (replaced atomically if it exists)")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     art = artifact.fit_artifact(
         trace, worker_ids=ids, tau=args.tau, representation=args.representation,
         layers=args.layers, balanced=not args.vanilla, n_init=args.n_init,
-        random_state=args.seed, on_stage=stage,
+        selection_max_pairs=args.selection_max_pairs or None, random_state=args.seed,
+        on_stage=stage,
     )
     out = artifact.save(art, args.output)
     stats = art.fit_stats
