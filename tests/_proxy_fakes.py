@@ -76,6 +76,7 @@ class FakeEngine:
         self.healthy = True
         self.requests: list[dict] = []  # bodies received on the completion routes
         self.request_ids: list[str] = []
+        self.headers: list[dict] = []  # headers of those requests
         self.aborted = 0  # decodes whose client (the router) went away mid-answer
         self.server: TestServer | None = None
 
@@ -111,6 +112,7 @@ class FakeEngine:
         body = await request.json()
         self.requests.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.headers.append(dict(request.headers))
         mode = self.mode
         if mode == "500":
             return web.json_response({"error": "boom"}, status=500)

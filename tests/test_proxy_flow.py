@@ -93,6 +93,20 @@ def test_domains_reach_their_decoders_with_relayed_kv_params():
     assert router.metrics.band.count() == 2
 
 
+def test_upstream_headers_forward_auth_and_ask_for_identity_encoding():
+    async def go():
+        async with cluster() as (_, client, prefills, decoders):
+            r = await client.post("/v1/completions", json=CODE,
+                                  headers={"Authorization": "Bearer k", "Cookie": "a=b"})
+            return r.status, prefills[0].headers[0], decoders[0].headers[0]
+
+    status, pre, dec = run(go())
+    assert status == 200
+    for h in (pre, dec):
+        assert h["Authorization"] == "Bearer k"
+        assert "Accept-Encoding" not in h and "Cookie" not in h
+
+
 @pytest.mark.parametrize("payload, source, reason", [
     ("none", "none", "missing"), ("garbage", "payload", "malformed"),
     ("routed", "routed_experts", None), ("blocks", "payload", None)])
