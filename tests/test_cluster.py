@@ -182,3 +182,15 @@ def test_kmeans_validation_and_fitted_check():
     km = BalancedKMeans(2, random_state=0).fit(X)
     with pytest.raises(ValueError, match="features"):
         km.predict(np.ones((2, 4)))
+
+
+def test_balanced_assign_massive_ties():
+    # Every row indifferent: any balanced split is optimal; the repair deals ties in bulk.
+    labels = balanced_assign(np.ones((3000, 16)))
+    assert np.bincount(labels, minlength=16).max() == 188
+    # Half the rows prefer column 3 by 0.5, the rest are indifferent: only 188 fit there.
+    cost = np.ones((3000, 16))
+    cost[:1500, 3] = 0.5
+    labels = balanced_assign(cost)
+    assert np.bincount(labels, minlength=16).max() == 188
+    assert _total(cost, labels) == 188 * 0.5 + (3000 - 188)

@@ -43,6 +43,7 @@ _TRUST = 8.0  # a Newton step moves p by at most 8ε (≪ 30ε: hard rows stay o
 _MIN_LEVEL = 200  # rows in the smallest coarse level
 _EPS0_QUANTILE = 0.9  # first ε: this quantile of the rows' best-vs-second gaps
 _SHRINK = 4.0  # ε shrinks this much per stage
+_EPS_FLOOR = 1e-5  # smallest ε relative to the largest gap: float32 resolves ~1e-7
 _EXP_FLOOR = 60.0  # exp(-60) ≈ 1e-26 stands for anything smaller
 _DUMMY = -1  # marks an edge realised by moving a dummy (unused) slot
 _BOUND = -2  # marks an edge holding a lower bound for rows outside the pool
@@ -129,19 +130,21 @@ def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages
             slope = float(g @ d)
             # trust region: the hard rows' linear terms are only valid while p stays close
             t = min(1.0, _TRUST * eps / max(float(np.abs(d).max()), 1e-300))
-            while t > 1e-9:
+            for _backtrack in range(6):
                 fn, gn, Pn, coln, pzn = _smoothed(Cs, fixed, p + t * d, S, cap, eps)
                 if fn >= f + 1e-4 * t * slope:
                     break
                 t *= 0.25
             else:
-                break  # no ascent along d: go to the next stage
+                break  # no ascent along d (float32 resolution reached): next stage
             p = p + t * d
             f, g, P, cols, pz = fn, gn, Pn, coln, pzn
             if np.abs(p - p_ref).max() > _TRUST * eps:
                 stale = True
                 break
         if not stale:
+            if target_excess is not None and np.abs(p - p_ref).max() < 1e-3 * eps:
+                break  # prices stopped moving: what overfills now is exact ties (repair's)
             eps /= _SHRINK
             done += 1
     return p, eps
@@ -159,7 +162,6 @@ def entropic_prices(C: np.ndarray, cap: int, *, target_excess: int) -> np.ndarra
     p = np.zeros(K)
     _, gap = _top2(CT)
     span = float(gap.max())
-    scale = float(np.median(gap)) or span  # typical distance of a row from a boundary
     if span <= 0.0:
         return p  # every row is indifferent: any feasible split is optimal
     eps = float(np.quantile(gap, _EPS0_QUANTILE)) or span
@@ -171,7 +173,7 @@ def entropic_prices(C: np.ndarray, cap: int, *, target_excess: int) -> np.ndarra
         p, _ = _stages(CT[:, idx], cap * n / N, p, eps, max_stages=1, target_excess=None)
         eps /= _SHRINK
     p, _ = _stages(CT, cap, p, eps, max_stages=_MAX_STAGES, target_excess=target_excess,
-                   eps_stop=scale * 1e-12)
+                   eps_stop=span * _EPS_FLOOR)
     return p - p.min()
 
 
@@ -196,6 +198,7 @@ class _ColumnGraph:
         self.dummy = dummy  # (K,) dummy slots held by each column
         self.margin = np.full(K, np.inf)  # rows of a outside its pool have gap >= margin
         self.pools = [st[:pool_size] for st in self.start]
+        self.requested = np.full(K, pool_size)  # prefix of `start` the pool was built from
         for a, st in enumerate(self.start):
             if st.size > pool_size:
                 self.margin[a] = float(gap[st[pool_size]])
@@ -229,7 +232,7 @@ class _ColumnGraph:
 
     def widen(self, a: int) -> None:
         start = self.start[a]
-        size = 4 * max(self.pools[a].size, 16)
+        size = self.requested[a] = 4 * max(int(self.requested[a]), 16)
         if size >= start.size:
             self.margin[a] = np.inf
         else:
@@ -258,22 +261,42 @@ class _ColumnGraph:
         A[use] = _BOUND
         W[a] = np.inf
 
-    def move(self, a: int, b: int) -> None:
+    def capacity(self, a: int, b: int) -> int:
+        """How many units can cross edge a→b at exactly its current cost W[a, b]."""
         r = int(self.A[a, b])
         if r == _DUMMY:
-            self.dummy[a] -= 1
-            self.dummy[b] += 1
-        else:
-            self.labels[r] = b
-            self.pools[a] = self.pools[a][self.pools[a] != r]
-            self.pools[b] = np.append(self.pools[b], r)
+            return int(self.dummy[a])
+        pool = self.pools[a]
+        keys = self.C[pool, b] - self.C[pool, a]
+        return int(np.count_nonzero(keys == self.W[a, b]))
+
+    def move(self, a: int, b: int, amount: int) -> None:
+        """Move ``amount`` units across a→b, each at cost W[a, b] (rows tied at it)."""
+        r = int(self.A[a, b])
+        if r == _DUMMY:
+            self.dummy[a] -= amount
+            self.dummy[b] += amount
+            return
+        pool = self.pools[a]
+        keys = self.C[pool, b] - self.C[pool, a]
+        rows = pool[keys == self.W[a, b]][:amount]
+        self.labels[rows] = b
+        self.pools[a] = pool[self.labels[pool] == a]
+        self.pools[b] = np.concatenate([self.pools[b], rows])
 
 
 def repair(C: np.ndarray, cap: int, p: np.ndarray) -> np.ndarray:
     """Exact optimum from prices ``p`` by successive shortest paths (module docstring)."""
     N, K = C.shape
-    best, gap = _top2((C + p).T.copy())
+    RT = (C + p).T.copy()
+    best, gap = _top2(RT)
     labels = best.astype(np.int64)
+    tied = np.flatnonzero(gap == 0.0)
+    if tied.size:  # any minimiser is optimal for its own sizes: deal ties out round-robin
+        is_min = RT[:, tied] == RT[best[tied], tied]
+        rank = np.cumsum(is_min, axis=0)  # (K, n_tied) 1-based rank among a row's minima
+        want = tied % is_min.sum(0) + 1
+        labels[tied] = np.argmax(is_min & (rank == want), axis=0)
     counts = np.bincount(labels, minlength=K)
     slots = K * cap - N
     dummy = np.zeros(K, dtype=np.int64)
@@ -319,10 +342,14 @@ def repair(C: np.ndarray, cap: int, p: np.ndarray) -> np.ndarray:
             for a in loose:
                 graph.widen(a)
             continue
+        # Units whose rows tie on every edge of the path all take it at the same cost, and
+        # shortest-path costs never decrease in SSP, so they go in one augmentation.
+        amount = min(int(excess[s]), -int(excess[t]),
+                     *(graph.capacity(a, b) for a, b in path))
         for a, b in path:
-            graph.move(a, b)
-        excess[s] -= 1
-        excess[t] += 1
+            graph.move(a, b, amount)
+        excess[s] -= amount
+        excess[t] += amount
         for a in {t, *(a for a, _ in path)}:
             graph.refresh(a)
     return labels
