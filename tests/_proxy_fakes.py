@@ -72,6 +72,7 @@ class FakeEngine:
         self.tokens = [f"tok{i}" for i in range(tokens)]
         self.payload = payload  # counts | blocks | routed | none | garbage
         self.report_prompt_tokens = report_prompt_tokens  # decode usage override
+        self.cached_tokens = 0  # prompt tokens the prefill "found cached" (not counted)
         self.mode = "ok"
         self.healthy = True
         self.requests: list[dict] = []  # bodies received on the completion routes
@@ -149,7 +150,7 @@ class FakeEngine:
                "remote_host": "127.0.0.1", "remote_port": 1}
         choice = {"index": 0, "text": "t"}
         if self.payload == "counts":
-            kvp["eldr"] = encode_counts(counts)
+            kvp["eldr"] = {**encode_counts(counts), "tokens": n_prompt - self.cached_tokens}
         elif self.payload == "blocks":
             kvp["eldr"] = encode_counts(np.stack([counts, counts]))
         elif self.payload == "garbage":

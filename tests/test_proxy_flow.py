@@ -107,6 +107,20 @@ def test_upstream_headers_forward_auth_and_ask_for_identity_encoding():
         assert "Accept-Encoding" not in h and "Cookie" not in h
 
 
+def test_partial_signatures_are_used_and_counted():
+    async def go():
+        async with cluster() as (router, client, prefills, _):
+            r1 = await client.post("/v1/completions", json=CODE)
+            prefills[0].cached_tokens = 2
+            r2 = await client.post("/v1/completions", json=CODE)
+            return router, r1.headers["X-Eldr-Decoder"], r2.headers["X-Eldr-Decoder"]
+
+    router, d1, d2 = run(go())
+    assert d1 == d2 == "w-code"
+    assert router.metrics.partial.get() == 1
+    assert router.metrics.fallbacks.values == {}
+
+
 @pytest.mark.parametrize("payload, source, reason", [
     ("none", "none", "missing"), ("garbage", "payload", "malformed"),
     ("routed", "routed_experts", None), ("blocks", "payload", None)])

@@ -348,16 +348,23 @@ def _expected_decoder(dep: Deployment, ids: list[int]) -> int:
     """The decoder the artifact names for this prompt: nearest centroid of its signature.
 
     The signature is computed here independently of the router: a PD prefill call straight
-    to the prefill engine, the plugin's payload, the artifact's encoder and centroids.
+    to the prefill engine, the plugin's payload, the artifact's encoder and centroids. Call
+    it before the prompt has been through the router (its KV stored by the connector).
     """
     from eldr import artifact
     from eldr.capture.payload import decode_counts
 
     art = artifact.load(dep.artifact)
+    kv = dep.tmp / "kv"
+    stored = set(os.listdir(kv))
     status, _, raw = _request(dep.urls["prefill"] + "/v1/completions", {
         "model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}})
     assert status == 200, raw
+    # The ExampleConnector stored this prompt's KV. Left there, the router's own prefill of
+    # the prompt would load it and compute (and count) only the tail: a partial signature.
+    for name in set(os.listdir(kv)) - stored:
+        shutil.rmtree(kv / name, ignore_errors=True)
     payload = json.loads(raw)["kv_transfer_params"]["eldr"]
     enc = art.encoder
     counts = decode_counts(payload, num_layers=enc.num_layers_, num_experts=enc.num_experts_)

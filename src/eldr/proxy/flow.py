@@ -133,6 +133,18 @@ def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
     return json.dumps(dec).encode()
 
 
+def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
+    """True if the payload counted fewer tokens than the prompt has.
+
+    The capture plugin counts only tokens the prefill computed: blocks found in a prefix
+    cache or loaded by a KV connector are not recomputed, so their experts are missing
+    (design.md §5; the signature cache is the exact answer). Such a signature is still
+    used; it is counted so an operator sees how often it happens.
+    """
+    counted = payload.get("tokens") if isinstance(payload, dict) else None
+    return isinstance(counted, int) and prompt_tokens is not None and counted < prompt_tokens
+
+
 def prompt_key(body: dict, kind: str) -> bytes:
     """The bytes whose prefix blocks drive prefill affinity."""
     prompt = body.get("messages") if kind == "chat" else body.get("prompt")
@@ -259,11 +271,16 @@ class RequestFlow:
         state: RoutingState = self.router.state
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
+        usage = doc.get("usage")
+        pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        pt = pt if isinstance(pt, int) else None
         if state.needs_signature:
             sig = read_signature(doc, payload, state)
             metrics.signatures.inc(source=sig.source)
             if sig.vector is None:
                 metrics.fallbacks.inc(reason=sig.problem)
+            elif _is_partial(payload, pt):
+                metrics.partial.inc()
         else:
             sig = SignatureResult(None, "none", "not_used")
         tracker = self.pool.tracker
@@ -284,9 +301,7 @@ class RequestFlow:
                 metrics.band.observe(band)
         metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
         metrics.latency.observe(time.perf_counter() - t0)
-        usage = doc.get("usage")
-        pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        return Decision(k, sig, kv_params, pt if isinstance(pt, int) else None)
+        return Decision(k, sig, kv_params, pt)
 
     # -- decode ----------------------------------------------------------------------------
     async def _decode(self, request, kind: str, body: dict, raw: bytes | None, inst: Instance,

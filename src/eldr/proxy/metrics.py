@@ -243,6 +243,10 @@ class RouterMetrics:
         self.signatures = reg.counter(
             "eldr_signatures_total", "Prefill responses by where the signature came from.",
             ("source",))
+        self.partial = reg.counter(
+            "eldr_partial_signatures_total",
+            "Signatures counted over fewer tokens than the prompt (prefix-cache or KV "
+            "connector hits on the prefill instance).")
         self.fallbacks = reg.counter(
             "eldr_routing_fallbacks_total",
             "Requests routed by load only because their signature was missing or unusable.",
