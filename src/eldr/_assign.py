@@ -19,8 +19,9 @@ Two phases, because exactness and speed want different tools:
    the first stages run on evenly spaced subsamples (N/4^j rows, fractional capacity).
    Rows whose best column beats the second by ≥ 30ε are one-hot to within e^-30 and
    are counted, not exponentiated, so late stages touch only rows near a boundary.
-   Stops once ``argmin(C + p)`` overfills the columns by at most max(4, N/1000) rows.
-   Approximate; its output is only a starting point.
+   Stops once ``argmin(C + p)`` overfills the columns by at most max(4, N/1000) rows,
+   when prices stop moving (what is left is exact ties), or at ε = 1e-5 of the largest
+   gap (float32 resolution). Approximate; its output is only a starting point.
 2. :func:`repair` (exactness). Successive shortest paths in the K-node column graph,
    starting from ``argmin(C + p)`` — optimal for its own column sizes, since ``p``
    certifies it — moving one row (or dummy slot) at a time from an over-full column to
@@ -29,7 +30,10 @@ Two phases, because exactness and speed want different tools:
    of negative cycles, so the result is an exact optimum: only float64 comparisons of
    the given costs, no scaling, no rounding. Edge minima are kept over a pool of rows
    near the boundary; a row outside the pool provably costs at least a known bound, and
-   the pool is widened whenever an edge's minimum crosses that bound.
+   the pool is widened whenever an edge's minimum crosses that bound. Exact ties (many
+   identical rows) are cheap: the starting argmin deals tied rows round-robin over their
+   minimal columns, and units whose rows tie on every edge of a shortest path move
+   together in one augmentation.
 """
 
 from __future__ import annotations
