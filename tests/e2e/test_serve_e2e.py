@@ -429,6 +429,7 @@ def test_domains_reach_the_decoders_the_artifact_names(deployment):
     names = json.loads(_request(deployment.router_url("/health"))[2])["decode"]
     names = [d["name"] for d in names]
     assert got == [names[k] for k in expected]
+    print("domain -> decoder(s):", {d: sorted(names[k] for k in ks) for d, ks in domains.items()})
     assert len(set(expected)) == 2, f"every domain went to one decoder: {domains}"
     page_a, page_b = before.decode(), after.decode()
     for k, name in enumerate(names):
