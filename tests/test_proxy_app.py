@@ -73,20 +73,28 @@ def test_malformed_requests_do_not_disturb_concurrent_good_ones():
     assert all("[DONE]" in text for _, text in out[:4])
 
 
+async def _until(predicate, timeout: float = 10.0) -> None:
+    """Wait for background health checks (every 0.05 s) to reach a state."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+
+
 def test_models_health_and_metrics_pages():
     async def go():
-        async with cluster() as (_, client, _p, decoders):
+        async with cluster() as (router, client, _p, decoders):
             models = await (await client.get("/v1/models")).json()
             h1 = await client.get("/health")
             decoders[0].healthy = False
-            await asyncio.sleep(0.3)
+            await _until(lambda: not router.pool.decode[0].healthy)
             h2 = await client.get("/health")
             decoders[1].healthy = False
-            await asyncio.sleep(0.3)
+            await _until(lambda: not router.pool.decode[1].healthy)
             h3 = await client.get("/health")
             r = await client.post("/v1/completions", json=CODE)
             decoders[0].healthy = decoders[1].healthy = True
-            await asyncio.sleep(0.3)
+            await _until(lambda: all(d.healthy for d in router.pool.decode))
             h4 = await client.get("/health")
             m = await client.get("/metrics")
             return (models, [(h.status, (await h.json())["status"]) for h in (h1, h2, h3, h4)],
