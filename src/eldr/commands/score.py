@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-pairs", type=int, default=None,
                    help="rank a seeded sample of this many request pairs (default: all pairs)")
-    p.add_argument("--selection-max-pairs", type=int, default=100_000,
-                   help="pairs sampled during the greedy layer search (default 100000; 0 = all)")
+    p.add_argument("--selection-max-pairs", type=int, default=20_000,
+                   help="pairs sampled during the greedy layer search (default 20000; 0 = all)")
     p.add_argument("--seed", type=int, default=0, help="seed for pair sampling")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
