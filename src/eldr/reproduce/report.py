@@ -214,8 +214,9 @@ def _plot_main(an: Analysis, wl: str, path: Path) -> None:
         if not pts:
             continue
         qs = [q for q, _ in pts]
-        style = {"lw": 2.5, "color": "C3"} if v == an.eldr() else \
-            {"ls": "--", "color": "gray"} if v == an.oracle() else {}
+        # ELDR in black on top; the oracle bound dashed (they often coincide)
+        style = {"lw": 2.5, "color": "black", "zorder": 5} if v == an.eldr() else \
+            {"ls": "--", "color": "gray", "zorder": 6} if v == an.oracle() else {}
         for ax, key in zip(axes, ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms"),
                            strict=True):
             ax.plot(qs, [r[key] for _, r in pts], marker="o", label=labels.get(v, v), **style)
