@@ -94,9 +94,26 @@ def _no_artifact_reason() -> str | None:
     """Why the eldr policy cannot run (the router then runs round_robin), or None."""
     if importlib.util.find_spec("eldr.artifact") is None:
         return "eldr.artifact (eldr fit) is not there yet"
-    if _trace_path() is None:
-        return "no tiny-MoE trace shipped yet to fit the routing artifact on"
+    if _trace_path() is None and (importlib.util.find_spec("torch") is None
+                                  or importlib.util.find_spec("transformers") is None):
+        return "no tiny-MoE trace shipped, and no torch/transformers to capture one"
     return None
+
+
+def _capture_trace(tmp: Path) -> Path:
+    """A small trace of the model on this test's own prompts (when none is shipped)."""
+    from eldr.cli import main
+
+    prompts = tmp / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for i in range(4):
+            for text, domain in _TEXT_PROMPTS:
+                f.write(json.dumps({"prompt": f"{i}. {text}", "domain": domain}) + "\n")
+    out = tmp / "trace.npz"
+    rc = main(["capture", "--model", str(_model_dir()), "--prompts", str(prompts),
+               "--max-new-tokens", "4", "-o", str(out)])
+    assert rc == 0, "eldr capture failed"
+    return out
 
 
 def _plugin_pythonpath(tmp: Path) -> str:
@@ -234,11 +251,11 @@ def _engine(name: str, tmp: Path, core: int, *, kv: bool, pythonpath: str) -> tu
     return _Proc(name, cmd, env, tmp / f"{name}.log"), f"http://127.0.0.1:{port}"
 
 
-def _fit_artifact(tmp: Path) -> Path:
+def _fit_artifact(tmp: Path, trace: Path) -> Path:
     from eldr.cli import main
 
     out = tmp / "artifact"
-    rc = main(["fit", str(_trace_path()), "--decoders", "2", "--tau", "0", "-o", str(out)])
+    rc = main(["fit", str(trace), "--decoders", "2", "--tau", "0", "-o", str(out)])
     assert rc == 0, "eldr fit failed"
     return out
 
@@ -251,6 +268,7 @@ class Deployment:
         self.procs: dict[str, _Proc] = {}
         self.urls: dict[str, str] = {}
         self.artifact: Path | None = None  # None: no artifact, the router runs round_robin
+        self.trace: Path | None = None  # the trace the artifact was fitted on
         self.no_artifact_reason: str | None = None
 
     def router_url(self, path: str) -> str:
@@ -276,7 +294,8 @@ def deployment(tmp_path_factory):
             proc.start()  # all four start in parallel
         dep.no_artifact_reason = _no_artifact_reason()
         if dep.no_artifact_reason is None:
-            dep.artifact = _fit_artifact(tmp)
+            dep.trace = _trace_path() or _capture_trace(tmp)
+            dep.artifact = _fit_artifact(tmp, dep.trace)
             routing = ["--artifact", str(dep.artifact), "--policy", "eldr", "--tau", "0"]
         else:
             routing = ["--policy", "round_robin"]
@@ -323,16 +342,16 @@ _TEXT_PROMPTS = [  # written for this test; each well over two 32-token blocks
 ]
 
 
-def _trace_prompts(per_domain: int = 3) -> list[tuple[list[int] | str, str]]:
-    """(token ids, domain) of shipped-trace prompts: up to ``per_domain`` of each domain.
+def _trace_prompts(dep: Deployment, per_domain: int = 3) -> list[tuple[list[int] | str, str]]:
+    """(token ids, domain) of the fitted trace's prompts: up to ``per_domain`` per domain.
 
     Without a trace: a few text prompts written for this test, repeated.
     """
-    if _trace_path() is None:
+    if dep.trace is None:
         return [(f"{i}. {text}", d) for i in range(per_domain) for text, d in _TEXT_PROMPTS]
     from eldr.trace import load
 
-    trace = load(_trace_path())
+    trace = load(dep.trace)
     out: list[tuple[list[int], str]] = []
     seen: dict[int, int] = {}
     for r in range(trace.num_requests):
@@ -414,7 +433,7 @@ def _kv_injections(dep: Deployment) -> int:
 def test_domains_reach_the_decoders_the_artifact_names(deployment):
     if deployment.artifact is None:
         pytest.skip(f"no routing artifact: {deployment.no_artifact_reason}")
-    prompts = _trace_prompts()
+    prompts = _trace_prompts(deployment)
     _, _, before = _request(deployment.router_url("/metrics"))
     expected, got, domains = [], [], {}
     for ids, domain in prompts:
@@ -510,7 +529,7 @@ def test_client_disconnect_aborts_the_engine_request(deployment):
 
 def test_killing_a_decoder_under_load_loses_no_request(deployment):
     dep = deployment
-    prompts = [ids for ids, _ in _trace_prompts(per_domain=4)]
+    prompts = [ids for ids, _ in _trace_prompts(dep, per_domain=4)]
     victim = 1
     victim_name = json.loads(_request(dep.router_url("/health"))[2])["decode"][victim]["name"]
 
