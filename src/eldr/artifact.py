@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr.fileio import default_dir_mode
 from eldr.signature import REPRESENTATIONS, SignatureEncoder
 from eldr.trace import Trace, TraceMeta
 
@@ -226,6 +227,7 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
     old = None
     try:
+        os.chmod(tmp, default_dir_mode())
         (tmp / _JSON).write_text(json.dumps(doc, indent=2) + "\n")
         with open(tmp / _ARRAYS, "wb") as fh:
             np.savez(fh, idf=np.asarray(artifact.encoder.idf_, dtype=np.float64),

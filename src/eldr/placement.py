@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from eldr.fileio import atomic_write_text
 from eldr.trace import Trace
 
 __all__ = [
@@ -137,14 +137,4 @@ def save_placement(path: str | os.PathLike, *, per_decoder: np.ndarray, global_:
         "global": global_.tolist(),
         "imbalance": report,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, json.dumps(doc) + "\n")

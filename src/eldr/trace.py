@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
+
+from eldr.fileio import atomic_file
 
 __all__ = ["FORMAT_VERSION", "Trace", "TraceMeta", "concat", "load", "save"]
 
@@ -319,15 +320,8 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
         arr = getattr(trace, name)
         if arr is not None:
             arrays[name] = arr
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as fh:
+        np.savez_compressed(fh, **arrays)
     return path
 
 

@@ -16,12 +16,12 @@ import csv
 import io
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from eldr.fileio import atomic_write_text
 from eldr.sim.config import SimConfig
 
 __all__ = ["SimResult", "write_csv", "write_json"]
@@ -117,18 +117,7 @@ class SimResult:
 
 
 def _atomic_write(path: str | os.PathLike, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write_text(path, text)
 
 
 def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
