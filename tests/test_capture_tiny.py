@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from eldr.capture import tiny_moe_dir, tiny_moe_trace_path
@@ -28,26 +27,10 @@ def test_shipped_trace_matches_the_model():
         cfg["num_experts_per_tok"])
     assert t.domain_names is not None and len(t.domain_names) >= 6
     assert t.prefill_topk is not None and t.decode_topk is not None
-    assert t.prompt_token_ids.max() < cfg["vocab_size"]
+    # The prompts are held-out text from Debian/PyPI packages: their token ids would let
+    # anyone decode that third-party text, so the shipped trace carries routing only.
+    assert t.prompt_token_ids is None
     assert tiny_moe_trace_path().stat().st_size < 2.5 * 2**20
-
-
-def test_shipped_trace_reproduces_from_the_model():
-    """Re-capturing two shipped prompts with transformers gives the shipped routing."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from eldr.capture.hf import capture_ids
-
-    t = load(tiny_moe_trace_path())
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_moe_dir(),
-                                                              dtype=torch.float32)
-    rows = [0, t.num_requests - 1]
-    n = int(t.output_lens[rows].min())
-    res = capture_ids(model, [t.prompt_tokens(r) for r in rows], max_new_tokens=n,
-                      progress=False)
-    off = t.prefill_offsets
-    for r, got in zip(rows, res, strict=True):
-        np.testing.assert_array_equal(got.prefill_topk, t.prefill_topk[off[r]:off[r + 1]])
 
 
 def test_missing_data_is_a_clear_error(monkeypatch, tmp_path):

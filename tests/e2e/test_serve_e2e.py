@@ -347,11 +347,11 @@ def _trace_prompts(dep: Deployment, per_domain: int = 3) -> list[tuple[list[int]
 
     Without a trace: a few text prompts written for this test, repeated.
     """
-    if dep.trace is None:
-        return [(f"{i}. {text}", d) for i in range(per_domain) for text, d in _TEXT_PROMPTS]
     from eldr.trace import load
 
-    trace = load(dep.trace)
+    trace = None if dep.trace is None else load(dep.trace)
+    if trace is None or trace.prompt_token_ids is None:  # the shipped trace has no prompt ids
+        return [(f"{i}. {text}", d) for i in range(per_domain) for text, d in _TEXT_PROMPTS]
     out: list[tuple[list[int], str]] = []
     seen: dict[int, int] = {}
     for r in range(trace.num_requests):
