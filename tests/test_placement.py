@@ -96,3 +96,13 @@ def test_place_command(tmp_path, capsys):
     rc = main(["place", str(tmp_path / "art"), str(tpath), "--ep", "3",
                "-o", str(tmp_path / "q.json")])
     assert rc == 2 and "must divide" in capsys.readouterr().err
+
+
+def test_greedy_placement_fills_ranks_evenly_and_balances_load():
+    act = np.array([[8.0, 1.0, 1.0, 6.0, 0.0, 0.0, 2.0, 2.0]])
+    p = placement.greedy_placement(act, 2)
+    np.testing.assert_array_equal(np.bincount(p[0], minlength=2), [4, 4])
+    loads = np.bincount(p[0], weights=act[0], minlength=2)
+    assert loads.tolist() == [10.0, 10.0]  # 8+2+0+0 vs 6+2+1+1
+    with pytest.raises(ValueError, match="divide"):
+        placement.greedy_placement(act, 3)

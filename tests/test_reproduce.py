@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from conftest import make_trace
 from eldr.cli import main
 from eldr.reproduce import Plan, headline_text, run_plan, write_report
 from eldr.reproduce.report import Analysis
-from eldr.reproduce.setup import greedy_placement
 from eldr.reproduce.sweeps import plan_tasks
 from eldr.trace import save
 
@@ -34,20 +32,7 @@ def test_plan_tasks_cover_every_experiment_once():
     assert len([t for t in tasks if t.experiment == "main"]) == len(TINY.policies)
 
 
-def test_greedy_placement_fills_ranks_evenly_and_balances_load():
-    act = np.array([[8.0, 1.0, 1.0, 6.0, 0.0, 0.0, 2.0, 2.0]])
-    p = greedy_placement(act, 2)
-    np.testing.assert_array_equal(np.bincount(p[0], minlength=2), [4, 4])
-    loads = np.bincount(p[0], weights=act[0], minlength=2)
-    assert loads.tolist() == [10.0, 10.0]  # 8+2+0+0 vs 6+2+1+1
-    with pytest.raises(ValueError, match="divide"):
-        greedy_placement(act, 3)
-
-
 def test_tiny_reproduce_writes_a_report(tmp_path):
-    cluster = pytest.importorskip("eldr.cluster")
-    if not hasattr(cluster, "BalancedKMeans"):
-        pytest.skip("eldr.cluster.BalancedKMeans is not available yet")
     trace = make_trace(100, L, E, K_TOP, seed=5, with_topk=False)
     res = run_plan(TINY, trace=trace, jobs=1, log=lambda msg: None, progress=False)
     assert len(res.rows) == len(plan_tasks(TINY))

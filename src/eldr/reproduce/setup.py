@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.placement import greedy_placement
 from eldr.routing import decode_patterns, make_policy
 from eldr.sim import TokenBank
 from eldr.trace import Trace
 
-__all__ = ["RoutingSetup", "fit_setup", "greedy_placement"]
+__all__ = ["RoutingSetup", "fit_setup"]
 
 
 @dataclass(eq=False)
@@ -96,28 +97,6 @@ class RoutingSetup:
         if name in ("eldr", "eldr_top1"):
             return {"signatures": self.signatures}
         return {}
-
-
-def greedy_placement(activation: np.ndarray, ep: int) -> np.ndarray:
-    """(L, E) expected activation → (L, E) int64 EP rank per expert, E/ep experts per rank.
-
-    Per layer, experts in decreasing activation go to the least-loaded rank that still has
-    room (ties → lowest rank): METRO-style greedy balancing (design.md §3).
-    """
-    L, E = activation.shape
-    if E % ep:
-        raise ValueError(f"ep={ep} must divide E={E}")
-    cap = E // ep
-    out = np.empty((L, E), dtype=np.int64)
-    for layer in range(L):
-        load = np.zeros(ep)
-        room = np.full(ep, cap)
-        for e in np.argsort(-activation[layer], kind="stable"):
-            r = int(np.argmin(np.where(room > 0, load, np.inf)))
-            out[layer, e] = r
-            load[r] += activation[layer, e]
-            room[r] -= 1
-    return out
 
 
 def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0,
