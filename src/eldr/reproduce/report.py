@@ -244,7 +244,9 @@ def _plot_bars(labels, series: dict[str, list[float]], title: str, ylabel: str,
     ax.axhline(0, color="k", lw=0.8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    # below the axes: bars may fill the whole plot (and go negative), so no corner is free
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              ncol=max(len(series), 1), frameon=False)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
