@@ -3,7 +3,6 @@ import pytest
 
 from eldr.routing import (
     POLICIES,
-    LoadTracker,
     NoHealthyWorkerError,
     Policy,
     RouteRequest,
@@ -229,25 +228,6 @@ def test_registry_lists_builtins_and_refuses_duplicates():
         make_policy("nope", num_workers=2)
     with pytest.raises(TypeError):
         POLICIES["x"] = None  # read-only view
-
-
-def test_load_tracker_dispatch_complete_report_health():
-    t = LoadTracker(3)
-    t.on_dispatch(1)
-    t.on_dispatch(1)
-    t.on_complete(1)
-    assert t.loads.tolist() == [0.0, 1.0, 0.0]
-    t.report(2, 5)
-    t.on_dispatch(2)
-    assert t.loads.tolist() == [0.0, 1.0, 6.0]
-    t.on_complete(0)  # never below zero
-    assert t.loads[0] == 0.0
-    t.set_healthy(1, False)
-    assert make_policy("jsq", num_workers=3).choose(_req(), t.loads, t.healthy) == 0
-    with pytest.raises(ValueError, match="out of range"):
-        t.on_dispatch(3)
-    with pytest.raises(ValueError, match="finite"):
-        t.report(0, -1)
 
 
 def test_decode_patterns_are_unit_rows():

@@ -6,7 +6,7 @@ workers (indices ``0..K-1``; the artifact maps them to worker ids) gets this req
 API::
 
     policy = make_policy("eldr", num_workers=K, centroids=C, tau=0.1, random_state=0)
-    tracker = LoadTracker(K)
+    tracker = LoadTracker(K)       # eldr.loads
     k = policy.choose(RouteRequest("r1", signature=s), tracker.loads, tracker.healthy)
     tracker.on_dispatch(k)     # ... and tracker.on_complete(k) when the decode finishes
 
@@ -14,7 +14,7 @@ API::
 requests per worker; any non-negative numbers) and an optional health mask ``(K,) bool``
 (``None`` = all healthy). Policies never choose an unhealthy worker and raise
 :class:`NoHealthyWorkerError` when none is healthy. They hold no load state themselves:
-loads live in a :class:`LoadTracker` (HTTP router) or in the caller (simulator), so one
+loads live in a :class:`eldr.loads.LoadTracker` (HTTP router) or in the caller (simulator), so one
 policy serves both. ``choose`` does O(K·d) work on small arrays and allocates nothing
 larger than ``(K,)``: the simulator calls it millions of times.
 
@@ -62,7 +62,6 @@ __all__ = [
     "DomainPolicy",
     "EldrPolicy",
     "JSQPolicy",
-    "LoadTracker",
     "NoHealthyWorkerError",
     "P2CPolicy",
     "Policy",
@@ -372,46 +371,6 @@ class EldrPolicy:
         key = np.where(sim >= top - self.tau, loads, np.inf)  # load inside the band
         # least load; among equal loads the highest sim; argmax picks the lowest index
         return int(np.argmax(np.where(key == key.min(), sim, -np.inf)))
-
-
-# -- load tracking --------------------------------------------------------------------------
-class LoadTracker:
-    """In-flight requests per decode worker, plus a health mask.
-
-    ``loads`` (K,) float64 and ``healthy`` (K,) bool are live arrays: pass them straight
-    to ``Policy.choose``. ``on_dispatch``/``on_complete`` move a worker's count by ±1;
-    ``report`` overwrites it with an externally measured load (e.g. a worker's own
-    running + waiting count), after which dispatches and completions move it again until
-    the next report. A completion never takes a load below 0 (it may belong to a request
-    the last report already excluded).
-    """
-
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = _check_num_workers(num_workers)
-        self.loads = np.zeros(self.num_workers, dtype=np.float64)
-        self.healthy = np.ones(self.num_workers, dtype=bool)
-
-    def _index(self, worker: int) -> int:
-        if not isinstance(worker, (int, np.integer)) or not 0 <= worker < self.num_workers:
-            raise ValueError(f"worker index {worker!r} out of range [0, {self.num_workers})")
-        return int(worker)
-
-    def on_dispatch(self, worker: int) -> None:
-        self.loads[self._index(worker)] += 1.0
-
-    def on_complete(self, worker: int) -> None:
-        k = self._index(worker)
-        self.loads[k] = max(0.0, self.loads[k] - 1.0)
-
-    def report(self, worker: int, load: float) -> None:
-        load = float(load)
-        if not np.isfinite(load) or load < 0:
-            raise ValueError(f"reported load for worker {worker} must be finite and >= 0, "
-                             f"got {load}")
-        self.loads[self._index(worker)] = load
-
-    def set_healthy(self, worker: int, is_healthy: bool) -> None:
-        self.healthy[self._index(worker)] = bool(is_healthy)
 
 
 # -- helpers for the oracle -----------------------------------------------------------------
