@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr.fileio import atomic_write_text
+from eldr.reproduce.plots import plot_bars, plot_decoders, plot_main
 from eldr.reproduce.sweeps import LOAD_BALANCERS, Results
-from eldr.sim.metrics import _atomic_write, write_csv, write_json
+from eldr.sim.metrics import write_csv, write_json
 
 __all__ = ["Analysis", "write_report"]
 
@@ -192,86 +194,6 @@ class Analysis:
         return out
 
 
-# -- plots ------------------------------------------------------------------------------------
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _plot_main(an: Analysis, wl: str, path: Path) -> None:
-    plt = _plt()
-    K = an.plan.num_decode
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    variants = [*LOAD_BALANCERS, "domain", an.eldr(), an.oracle()]
-    labels = {an.eldr(): "eldr", an.oracle(): "oracle_signature"}
-    for v in variants:
-        pts = [(q, an.get(wl, q, K, v)) for q in an.plan.rates]
-        pts = [(q, r) for q, r in pts if r is not None]
-        if not pts:
-            continue
-        qs = [q for q, _ in pts]
-        # ELDR in black on top; the oracle bound dashed (they often coincide)
-        style = {"lw": 2.5, "color": "black", "zorder": 5} if v == an.eldr() else \
-            {"ls": "--", "color": "gray", "zorder": 6} if v == an.oracle() else {}
-        for ax, key in zip(axes, ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms"),
-                           strict=True):
-            ax.plot(qs, [r[key] for _, r in pts], marker="o", label=labels.get(v, v), **style)
-    for ax, title in zip(axes, ("median TPOT (ms)", "p99 TPOT (ms)", "median TTFT (ms)"),
-                         strict=True):
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{wl} workload, {an.plan.num_prefill}P{K}D, {an.plan.model}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_bars(labels, series: dict[str, list[float]], title: str, ylabel: str,
-               path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    x = np.arange(len(labels))
-    w = 0.8 / max(len(series), 1)
-    for j, (name, vals) in enumerate(series.items()):
-        ax.bar(x + j * w - 0.4 + w / 2, vals, w, label=name)
-    ax.set_xticks(x, [str(v) for v in labels])
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    # below the axes: bars may fill the whole plot (and go negative), so no corner is free
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1),
-              ncol=max(len(series), 1), frameon=False)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_decoders(an: Analysis, path: Path) -> list[dict]:
-    """Distinct experts per decoder, ELDR vs the best LB, first workload at tau_rate."""
-    wl, q, K = an.plan.workloads[0], an.plan.tau_rate, an.plan.num_decode
-    b = an.best_lb(wl, q, K)
-    rows = an.results.decoder_rows
-    want = {an.eldr(): "eldr", (b["policy"] if b else None): "best LB"}
-    series, table = {}, []
-    for v, label in want.items():
-        sel = [r for r in rows if r["workload"] == wl and r["variant"] == v
-               and float(r["qps"]) == float(q)]
-        if sel:
-            series[f"{label} ({v.split('[')[0]})"] = [r["mean_distinct_per_layer"] for r in sel]
-            table += sel
-    if series:
-        _plot_bars(list(range(K)), series, f"distinct experts per layer per step, {wl}, "
-                   f"{q:g} req/s", "mean distinct experts / layer / step", path)
-    return table
-
-
 # -- report -----------------------------------------------------------------------------------
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -328,7 +250,7 @@ def write_report(results: Results, out: str | Path) -> Path:
           f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}", f"{h['lb_batch']:.1f}"]
          for h in hl]))
     for wl in plan.workloads:
-        _plot_main(an, wl, out / f"main_{wl}.png")
+        plot_main(an, wl, out / f"main_{wl}.png")
         md.append(f"\n![{wl}](main_{wl}.png)\n")
     tau = an.tau_rows()
     if tau:
@@ -339,7 +261,7 @@ def write_report(results: Results, out: str | Path) -> Path:
                          [[f"{r['tau']:g}", _f(r["tpot_p50"]), _f(r["tpot_p99"]),
                            _s(r["d_p50"]), _s(r["d_p99"]), _f(r["distinct"], 1),
                            _f(r["max_share"], 3)] for r in tau]))
-        _plot_bars([f"{r['tau']:g}" for r in tau],
+        plot_bars([f"{r['tau']:g}" for r in tau],
                    {"Δ median TPOT %": [r["d_p50"] for r in tau],
                     "Δ p99 TPOT %": [r["d_p99"] for r in tau]},
                    "ELDR vs best load balancer by τ", "% vs best LB", out / "tau.png")
@@ -351,7 +273,7 @@ def write_report(results: Results, out: str | Path) -> Path:
         md.append("Paper: 8.0 → 9.8 → 10.2% median TPOT reduction for 8P8D → 8P16D → 8P24D.\n")
         md.append(_table(["pool", "Δ p50 vs best LB", "Δ p99 vs best LB"],
                          [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"])] for r in pool]))
-        _plot_bars([r["pool"] for r in pool], {"Δ median TPOT %": [r["d_p50"] for r in pool],
+        plot_bars([r["pool"] for r in pool], {"Δ median TPOT %": [r["d_p50"] for r in pool],
                                                "Δ p99 TPOT %": [r["d_p99"] for r in pool]},
                    "ELDR vs best load balancer by decode-pool size", "% vs best LB",
                    out / "pool.png")
@@ -365,7 +287,7 @@ def write_report(results: Results, out: str | Path) -> Path:
                           "calibration cluster sizes (max/min)"],
                          [[r["workload"], r["kind"], _s(r["d_p50"]), _s(r["d_p99"]),
                            f"{r['cluster_max']}/{r['cluster_min']}"] for r in van]))
-        _plot_bars([f"{r['workload']}\n{r['kind']}" for r in van],
+        plot_bars([f"{r['workload']}\n{r['kind']}" for r in van],
                    {"Δ p50 vs RR %": [r["d_p50"] for r in van],
                     "Δ p99 vs RR %": [r["d_p99"] for r in van]},
                    "vanilla vs balanced K-means", "% vs round-robin", out / "vanilla.png")
@@ -398,7 +320,7 @@ def write_report(results: Results, out: str | Path) -> Path:
                          [[f"{r['qps']:g}", r["best_lb"], _f(r["lb_p50"]),
                            _s(r["contiguous_p50"]), _s(r["global_p50"]),
                            _s(r["per_decoder_p50"]), _s(r["per_decoder_p99"])] for r in ep]))
-    dec = _plot_decoders(an, out / "decoders.png")
+    dec = plot_decoders(an, out / "decoders.png")
     if dec:
         md.append(f"\n## Distinct experts per decoder ({plan.workloads[0]}, "
                   f"{plan.tau_rate:g} req/s)\n")
@@ -408,4 +330,4 @@ def write_report(results: Results, out: str | Path) -> Path:
     write_json({"plan": plan.__dict__, "headline": hl, "tau": tau, "pool": pool,
                 "vanilla": van, "prefix": pre, "ep": ep, "seconds": results.seconds},
                out / "results.json")
-    return _atomic_write(out / "report.md", "\n".join(md) + "\n")
+    return atomic_write_text(out / "report.md", "\n".join(md) + "\n")

@@ -116,10 +116,6 @@ class SimResult:
         }
 
 
-def _atomic_write(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write_text(path, text)
-
-
 def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
     """Tidy rows (same keys) to CSV, atomically. Column order: first row's keys."""
     buf = io.StringIO()
@@ -130,12 +126,12 @@ def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
         w = csv.DictWriter(buf, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    return _atomic_write(path, buf.getvalue())
+    return atomic_write_text(path, buf.getvalue())
 
 
 def write_json(obj, path: str | os.PathLike) -> Path:
     """JSON (NaN → null), atomically."""
-    return _atomic_write(path, json.dumps(_clean(obj), indent=2) + "\n")
+    return atomic_write_text(path, json.dumps(_clean(obj), indent=2) + "\n")
 
 
 def _clean(obj):

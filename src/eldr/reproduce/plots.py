@@ -1,0 +1,94 @@
+"""PNG plots of the reproduction report (matplotlib, Agg backend, imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from eldr.reproduce.sweeps import LOAD_BALANCERS
+
+if TYPE_CHECKING:
+    from eldr.reproduce.report import Analysis
+
+__all__ = ["plot_bars", "plot_decoders", "plot_main"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_main(an: Analysis, wl: str, path: Path) -> None:
+    plt = _plt()
+    K = an.plan.num_decode
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    variants = [*LOAD_BALANCERS, "domain", an.eldr(), an.oracle()]
+    labels = {an.eldr(): "eldr", an.oracle(): "oracle_signature"}
+    for v in variants:
+        pts = [(q, an.get(wl, q, K, v)) for q in an.plan.rates]
+        pts = [(q, r) for q, r in pts if r is not None]
+        if not pts:
+            continue
+        qs = [q for q, _ in pts]
+        # ELDR in black on top; the oracle bound dashed (they often coincide)
+        style = {"lw": 2.5, "color": "black", "zorder": 5} if v == an.eldr() else \
+            {"ls": "--", "color": "gray", "zorder": 6} if v == an.oracle() else {}
+        for ax, key in zip(axes, ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms"),
+                           strict=True):
+            ax.plot(qs, [r[key] for _, r in pts], marker="o", label=labels.get(v, v), **style)
+    for ax, title in zip(axes, ("median TPOT (ms)", "p99 TPOT (ms)", "median TTFT (ms)"),
+                         strict=True):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{wl} workload, {an.plan.num_prefill}P{K}D, {an.plan.model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(labels, series: dict[str, list[float]], title: str, ylabel: str,
+               path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(labels))
+    w = 0.8 / max(len(series), 1)
+    for j, (name, vals) in enumerate(series.items()):
+        ax.bar(x + j * w - 0.4 + w / 2, vals, w, label=name)
+    ax.set_xticks(x, [str(v) for v in labels])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    # below the axes: bars may fill the whole plot (and go negative), so no corner is free
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              ncol=max(len(series), 1), frameon=False)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_decoders(an: Analysis, path: Path) -> list[dict]:
+    """Distinct experts per decoder, ELDR vs the best LB, first workload at tau_rate."""
+    wl, q, K = an.plan.workloads[0], an.plan.tau_rate, an.plan.num_decode
+    b = an.best_lb(wl, q, K)
+    rows = an.results.decoder_rows
+    want = {an.eldr(): "eldr", (b["policy"] if b else None): "best LB"}
+    series, table = {}, []
+    for v, label in want.items():
+        sel = [r for r in rows if r["workload"] == wl and r["variant"] == v
+               and float(r["qps"]) == float(q)]
+        if sel:
+            series[f"{label} ({v.split('[')[0]})"] = [r["mean_distinct_per_layer"] for r in sel]
+            table += sel
+    if series:
+        plot_bars(list(range(K)), series, f"distinct experts per layer per step, {wl}, "
+                   f"{q:g} req/s", "mean distinct experts / layer / step", path)
+    return table
