@@ -29,19 +29,18 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr._trace_validation import GATE_FIELDS, TOPK_FIELDS
+from eldr._trace_validation import validate as _validate
 from eldr.fileio import atomic_file
 
 __all__ = ["FORMAT_VERSION", "Trace", "TraceMeta", "concat", "load", "save"]
 
 FORMAT_VERSION = 1
 
-_COUNT_FIELDS = ("prefill_counts", "decode_counts")
-_GATE_FIELDS = ("prefill_gate_prob", "prefill_gate_logit")
-_TOPK_FIELDS = ("prefill_topk", "decode_topk")
 _OPTIONAL_ARRAYS = (
     "domains",
-    *_GATE_FIELDS,
-    *_TOPK_FIELDS,
+    *GATE_FIELDS,
+    *TOPK_FIELDS,
     "prompt_token_ids",
 )
 
@@ -147,7 +146,7 @@ class Trace:
             raise ValueError(f"subset: index out of range for a trace of {self.num_requests}")
         kw: dict = {}
         for name in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens",
-                     "domains", *_GATE_FIELDS):
+                     "domains", *GATE_FIELDS):
             arr = getattr(self, name)
             kw[name] = None if arr is None else arr[idx]
         kw["prefill_topk"] = _take_ragged(self.prefill_topk, self.prefill_offsets, idx)
@@ -189,118 +188,6 @@ def _take_ragged(arr: np.ndarray | None, offsets: np.ndarray, idx: np.ndarray):
         return arr[:0]
     rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
     return arr[rows]
-
-
-# -- validation ----------------------------------------------------------------------------
-def _fail(field_name: str, msg: str, request: int | None = None) -> None:
-    where = f" (request {request})" if request is not None else ""
-    raise ValueError(f"trace field {field_name!r}{where}: {msg}")
-
-
-def _first_bad(mask: np.ndarray) -> int:
-    """Index of the first request flagged in a boolean array of leading dimension R."""
-    flat = mask.reshape(mask.shape[0], -1).any(axis=1)
-    return int(np.flatnonzero(flat)[0])
-
-
-def _validate(t: Trace) -> None:
-    if not isinstance(t.meta, TraceMeta):
-        _fail("meta", f"must be a TraceMeta, got {type(t.meta).__name__}")
-    L, E, k = t.meta.num_layers, t.meta.num_experts, t.meta.top_k
-    for name in ("prompt_lens", "output_lens"):
-        arr = getattr(t, name)
-        if not isinstance(arr, np.ndarray) or arr.ndim != 1:
-            _fail(name, "must be a 1-D numpy array")
-        if not np.issubdtype(arr.dtype, np.integer):
-            _fail(name, f"must be integer, got dtype {arr.dtype}")
-    R = t.prompt_lens.shape[0]
-    if t.output_lens.shape != (R,):
-        _fail("output_lens", f"shape {t.output_lens.shape}, expected ({R},)")
-    if (t.prompt_lens < 0).any():
-        _fail("prompt_lens", "negative length", _first_bad(t.prompt_lens < 0))
-    if (t.output_lens < 1).any():
-        _fail("output_lens", "must be >= 1 (the first token comes from prefill)",
-              _first_bad(t.output_lens < 1))
-    object.__setattr__(t, "prompt_lens", t.prompt_lens.astype(np.int64, copy=False))
-    object.__setattr__(t, "output_lens", t.output_lens.astype(np.int64, copy=False))
-
-    tokens = {"prefill_counts": t.prompt_lens, "decode_counts": t.output_lens - 1}
-    for name in _COUNT_FIELDS:
-        arr = getattr(t, name)
-        if not isinstance(arr, np.ndarray):
-            _fail(name, "must be a numpy array")
-        if arr.shape != (R, L, E):
-            _fail(name, f"shape {arr.shape}, expected (R, L, E) = ({R}, {L}, {E})")
-        if not np.issubdtype(arr.dtype, np.integer):
-            _fail(name, f"must hold integer counts, got dtype {arr.dtype}")
-        if R and (arr < 0).any():
-            _fail(name, "negative count", _first_bad(arr < 0))
-        sums = arr.sum(axis=2, dtype=np.int64)  # (R, L)
-        bad = sums != (k * tokens[name])[:, None]
-        if bad.any():
-            r = _first_bad(bad)
-            layer = int(np.flatnonzero(bad[r])[0])
-            _fail(name, f"layer {layer} counts sum to {int(sums[r, layer])}, expected top_k x "
-                  f"tokens = {k} x {int(tokens[name][r])}", r)
-        if arr.dtype != np.int32:
-            object.__setattr__(t, name, arr.astype(np.int32))
-
-    for name in _GATE_FIELDS:
-        arr = getattr(t, name)
-        if arr is None:
-            continue
-        if not isinstance(arr, np.ndarray) or arr.shape != (R, L, E):
-            _fail(name, f"shape {getattr(arr, 'shape', None)}, expected ({R}, {L}, {E})")
-        if not np.issubdtype(arr.dtype, np.floating):
-            _fail(name, f"must be floating point, got dtype {arr.dtype}")
-        if R and not np.isfinite(arr).all():
-            _fail(name, "non-finite value (NaN or Inf)", _first_bad(~np.isfinite(arr)))
-        if arr.dtype != np.float32:
-            object.__setattr__(t, name, arr.astype(np.float32))
-
-    if t.domains is not None:
-        if not isinstance(t.domains, np.ndarray) or t.domains.shape != (R,):
-            _fail("domains", f"shape {getattr(t.domains, 'shape', None)}, expected ({R},)")
-        if not np.issubdtype(t.domains.dtype, np.integer):
-            _fail("domains", f"must be integer labels, got dtype {t.domains.dtype}")
-        if t.domain_names is None:
-            _fail("domain_names", "domains are given but domain_names is missing")
-        n = len(t.domain_names)
-        bad = (t.domains < 0) | (t.domains >= n)
-        if bad.any():
-            r = _first_bad(bad)
-            _fail("domains", f"label {int(t.domains[r])} out of range [0, {n})", r)
-        object.__setattr__(t, "domains", t.domains.astype(np.int32, copy=False))
-    if t.domain_names is not None:
-        object.__setattr__(t, "domain_names", tuple(str(s) for s in t.domain_names))
-
-    expected_rows = {"prefill_topk": int(t.prompt_lens.sum()),
-                     "decode_topk": int((t.output_lens - 1).sum())}
-    for name in _TOPK_FIELDS:
-        arr = getattr(t, name)
-        if arr is None:
-            continue
-        n = expected_rows[name]
-        if not isinstance(arr, np.ndarray) or arr.shape != (n, L, k):
-            _fail(name, f"shape {getattr(arr, 'shape', None)}, expected ({n}, {L}, {k})")
-        if not np.issubdtype(arr.dtype, np.integer):
-            _fail(name, f"must hold integer expert ids, got dtype {arr.dtype}")
-        if n and ((arr < 0).any() or (arr >= E).any()):
-            _fail(name, f"expert id out of range [0, {E})")
-        if k > 1 and n:
-            s = np.sort(arr, axis=2)
-            if (s[:, :, 1:] == s[:, :, :-1]).any():
-                _fail(name, "a token selects the same expert twice in one layer")
-        if arr.dtype != np.int16:
-            object.__setattr__(t, name, arr.astype(np.int16))
-    if t.prompt_token_ids is not None:
-        arr = t.prompt_token_ids
-        n = expected_rows["prefill_topk"]
-        if not isinstance(arr, np.ndarray) or arr.shape != (n,):
-            _fail("prompt_token_ids", f"shape {getattr(arr, 'shape', None)}, expected ({n},)")
-        if not np.issubdtype(arr.dtype, np.integer) or (n and arr.min() < 0):
-            _fail("prompt_token_ids", "must be non-negative integers")
-        object.__setattr__(t, "prompt_token_ids", arr.astype(np.int32, copy=False))
 
 
 # -- I/O ------------------------------------------------------------------------------------
@@ -395,7 +282,7 @@ def concat(traces: Sequence[Trace]) -> Trace:
     kw: dict = {}
     for name in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens"):
         kw[name] = np.concatenate([getattr(t, name) for t in traces])
-    for name in (*_GATE_FIELDS, *_TOPK_FIELDS, "prompt_token_ids"):
+    for name in (*GATE_FIELDS, *TOPK_FIELDS, "prompt_token_ids"):
         parts = [getattr(t, name) for t in traces]
         kw[name] = None if any(p is None for p in parts) else np.concatenate(parts)
     if all(t.domains is not None for t in traces):
