@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from eldr._policy_common import _check_num_workers
+
 __all__ = ["LoadTracker"]
 
 
@@ -25,9 +27,7 @@ class LoadTracker:
     """
 
     def __init__(self, num_workers: int) -> None:
-        if not isinstance(num_workers, (int, np.integer)) or num_workers <= 0:
-            raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
-        self.num_workers = int(num_workers)
+        self.num_workers = _check_num_workers(num_workers)
         self.loads = np.zeros(self.num_workers, dtype=np.float64)
         self.healthy = np.ones(self.num_workers, dtype=bool)
 
