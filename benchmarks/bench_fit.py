@@ -30,7 +30,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from eldr.cluster import balanced_assign
+from eldr.fit.cluster import balanced_assign
 
 
 def instance(N: int, K: int, d: int = 256, seed: int = 0):
@@ -99,8 +99,8 @@ def bench_assign(repeats: int) -> None:
 
 
 def bench_whole_fit() -> None:
-    from eldr.artifact import fit_artifact
-    from eldr.synth import generate
+    from eldr.fit.artifact import fit_artifact
+    from eldr.traces.synth import generate
 
     print("2. whole fit: R=1000 synthetic qwen3-30b-a3b (48x128, k=8) task requests, K=16")
     trace = generate("qwen3-30b-a3b", "task", num_requests=1000, seed=0, keep_topk=False)

@@ -192,11 +192,11 @@ def _router_main(ports: list[int], policy: str, core: int | None, conn) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})
     from eldr.commands.serve import serve
+    from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
     from eldr.proxy.decision import RoutingState
     from eldr.routing import make_policy
-    from eldr.signature import SignatureEncoder
 
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     config = ServeConfig(prefill_urls=(urls[0],), decode_urls=(urls[1], urls[2]),

@@ -23,11 +23,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from eldr.hashing import block_hashes, hash_block_tokens
-from eldr.sigcache import SignatureCache, block_rows, kv_fraction
+from eldr.cache.hashing import block_hashes, hash_block_tokens
+from eldr.cache.sigcache import SignatureCache, block_rows, kv_fraction
 
 KIB, MIB = 1024, 1024 * 1024
-# design.md §7, used only when eldr.models is unavailable:
+# design.md §7, used only when eldr.traces.models is unavailable:
 # name -> (num_layers, num_experts, top_k, kv_bytes_per_token, fixed KV bytes per request)
 _LOCAL_PRESETS = {
     "qwen3-30b-a3b": (48, 128, 8, 96 * KIB, 0),
@@ -40,7 +40,7 @@ _LOCAL_PRESETS = {
 def load_presets() -> tuple[str, dict]:
     """(source, {name: (L, E, k, kv_bytes_per_token, kv_fixed_bytes_per_request)})."""
     try:
-        from eldr.models import PRESETS
+        from eldr.traces.models import PRESETS
     except ImportError:
         return "local design.md table", dict(_LOCAL_PRESETS)
     table = {
@@ -48,7 +48,7 @@ def load_presets() -> tuple[str, dict]:
                p.kv_fixed_bytes_per_request)
         for name, p in PRESETS.items()
     }
-    return "eldr.models.PRESETS", table
+    return "eldr.traces.models.PRESETS", table
 
 
 def random_topk(rng, T: int, L: int, E: int, k: int) -> np.ndarray:

@@ -17,8 +17,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from eldr.signature import SignatureEncoder, rho
-from eldr.trace import Trace, TraceMeta
+from eldr.fit.signature import SignatureEncoder, rho
+from eldr.traces.trace import Trace, TraceMeta
 
 
 def constructed_trace(R: int, L: int, E: int, k: int, seed: int = 0) -> Trace:
@@ -55,7 +55,7 @@ def main() -> None:
                     "constructed trace (more layers carry signal: a longer greedy search)")
     args = ap.parse_args()
     if args.synthetic:
-        from eldr.synth import generate
+        from eldr.traces.synth import generate
 
         trace = generate("qwen3-30b-a3b", "task", num_requests=args.requests, seed=0,
                          keep_topk=False)

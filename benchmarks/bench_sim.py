@@ -50,16 +50,16 @@ def bench_union(batch: int = 16, L: int = 48, E: int = 128, k: int = 8, reps: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--trace", help="trace .npz (default: eldr.synth.default_trace())")
+    ap.add_argument("--trace", help="trace .npz (default: eldr.traces.synth.default_trace())")
     ap.add_argument("--qps", type=float, default=100.0)
     ap.add_argument("--policy", default="jsq")
     args = ap.parse_args()
     if args.trace:
-        from eldr.trace import load
+        from eldr.traces.trace import load
 
         trace = load(args.trace)
     else:
-        from eldr.synth import default_trace
+        from eldr.traces.synth import default_trace
 
         trace = default_trace()
     print(trace.describe())

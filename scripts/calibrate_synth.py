@@ -1,4 +1,4 @@
-"""Offline helper used to fit ``eldr.synth.CALIBRATION`` by hand, against the premises only.
+"""Offline helper used to fit ``eldr.traces.synth.CALIBRATION`` by hand, against the premises only.
 
 It generates count-path traces for one model and workload with some parameters changed,
 and prints every premise next to its published target (plus ρ of the other
@@ -17,8 +17,8 @@ import argparse
 import itertools
 import time
 
-from eldr.premises import calibration_report, representation_rho
-from eldr.synth import generate, with_params
+from eldr.traces.premises import calibration_report, representation_rho
+from eldr.traces.synth import generate, with_params
 
 
 def main() -> None:

@@ -16,9 +16,13 @@ import sys
 
 import numpy as np
 
-from eldr.premises import distinct_experts_reduction, effective_experts, prefill_decode_pearson
-from eldr.signature import REPRESENTATIONS, SignatureEncoder
-from eldr.trace import load
+from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
+from eldr.traces.premises import (
+    distinct_experts_reduction,
+    effective_experts,
+    prefill_decode_pearson,
+)
+from eldr.traces.trace import load
 
 
 def main(argv=None) -> int:

@@ -18,11 +18,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from eldr.capture.payload import encode_counts
+from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.app import Router
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import RoutingState
 from eldr.routing import make_policy
-from eldr.signature import SignatureEncoder
 
 L, E = 2, 8  # fingerprint of the fake model
 MODEL = "tiny"

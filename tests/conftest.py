@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.trace import Trace, TraceMeta
+from eldr.traces.trace import Trace, TraceMeta
 
 
 def make_trace(

@@ -3,13 +3,13 @@ import json
 import numpy as np
 import pytest
 
-from eldr import artifact
-from eldr.artifact import RoutingArtifact, fit_artifact
 from eldr.cli import main
+from eldr.fit import artifact
+from eldr.fit.artifact import RoutingArtifact, fit_artifact
+from eldr.fit.signature import SignatureEncoder
 from eldr.routing import RouteRequest, make_policy
-from eldr.signature import SignatureEncoder
-from eldr.trace import Trace, TraceMeta
-from eldr.trace import save as save_trace
+from eldr.traces.trace import Trace, TraceMeta
+from eldr.traces.trace import save as save_trace
 
 L, E, K_TOP = 3, 8, 2
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from eldr.baselines import domain_groups
 from eldr.routing import RouteRequest, make_policy
+from eldr.routing.baselines import domain_groups
 
 K = 4
 

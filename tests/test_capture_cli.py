@@ -67,7 +67,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def test_capture_command_writes_a_trace(tmp_path, tiny_model_dir, capsys):
-    from eldr.trace import load
+    from eldr.traces.trace import load
 
     prompts = _write(tmp_path / "p.jsonl", [{"prompt": "hello world", "domain": "en"},
                                             {"prompt": "bonjour le monde", "domain": "fr"},

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from eldr.capture import tiny_moe_dir, tiny_moe_trace_path
-from eldr.trace import load
+from eldr.traces.trace import load
 
 
 def test_shipped_model_folder_is_servable():

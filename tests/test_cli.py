@@ -6,7 +6,7 @@ import pytest
 
 from conftest import make_trace
 from eldr.cli import main
-from eldr.trace import save
+from eldr.traces.trace import save
 
 
 def test_help_lists_commands(capsys):

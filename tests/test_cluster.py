@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-import eldr._assign as assign_impl
-from eldr.cluster import BalancedKMeans, balanced_assign
+import eldr.fit.assign as assign_impl
+from eldr.fit.cluster import BalancedKMeans, balanced_assign
 
 
 def _optimum(cost, cap):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.hashing import (
+from eldr.cache.hashing import (
     HASH_NBYTES,
     ROOT_HASH,
     block_hashes,

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from eldr.loads import LoadTracker
 from eldr.routing import RouteRequest, make_policy
+from eldr.routing.loads import LoadTracker
 
 
 def _req() -> RouteRequest:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from eldr.models import PRESETS, ModelPreset, get_preset
+from eldr.traces.models import PRESETS, ModelPreset, get_preset
 
 
 def test_four_presets_with_routing_shapes_from_the_design_table():

@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from eldr import artifact, placement
 from eldr.cli import main
-from eldr.trace import Trace, TraceMeta
-from eldr.trace import save as save_trace
+from eldr.fit import artifact, placement
+from eldr.traces.trace import Trace, TraceMeta
+from eldr.traces.trace import save as save_trace
 
 
 def test_greedy_placement_hand_checked():

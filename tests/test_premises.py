@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import make_trace
-from eldr.premises import (
+from eldr.traces.premises import (
     PremiseRow,
     calibration_report,
     distinct_experts_reduction,
@@ -17,7 +17,7 @@ from eldr.premises import (
     prefill_decode_pearson,
     representation_rho,
 )
-from eldr.trace import Trace, TraceMeta
+from eldr.traces.trace import Trace, TraceMeta
 
 
 def _trace(prefill, decode, prompt_lens, output_lens, k=1, **kw) -> Trace:

@@ -7,10 +7,10 @@ import pytest
 
 from _proxy_fakes import E, L, domain_counts, fake_centroids, fake_encoder, make_state
 from eldr.capture.payload import encode_counts
+from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import build_state, read_signature, split_kv_params
 from eldr.routing import RouteRequest
-from eldr.signature import SignatureEncoder
 
 CFG = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),
                   policy="eldr")
@@ -127,7 +127,7 @@ def fake_artifact_module(monkeypatch):
     import sys
     import types
 
-    mod = types.ModuleType("eldr.artifact")
+    mod = types.ModuleType("eldr.fit.artifact")
     mod.loaded = []
 
     def load(path):
@@ -135,10 +135,10 @@ def fake_artifact_module(monkeypatch):
         return _FakeArtifact(("w-code", "w-other"))
 
     mod.load = load
-    monkeypatch.setitem(sys.modules, "eldr.artifact", mod)
-    import eldr
+    monkeypatch.setitem(sys.modules, "eldr.fit.artifact", mod)
+    import eldr.fit
 
-    monkeypatch.setattr(eldr, "artifact", mod, raising=False)
+    monkeypatch.setattr(eldr.fit, "artifact", mod, raising=False)
     return mod
 
 

@@ -11,7 +11,7 @@ from eldr.cli import main
 from eldr.reproduce import Plan, headline_text, run_plan, write_report
 from eldr.reproduce.report import Analysis
 from eldr.reproduce.sweeps import plan_tasks
-from eldr.trace import save
+from eldr.traces.trace import save
 
 L, E, K_TOP = 48, 128, 8
 

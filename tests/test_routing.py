@@ -21,20 +21,26 @@ def _unit(v):
     return v / np.linalg.norm(v)
 
 
+PROFILE_SHAPE = (2, 4)  # (L, E) of the cost policy's profiles in these tests
+
+
 def _req(sig=None, domain=None, pattern=None, rid="r"):
     return RouteRequest(rid, signature=None if sig is None else _unit(sig), domain=domain,
-                        decode_pattern=None if pattern is None else _unit(pattern))
+                        decode_pattern=None if pattern is None else _unit(pattern),
+                        profile=np.full(PROFILE_SHAPE, 0.25, dtype=np.float32))
 
 
 def _policy(name, seed=0):
-    return make_policy(name, num_workers=K, centroids=CENTROIDS, tau=0.1,
-                       domain_shares=np.array([0.5, 0.25, 0.25]), random_state=seed)
+    return make_policy(name, num_workers=K, centroids=CENTROIDS, decode_centroids=CENTROIDS,
+                       tau=0.1, domain_shares=np.array([0.5, 0.25, 0.25]), random_state=seed,
+                       num_layers=PROFILE_SHAPE[0], num_experts=PROFILE_SHAPE[1])
 
 
-def _random_request(rng):
+def _random_request(rng, rid="x"):
     return RouteRequest(
-        "x", signature=_unit(rng.random(K) + 0.01), domain=int(rng.integers(3)),
+        rid, signature=_unit(rng.random(K) + 0.01), domain=int(rng.integers(3)),
         decode_pattern=_unit(rng.random(K) + 0.01),
+        profile=rng.random(PROFILE_SHAPE).astype(np.float32) / 2,
     )
 
 
@@ -89,7 +95,7 @@ def test_missing_signature_falls_back_to_jsq_and_is_counted():
     pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS)
     assert pol.choose(RouteRequest("r", None), np.array([2.0, 1.0, 0.0, 3.0])) == 2
     assert pol.num_fallbacks == 1
-    oracle = make_policy("oracle_signature", num_workers=K, centroids=CENTROIDS)
+    oracle = make_policy("oracle_signature", num_workers=K, decode_centroids=CENTROIDS)
     assert oracle.choose(_req([1, 0, 0, 0]), np.array([2.0, 1.0, 0.0, 3.0])) == 2
     assert oracle.num_fallbacks == 1
     assert oracle.choose(_req(None, pattern=[0, 0, 0, 1]), np.zeros(K)) == 3
@@ -110,7 +116,7 @@ def test_signature_of_wrong_size_is_refused():
 
 
 def test_eldr_validates_its_options():
-    with pytest.raises(ValueError, match="centroids are required"):
+    with pytest.raises(ValueError, match="centroids is required"):
         make_policy("eldr", num_workers=K)
     with pytest.raises(ValueError, match="shape"):
         make_policy("eldr", num_workers=3, centroids=CENTROIDS)
@@ -133,6 +139,32 @@ def test_every_policy_returns_a_healthy_worker(name):
         loads = rng.integers(0, 4, size=K).astype(np.float64)
         k = pol.choose(_random_request(rng), loads, healthy)
         assert isinstance(k, int) and 0 <= k < K and healthy[k]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_takes_the_event_contract(name):
+    # dispatch then release every request, in any order and with every outcome; a repeated
+    # or unknown release is a no-op; every decision stays a valid worker throughout
+    rng = np.random.default_rng(3)
+    pol = _policy(name)
+    held = []
+    for i in range(60):
+        req = _random_request(rng, rid=f"r{i}")
+        k = pol.decide(req, rng.integers(0, 4, K).astype(float)).worker
+        assert 0 <= k < K
+        pol.on_dispatch(req, k)
+        held.append(req.request_id)
+        if rng.random() < 0.4:
+            pol.on_release(held.pop(int(rng.integers(len(held)))),
+                           ("completed", "failed", "cancelled")[i % 3])
+    for rid in held:
+        pol.on_release(rid, "completed")
+        pol.on_release(rid, "completed")
+    pol.on_release("never-dispatched", "failed")
+    if name == "eldr_cost":
+        fp = pol.footprint
+        assert len(fp) == 0 and not fp.count.any() and not fp.log_miss.any()
+        assert not fp.distinct.any() and not fp.context.any()
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -169,6 +201,10 @@ def test_registry_lists_builtins_and_refuses_duplicates():
         register_policy("jsq", lambda **_: None)
     with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
         make_policy("nope", num_workers=2)
+    with pytest.raises(ValueError, match="unknown resources"):
+        make_policy("jsq", num_workers=2, centriods=CENTROIDS)  # a typo is an error
+    with pytest.raises(ValueError, match="unknown resources"):
+        register_policy("new", lambda K: None, needs={"nope"})
     with pytest.raises(TypeError):
         POLICIES["x"] = None  # read-only view
 

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eldr.hashing import block_hashes, hash_block_tokens
-from eldr.sigcache import (
+from eldr.cache.hashing import block_hashes, hash_block_tokens
+from eldr.cache.sigcache import (
     SignatureCache,
     block_rows,
     counts_dtype,

@@ -5,8 +5,8 @@ import pytest
 from scipy.stats import spearmanr
 
 from conftest import make_trace
-from eldr.signature import SignatureEncoder, pairwise_cosine_distance, rho
-from eldr.trace import Trace, TraceMeta
+from eldr.fit.signature import SignatureEncoder, pairwise_cosine_distance, rho
+from eldr.traces.trace import Trace, TraceMeta
 
 
 def _trace_from_counts(pre: np.ndarray, dec: np.ndarray, k: int) -> Trace:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eldr.models import get_preset
 from eldr.sim import HARDWARE, SimConfig, get_hardware, moe_constants
+from eldr.traces.models import get_preset
 
 
 def test_h200_uses_the_measured_fits():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import make_trace
-from eldr.routing import RouteRequest, make_policy
+from eldr.routing import PolicyBase, RouteRequest, make_policy
 from eldr.sim import SimConfig, StepModel, simulate
-from eldr.trace import Trace, TraceMeta
+from eldr.traces.trace import Trace, TraceMeta
 
 L, E, K_TOP = 48, 128, 8
 
@@ -85,13 +85,50 @@ def test_engine_step_time_matches_formula():
     assert step3 < step2
 
 
-class AlwaysFirst:
+class AlwaysFirst(PolicyBase):
     name = "always_first"
     num_workers = 3
-    num_fallbacks = 0
+
+    def __init__(self):
+        self.events = []  # (event, request id, worker or outcome)
 
     def choose(self, request: RouteRequest, loads, healthy=None) -> int:
         return 0
+
+    def on_dispatch(self, request, worker):
+        self.events.append(("dispatch", request.request_id, worker))
+
+    def on_release(self, request_id, outcome):
+        self.events.append(("release", request_id, outcome))
+
+
+def test_policies_hear_every_dispatch_and_release_once():
+    tr = hand_trace([4] * 5, [3] * 5)
+    pol = AlwaysFirst()
+    simulate(tr, SimConfig(num_prefill=2, num_decode=3, **EXACT), pol,
+             arrivals=(np.arange(5) * 1e-3, np.arange(5)))
+    dispatched = [e[1] for e in pol.events if e[0] == "dispatch"]
+    released = [e[1] for e in pol.events if e[0] == "release"]
+    assert sorted(dispatched) == sorted(released) == [str(i) for i in range(5)]
+    assert all(e[2] == "completed" for e in pol.events if e[0] == "release")
+    for rid in dispatched:  # released after dispatched
+        assert pol.events.index(("dispatch", rid, 0)) < \
+            next(i for i, e in enumerate(pol.events) if e[:2] == ("release", rid))
+
+
+def test_cost_policy_state_returns_to_zero_after_a_simulation():
+    from eldr.routing import CostPolicy, prefill_profile
+
+    tr = hand_trace([4] * 6, [3] * 6)
+    m = tr.meta
+    pol = CostPolicy(3, num_layers=m.num_layers, num_experts=m.num_experts)
+    res = simulate(tr, SimConfig(num_prefill=2, num_decode=3, **EXACT), pol,
+                   arrivals=(np.arange(6) * 1e-4, np.arange(6)),
+                   profiles=lambda r: prefill_profile(tr.prefill_counts[r],
+                                                      int(tr.prompt_lens[r])))
+    assert (res.requests["finishes"] == 1).all() and pol.num_fallbacks == 0
+    fp = pol.footprint
+    assert len(fp) == 0 and not fp.log_miss.any() and not fp.distinct.any()
 
 
 def test_policy_picking_one_worker_queues_there():

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import make_trace
+from eldr.fit.signature import SignatureEncoder
 from eldr.routing import make_policy
-from eldr.signature import SignatureEncoder
 from eldr.sim import SimConfig, simulate
 
 

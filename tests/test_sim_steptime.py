@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr.models import get_preset
 from eldr.sim import SimConfig
 from eldr.sim.steptime import (
     StepModel,
@@ -15,6 +14,7 @@ from eldr.sim.steptime import (
     topk_bitsets,
     union_distinct,
 )
+from eldr.traces.models import get_preset
 
 L, E = 48, 128
 

@@ -7,13 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from eldr import synth
-from eldr.models import PRESETS
-from eldr.premises import calibration_report, format_report
-from eldr.synth import DEFAULT_TRACE, SynthParams, default_trace, generate, get_params
-from eldr.synth_sampling import aggregate_counts, approx_gate_sums, inclusion_probs, token_topk
-from eldr.trace import load, save
-from eldr.workloads import WORKLOADS, LengthDist
+from eldr.traces import synth
+from eldr.traces.models import PRESETS
+from eldr.traces.premises import calibration_report, format_report
+from eldr.traces.sampling import aggregate_counts, approx_gate_sums, inclusion_probs, token_topk
+from eldr.traces.synth import DEFAULT_TRACE, SynthParams, default_trace, generate, get_params
+from eldr.traces.trace import load, save
+from eldr.traces.workloads import WORKLOADS, LengthDist
 
 # Short lengths keep the token path fast in the tests that do not check calibration.
 SHORT = replace(WORKLOADS["task"], prompt_len=LengthDist(24, 0.5, 4, 64),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import make_trace
-from eldr.trace import Trace, TraceMeta, concat, load, save
+from eldr.traces.trace import Trace, TraceMeta, concat, load, save
 
 
 def test_round_trip_keeps_every_field(tmp_path, toy_trace):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from eldr.workloads import WORKLOADS, LengthDist, get_workload
+from eldr.traces.workloads import WORKLOADS, LengthDist, get_workload
 
 
 def test_task_has_four_domains_with_ratio_1_41():

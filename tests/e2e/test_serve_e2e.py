@@ -92,8 +92,8 @@ def _skip_reason() -> str | None:
 
 def _no_artifact_reason() -> str | None:
     """Why the eldr policy cannot run (the router then runs round_robin), or None."""
-    if importlib.util.find_spec("eldr.artifact") is None:
-        return "eldr.artifact (eldr fit) is not there yet"
+    if importlib.util.find_spec("eldr.fit.artifact") is None:
+        return "eldr.fit.artifact (eldr fit) is not there yet"
     if _trace_path() is None and (importlib.util.find_spec("torch") is None
                                   or importlib.util.find_spec("transformers") is None):
         return "no tiny-MoE trace shipped, and no torch/transformers to capture one"
@@ -347,7 +347,7 @@ def _trace_prompts(dep: Deployment, per_domain: int = 3) -> list[tuple[list[int]
 
     Without a trace: a few text prompts written for this test, repeated.
     """
-    from eldr.trace import load
+    from eldr.traces.trace import load
 
     trace = None if dep.trace is None else load(dep.trace)
     if trace is None or trace.prompt_token_ids is None:  # the shipped trace has no prompt ids
@@ -370,8 +370,8 @@ def _expected_decoder(dep: Deployment, ids: list[int]) -> int:
     to the prefill engine, the plugin's payload, the artifact's encoder and centroids. Call
     it before the prompt has been through the router (its KV stored by the connector).
     """
-    from eldr import artifact
     from eldr.capture.payload import decode_counts
+    from eldr.fit import artifact
 
     art = artifact.load(dep.artifact)
     kv = dep.tmp / "kv"

@@ -118,7 +118,7 @@ def _prompts(model: Path, n: int = 8) -> list[list[int]]:
     """Token ids of held-out prompts from the shipped trace (distinct, 40–200 tokens);
     seeded random ids when another model is tested."""
     from eldr.capture import tiny_moe_dir, tiny_moe_trace_path
-    from eldr.trace import load
+    from eldr.traces.trace import load
 
     try:
         shipped = tiny_moe_dir().resolve()

@@ -8,7 +8,7 @@ hook on each router copies the logits and ids out; nothing in the model is chang
 Per request, the prompt runs through the model once (prefill), then greedy generation
 feeds each new token back with the KV cache. A request with ``n`` generated tokens runs
 ``n - 1`` decode forward passes (the first token comes out of prefill; the last is never
-fed back), the trace convention of :mod:`eldr.trace`. Generation stops after
+fed back), the trace convention of :mod:`eldr.traces.trace`. Generation stops after
 ``max_new_tokens`` tokens or at the end-of-sequence token (which counts as generated).
 
 Gate values: ``prefill_gate_prob`` is the per-token softmax of the router logits over all
@@ -29,7 +29,7 @@ import numpy as np
 
 from eldr._progress import Progress
 from eldr.capture.payload import topk_to_counts
-from eldr.trace import Trace, TraceMeta
+from eldr.traces.trace import Trace, TraceMeta
 
 __all__ = ["ROUTER_CLASSES", "RequestRouting", "RoutingRecorder", "capture_ids",
            "capture_texts", "find_routers"]
@@ -179,7 +179,7 @@ def capture_ids(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
 
 def to_trace(results: Sequence[RequestRouting], *, model_name: str, num_experts: int,
              domains: Sequence[str] | None = None, block_size: int = 16) -> Trace:
-    """Assemble captured requests into a :class:`~eldr.trace.Trace` (all optional fields)."""
+    """Assemble captured requests into a :class:`~eldr.traces.trace.Trace` (all optional fields)."""
     if not results:
         raise ValueError("capture: no requests to assemble")
     _, L, k = results[0].prefill_topk.shape

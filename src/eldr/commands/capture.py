@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                          f"(pip install 'eldr[capture]'): {exc}") from exc
 
     from eldr.capture.hf import capture_texts
-    from eldr.trace import save
+    from eldr.traces.trace import save
 
     if args.threads:
         torch.set_num_threads(args.threads)

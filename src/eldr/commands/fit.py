@@ -9,7 +9,7 @@ HELP = "Fit a routing artifact from a calibration trace (IDF, layer mask by rho,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from eldr.signature import REPRESENTATIONS
+    from eldr.fit.signature import REPRESENTATIONS
 
     p.add_argument("trace", help="calibration trace (.npz) written by eldr synth / capture")
     who = p.add_mutually_exclusive_group(required=True)
@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from eldr import artifact
-    from eldr.trace import load
+    from eldr.fit import artifact
+    from eldr.traces.trace import load
 
     if args.decoders is not None:
         if args.decoders < 1:

@@ -18,9 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eldr import artifact, placement
-    from eldr.cluster import balanced_assign
-    from eldr.trace import load
+    from eldr.fit import artifact, placement
+    from eldr.fit.cluster import balanced_assign
+    from eldr.traces.trace import load
 
     art = artifact.load(args.artifact)
     trace = load(args.trace)

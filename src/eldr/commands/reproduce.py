@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     workloads = None
     if args.workloads:
-        from eldr.workloads import get_workload
+        from eldr.traces.workloads import get_workload
 
         workloads = tuple(get_workload(w).name for w in args.workloads.split(","))
     plan = with_overrides(plan, workloads=workloads, rates=args.rates,
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     trace = None
     if args.trace:
-        from eldr.trace import load
+        from eldr.traces.trace import load
 
         trace = load(args.trace)
     t0 = time.perf_counter()

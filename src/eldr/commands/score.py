@@ -11,7 +11,7 @@ HELP = "Score a trace: rho per signature representation, layer curve, prefill-de
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from eldr.signature import REPRESENTATIONS
+    from eldr.fit.signature import REPRESENTATIONS
 
     p.add_argument("trace", help="trace file (.npz) written by eldr synth / capture")
     p.add_argument(
@@ -28,9 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eldr.premises import prefill_decode_pearson
-    from eldr.signature import REPRESENTATIONS, SignatureEncoder
-    from eldr.trace import load
+    from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
+    from eldr.traces.premises import prefill_decode_pearson
+    from eldr.traces.trace import load
 
     trace = load(args.trace)
     reps = args.representation or [

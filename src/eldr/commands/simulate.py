@@ -24,7 +24,8 @@ def _floats(text: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from eldr.sim import HARDWARE
 
-    p.add_argument("--trace", help="trace file (.npz); default: generate one with eldr.synth")
+    p.add_argument("--trace", help="trace file (.npz); "
+                   "default: generate one with eldr.traces.synth")
     p.add_argument("--model", default="qwen3-30b-a3b", help="model preset (default "
                    "qwen3-30b-a3b)")
     p.add_argument("--workload", default="task", help="workload for a generated trace "
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from eldr.reproduce.setup import fit_setup
     from eldr.routing import POLICIES
     from eldr.sim import SimConfig, simulate, write_csv
+    from eldr.sim.steptime import routing_resources
 
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for name in policies:
@@ -70,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
     t0 = time.perf_counter()
     if args.trace:
-        from eldr.trace import load
+        from eldr.traces.trace import load
 
         trace = load(args.trace)
     else:
-        from eldr.synth import generate
+        from eldr.traces.synth import generate
 
         trace = generate(args.model, args.workload, num_requests=args.requests, seed=args.seed,
                          keep_topk=False, progress=True)
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     def ms(x):
         return None if x is None else x * 1e-3
 
-    from eldr.models import PRESETS
+    from eldr.traces.models import PRESETS
 
     # a trace names its model; a trace of an unknown model uses --model's costs (shapes
     # are checked by the simulator)
@@ -107,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
                         else args.bandwidth_tbs * 1e12)
         for name in policies:
             pol = setup.policy(name, args.decode, tau=args.tau, seed=args.seed,
-                               kind="vanilla" if args.vanilla else "balanced")
+                               kind="vanilla" if args.vanilla else "balanced",
+                               **routing_resources(cfg))
             res = simulate(setup.eval, cfg, pol, tokens=setup.tokens, progress=True,
-                           **setup.inputs(name))
+                           **setup.inputs(pol))
             row = {"workload": args.workload, **res.summary()}
             rows.append(row)
             print(f"  {name:<16} {q:>6g} req/s: TPOT p50 {row['tpot_median_ms']:.2f} ms, "

@@ -13,9 +13,9 @@ _TOPK_LIMIT_BYTES = 2 * 2**30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from eldr.models import PRESETS
-    from eldr.synth import DEFAULT_TRACE
-    from eldr.workloads import WORKLOADS
+    from eldr.traces.models import PRESETS
+    from eldr.traces.synth import DEFAULT_TRACE
+    from eldr.traces.workloads import WORKLOADS
 
     p.add_argument("--model", default=DEFAULT_TRACE["model"], choices=sorted(PRESETS),
                    help=f"model preset (default {DEFAULT_TRACE['model']})")
@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not route tokens one by one: draw per-request counts directly "
                    "(~30x faster, no prefill_topk/decode_topk in the trace)")
     p.add_argument("--default", action="store_true",
-                   help="write the embedded default trace (eldr.synth.DEFAULT_TRACE) and ignore "
+                   help="write the embedded default trace (eldr.traces.synth.DEFAULT_TRACE) "
+                   "and ignore "
                    "--model/--workload/--requests/--seed/--no-topk")
     p.add_argument("--force", action="store_true",
                    help=f"allow per-token top-k arrays above {_TOPK_LIMIT_BYTES >> 30} GiB")
@@ -39,11 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eldr.models import get_preset
-    from eldr.premises import calibration_report, format_report
-    from eldr.synth import DEFAULT_TRACE, default_trace, generate
-    from eldr.trace import save
-    from eldr.workloads import get_workload
+    from eldr.traces.models import get_preset
+    from eldr.traces.premises import calibration_report, format_report
+    from eldr.traces.synth import DEFAULT_TRACE, default_trace, generate
+    from eldr.traces.trace import save
+    from eldr.traces.workloads import get_workload
 
     t0 = time.perf_counter()
     if args.default:

@@ -4,7 +4,7 @@ A prefill instance that has already seen a prompt's prefix has its KV blocks in 
 cache, so sending requests that share a prefix (a system prompt, a chat history) to the
 same instance saves prefill compute. The router holds no tokenizer, so it names prefixes
 by the bytes of the prompt: the prompt text's UTF-8 bytes are cut into blocks of
-``block_chars`` bytes and chained with :func:`eldr.hashing.block_hashes` (each hash names
+``block_chars`` bytes and chained with :func:`eldr.cache.hashing.block_hashes` (each hash names
 the whole prefix up to its block, exactly like vLLM's KV block hashes name token
 prefixes). Byte blocks do not line up with the engine's token blocks; they only need to
 agree between requests, which they do.
@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from eldr.hashing import BlockHash, block_hashes
+from eldr.cache.hashing import BlockHash, block_hashes
 
 __all__ = ["PrefixAffinity"]
 

@@ -102,7 +102,7 @@ def _masked_encoder(encoder):
 
 def _artifact_parts(path: str):
     """(encoder, centroids (K, d), worker ids, tau, L, E) from a routing artifact."""
-    from eldr import artifact as artifact_mod
+    from eldr.fit import artifact as artifact_mod
 
     art = artifact_mod.load(path)
     encoder = art.encoder

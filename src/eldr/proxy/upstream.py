@@ -8,7 +8,7 @@ like failed checks. Nothing is ever removed for good: a restarted engine is take
 the next successful check.
 
 Load. The decode loads the routing policy sees live in one
-:class:`eldr.loads.LoadTracker`: +1 when the router dispatches a decode, −1 when it
+:class:`eldr.routing.loads.LoadTracker`: +1 when the router dispatches a decode, −1 when it
 ends. With ``scrape_interval > 0`` each decoder's own ``/metrics`` is also read and
 ``vllm:num_requests_running + vllm:num_requests_waiting`` replaces the tracked value
 (``LoadTracker.report``), so several router replicas in front of the same engines see the
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.loads import LoadTracker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
+from eldr.routing.loads import LoadTracker
 
 __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
 

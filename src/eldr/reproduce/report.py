@@ -226,7 +226,7 @@ def write_report(results: Results, out: str | Path) -> Path:
     md.append(f"Model preset `{plan.model}` on `{plan.hardware}`, {plan.num_prefill}P"
               f"{plan.num_decode}D, rates {list(plan.rates)} req/s, warm-up {plan.warmup_s:g} s, "
               f"measured {plan.duration_s:g} s per point, seed {plan.seed}. Traces: "
-              f"`eldr.synth` (calibrated to the paper's premises only), seed "
+              f"`eldr.traces.synth` (calibrated to the paper's premises only), seed "
               f"{plan.trace_seed}. Wall time {results.seconds.get('total', 0):.0f} s "
               f"({results.seconds.get('jobs', 1)} process(es)).")
     md.append("")
@@ -297,7 +297,8 @@ def write_report(results: Results, out: str | Path) -> Path:
         md.append(f"\n## Prefix caching ({plan.workloads[0]}, per-token trace of "
                   f"{plan.prefix_requests} requests, {plan.tau_rate:g} req/s)\n")
         md.append("Prefill workers cache prefixes. ELDR's signatures come either through the "
-                  "block-granular signature cache (`eldr.sigcache`, exact) or from the freshly "
+                  "block-granular signature cache (`eldr.cache.sigcache`, exact) or from the "
+                  "freshly "
                   "computed tokens only (what a capture without the cache sees). Arrivals "
                   "stop before held-out requests would repeat (a repeat hits the cache with "
                   "its whole prompt), so this window is short.\n")

@@ -2,9 +2,9 @@
 
 For one workload: generate (or take) a trace, split it into a calibration part (the
 offline fit sees only this) and a held-out evaluation part (the simulator replays only
-this), fit the :class:`~eldr.signature.SignatureEncoder` (IDF, greedy layer mask by ρ)
+this), fit the :class:`~eldr.fit.signature.SignatureEncoder` (IDF, greedy layer mask by ρ)
 and, per decode-pool size K, balanced (and vanilla) spherical K-means centroids
-(:class:`eldr.cluster.BalancedKMeans`). The ``oracle_signature`` bound gets centroids of
+(:class:`eldr.fit.cluster.BalancedKMeans`). The ``oracle_signature`` bound gets centroids of
 the calibration requests' TRUE decode patterns, clustered the same way.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.placement import greedy_placement
-from eldr.routing import decode_patterns, make_policy
+from eldr.fit.placement import greedy_placement
+from eldr.routing import POLICIES, decode_patterns, make_policy, prefill_profile
 from eldr.sim import TokenBank
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = ["RoutingSetup", "fit_setup"]
 
@@ -46,7 +46,7 @@ class RoutingSetup:
         balanced)."""
         key = (K, kind)
         if key not in self._centroids:
-            from eldr.cluster import BalancedKMeans
+            from eldr.fit.cluster import BalancedKMeans
 
             if kind == "oracle":
                 X = decode_patterns(self.calib.decode_counts)
@@ -79,31 +79,52 @@ class RoutingSetup:
                 raise ValueError(f"unknown EP layout {layout!r}")
         return self._placements[key]
 
-    def policy(self, name: str, K: int, *, tau: float = 0.1, seed: int = 0,
-               kind: str = "balanced"):
-        """A fresh policy instance (policies keep state: round-robin pointer, RNG)."""
-        centroids = None
-        if name in ("eldr", "eldr_top1"):
-            centroids = self.centroids(K, kind)
-        elif name == "oracle_signature":
-            centroids = self.centroids(K, "oracle")
-        return make_policy(name, num_workers=K, centroids=centroids, tau=tau,
-                           domain_shares=self.domain_shares, random_state=seed)
+    def profile(self, r: int) -> np.ndarray:
+        """(L, E) float32 predicted per-token expert profile of eval request ``r``."""
+        return prefill_profile(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]),
+                               self.eval.meta.top_k)
 
-    def inputs(self, name: str) -> dict:
-        """Keyword inputs of :func:`eldr.sim.simulate` this policy needs."""
-        if name == "oracle_signature":
-            return {"decode_patterns": self.patterns}
-        if name in ("eldr", "eldr_top1"):
-            return {"signatures": self.signatures}
-        return {}
+    def prime(self, name: str, K: int, kind: str = "balanced") -> None:
+        """Fit what policy ``name`` needs for K decoders now (before forking workers)."""
+        needs = POLICIES[name].needs
+        if "centroids" in needs:
+            self.centroids(K, kind)
+        if "decode_centroids" in needs:
+            self.centroids(K, "oracle")
+
+    def policy(self, name: str, K: int, *, tau: float = 0.1, seed: int = 0,
+               kind: str = "balanced", context_weight: float | None = None,
+               capacity: float | None = None):
+        """A fresh policy instance (policies keep state: round-robin pointer, RNG, the cost
+        policy's footprints); it takes from this set-up what its registry entry declares."""
+        needs = POLICIES[name].needs | POLICIES[name].options
+        m = self.eval.meta
+        return make_policy(
+            name, num_workers=K, tau=tau, random_state=seed,
+            centroids=self.centroids(K, kind) if "centroids" in needs else None,
+            decode_centroids=self.centroids(K, "oracle") if "decode_centroids" in needs
+            else None,
+            domain_shares=self.domain_shares, num_layers=m.num_layers,
+            num_experts=m.num_experts, context_weight=context_weight, capacity=capacity)
+
+    def inputs(self, policy) -> dict:
+        """Keyword inputs of :func:`eldr.sim.simulate` for the request fields ``policy``
+        reads (its declared ``inputs``)."""
+        out: dict = {}
+        if "signature" in policy.inputs:
+            out["signatures"] = self.signatures
+        if "decode_pattern" in policy.inputs:
+            out["decode_patterns"] = self.patterns
+        if "profile" in policy.inputs:
+            out["profiles"] = self.profile
+        return out
 
 
 def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0,
               selection_max_pairs: int | None = 100_000, max_pairs: int | None = 200_000,
               representation: str = "count_idf") -> RoutingSetup:
     """Split ``trace`` (``calib_requests`` for calibration), fit the encoder, encode eval."""
-    from eldr.signature import SignatureEncoder
+    from eldr.fit.signature import SignatureEncoder
 
     R = trace.num_requests
     if not 3 <= calib_requests < R:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from eldr.reproduce.setup import RoutingSetup, fit_setup
 from eldr.sim import SimConfig, simulate
+from eldr.sim.steptime import routing_resources
 
 __all__ = ["FULL", "LOAD_BALANCERS", "QUICK", "Plan", "Task", "build_setups", "run_plan"]
 
@@ -39,7 +40,7 @@ class Plan:
     workloads: tuple[str, ...] = ("task", "language")
     num_requests: int | None = 2000  # trace size per workload (None: workload default)
     calib_requests: int = 1000  # calibration split (paper: ~1,000 prompts)
-    trace_seed: int = 20260402  # eldr.synth's DEFAULT_TRACE seed
+    trace_seed: int = 20260402  # eldr.traces.synth's DEFAULT_TRACE seed
     seed: int = 0  # arrivals, tokens, K-means
     rates: tuple[float, ...] = (20, 40, 60, 80, 100)
     warmup_s: float = 30.0
@@ -163,7 +164,7 @@ def plan_tasks(plan: Plan) -> list[Task]:
 def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup]:
     """Generate each workload's trace (or use ``trace`` for the first) and fit it; plus the
     per-token trace of the prefix experiment and the large model's trace of the EP one."""
-    from eldr.synth import generate
+    from eldr.traces.synth import generate
 
     wl0 = plan.workloads[0]
     jobs = [(wl, wl, plan.model, plan.num_requests, False) for wl in plan.workloads]
@@ -216,13 +217,14 @@ def _config(plan: Plan, task: Task) -> SimConfig:
 def run_task(task: Task) -> tuple[dict, list[dict]]:
     """Run one task on the module-level set-ups; returns (summary row, decoder rows)."""
     plan, st = _PLAN, _SETUPS[task.workload]
+    config = _config(plan, task)
     policy = st.policy(task.policy, task.num_decode, tau=task.tau, seed=plan.seed,
-                       kind=task.kind)
+                       kind=task.kind, **routing_resources(config))
     placement = None
     if task.ep > 1 and task.placement != "contiguous":
         placement = st.placement(task.num_decode, task.ep, task.placement)
-    res = simulate(st.eval, _config(plan, task), policy, tokens=st.tokens,
-                   placement=placement, encoder=st.encoder, **st.inputs(task.policy))
+    res = simulate(st.eval, config, policy, tokens=st.tokens,
+                   placement=placement, encoder=st.encoder, **st.inputs(policy))
     head = {"experiment": task.experiment, "workload": task.workload,
             "variant": task.variant, "tau": task.tau, "kind": task.kind,
             "model": task.model or plan.model}
@@ -239,10 +241,7 @@ def run_task(task: Task) -> tuple[dict, list[dict]]:
 def _prime(task: Task) -> None:
     """Fit centroids in the parent so forked workers inherit them (no refits)."""
     st = _SETUPS[task.workload]
-    if task.policy in ("eldr", "eldr_top1"):
-        st.centroids(task.num_decode, task.kind)
-    elif task.policy == "oracle_signature":
-        st.centroids(task.num_decode, "oracle")
+    st.prime(task.policy, task.num_decode, task.kind)
     if task.ep > 1 and task.placement != "contiguous":
         st.placement(task.num_decode, task.ep, task.placement)
 

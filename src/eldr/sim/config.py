@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from eldr.models import ModelPreset, get_preset
+from eldr.traces.models import ModelPreset, get_preset
 
 __all__ = ["HARDWARE", "Hardware", "SimConfig", "get_hardware", "moe_constants"]
 

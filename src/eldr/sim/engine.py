@@ -32,7 +32,7 @@ from eldr.sim.metrics import SimResult
 from eldr.sim.pools import DecodeWorker, PrefillRouter, PrefillWorker
 from eldr.sim.steptime import StepModel, rank_masks, union_distinct
 from eldr.sim.tokens import TokenBank
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = ["EVENT_NAMES", "make_arrivals", "simulate"]
 
@@ -65,7 +65,7 @@ def make_arrivals(config: SimConfig, num_trace_requests: int) -> tuple[np.ndarra
 
 
 def _check_inputs(trace, config, policy, signatures, decode_patterns, placement):
-    from eldr.models import get_preset
+    from eldr.traces.models import get_preset
 
     model = get_preset(config.model)
     m = trace.meta
@@ -101,6 +101,7 @@ def simulate(
     *,
     signatures: np.ndarray | None = None,
     decode_patterns: np.ndarray | None = None,
+    profiles=None,
     placement: np.ndarray | None = None,
     arrivals: tuple[np.ndarray, np.ndarray] | None = None,
     tokens: TokenBank | None = None,
@@ -111,7 +112,9 @@ def simulate(
     """Simulate ``config`` serving requests of ``trace`` with decode router ``policy``.
 
     signatures: (R, d) float32 unit rows per trace request (``eldr`` policies);
-    decode_patterns: (R, d') rows for ``oracle_signature``; placement: EP rank of every
+    decode_patterns: (R, d') rows for ``oracle_signature``; profiles: the (L, E) predicted
+    per-token expert profile of trace request r, as ``profiles(r)`` or an (R, L, E) array
+    (``eldr_cost``); placement: EP rank of every
     expert, (L, E) for one global layout or (num_decode, L, E) per decoder (``None``:
     contiguous blocks when ``ep > 1``); arrivals: explicit (times, trace index) instead of
     Poisson; tokens: a :class:`TokenBank` shared across runs (seeded by ``config.seed``
@@ -168,6 +171,9 @@ def simulate(
         online = OnlineSignatures(trace, config.signature_source, encoder, config.num_prefill,
                                   config.prefix_cache_blocks)
         rec["signature_exact"] = np.zeros(N, dtype=bool)
+    profile_of = None
+    if profiles is not None and "profile" in getattr(policy, "inputs", ()):
+        profile_of = profiles if callable(profiles) else profiles.__getitem__
     router = PrefillRouter(trace, config)
     prefills = [PrefillWorker(config) for _ in range(P)]
     decoders = [DecodeWorker() for _ in range(K)]
@@ -253,6 +259,7 @@ def simulate(
                         rec["tokens_out"][i] = s - s0 + 1
                         rec["finishes"][i] += 1
                         loads[x] -= 1.0
+                        policy.on_release(str(i), "completed")
                         if events is not None:
                             events.append((now, "finish", i, x))
                     dw.remove({i for i, _ in finished}, need_kv)
@@ -292,8 +299,11 @@ def simulate(
                         signature=sig,
                         domain=None if domains is None else int(domains[r]),
                         decode_pattern=None if decode_patterns is None else decode_patterns[r],
+                        profile=None if profile_of is None else profile_of(r),
+                        context_tokens=int(prompt[i]),
                     )
                     d = policy.choose(req, loads)
+                    policy.on_dispatch(req, d)
                     loads[d] += 1.0
                     rec["decoder"][i] = d
                     rec["t_prefill_end"][i] = now

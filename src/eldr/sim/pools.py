@@ -1,7 +1,7 @@
 """Worker state of the simulated cluster: the prefill router and pool, the decode pool.
 
 Prefill routing (the paper's PrefixHash): a request's affinity key is the block hash
-(:func:`eldr.hashing.block_hashes`) of its first ``affinity_blocks`` full KV blocks, which
+(:func:`eldr.cache.hashing.block_hashes`) of its first ``affinity_blocks`` full KV blocks, which
 names that whole prefix; the target worker is the key's first 8 bytes modulo the pool
 size, so requests sharing a system prompt meet on one worker (and hit its prefix cache).
 A prompt shorter than that uses its last full block; one without a full block, or a
@@ -21,9 +21,9 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from eldr.hashing import BlockHash, block_hashes
+from eldr.cache.hashing import BlockHash, block_hashes
 from eldr.sim.config import SimConfig
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = ["DecodeWorker", "PrefillRouter", "PrefillWorker"]
 

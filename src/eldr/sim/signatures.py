@@ -8,7 +8,7 @@ the expert counts its prefill worker observes are incomplete (design.md §5).
   (``simulate(signatures=...)``) — what an exact signature cache gives;
 - ``"fresh"``: counts of the freshly computed tokens only — ELDR WITHOUT the signature
   cache (the naive capture under prefix caching);
-- ``"sigcache"``: counts through a real :class:`eldr.sigcache.SignatureCache` per prefill
+- ``"sigcache"``: counts through a real :class:`eldr.cache.sigcache.SignatureCache` per prefill
   worker (cached block rows + fresh blocks + partial tail), as a deployment computes them.
 
 The last two need the trace's per-token ``prefill_topk`` and ``prompt_token_ids`` and the
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr.sigcache import SignatureCache
-from eldr.trace import Trace
+from eldr.cache.sigcache import SignatureCache
+from eldr.traces.trace import Trace
 
 __all__ = ["SIGNATURE_SOURCES", "OnlineSignatures"]
 

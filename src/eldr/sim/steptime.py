@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr.models import get_preset
 from eldr.sim.config import SimConfig, get_hardware, moe_constants
+from eldr.traces.models import get_preset
 
 __all__ = [
     "StepModel",
@@ -33,6 +33,7 @@ __all__ = [
     "expert_bitsets",
     "num_words",
     "rank_masks",
+    "routing_resources",
     "topk_bitsets",
     "union_distinct",
 ]
@@ -197,3 +198,14 @@ class StepModel:
     def kv_transfer_time(self, prompt_tokens: int) -> float:
         """KV of a prompt from a prefill to a decode worker: latency + bytes / link BW."""
         return self.link_latency + self.model.kv_bytes(prompt_tokens) / self.link_bandwidth
+
+
+def routing_resources(config: SimConfig) -> dict:
+    """What the cost policy (``eldr_cost``) needs to know of this cluster's step time.
+
+    ``context_weight`` = decode-step seconds per context token (its KV read) divided by
+    seconds per distinct expert (``b``); ``capacity`` = the running-batch limit.
+    """
+    sm = StepModel(config)
+    return {"context_weight": sm.kv_s_per_token / sm.b,
+            "capacity": float(min(config.max_batch, config.max_batch_tokens))}

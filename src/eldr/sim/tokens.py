@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from eldr.sim.steptime import deal_bitsets, expert_bitsets, num_words, topk_bitsets
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = ["TokenBank"]
 

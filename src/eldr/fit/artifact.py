@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from eldr.fileio import default_dir_mode
-from eldr.signature import REPRESENTATIONS, SignatureEncoder
-from eldr.trace import Trace, TraceMeta
+from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
+from eldr.traces.trace import Trace, TraceMeta
 
 __all__ = ["ARTIFACT_VERSION", "RoutingArtifact", "fit_artifact", "load", "save"]
 
@@ -126,7 +126,7 @@ def fit_artifact(
     same pairs, so the comparisons between layers are paired. The reported ρ uses all
     pairs. ``on_stage(name)`` (optional) is called when a stage starts, for progress.
     """
-    from eldr.cluster import BalancedKMeans
+    from eldr.fit.cluster import BalancedKMeans
 
     ids = tuple(str(w) for w in worker_ids)
     _check_worker_ids(ids)

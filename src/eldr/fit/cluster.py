@@ -2,7 +2,7 @@
 
 - :func:`balanced_assign` — the exact capacitated assignment step: every row to one
   column, at most ``capacity`` rows per column, minimum total cost. Method and proof
-  sketch in :mod:`eldr._assign`.
+  sketch in :mod:`eldr.fit.assign`.
 - :class:`BalancedKMeans` — spherical (cosine) K-means whose every assignment step is
   ``balanced_assign`` on cost ``1 − cos``, so cluster sizes stay ≤ ⌈N/K⌉. With
   ``balanced=False`` it is vanilla spherical K-means (the paper's ablation: better median
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr._assign import entropic_prices, repair
+from eldr.fit.assign import entropic_prices, repair
 
 __all__ = ["BalancedKMeans", "balanced_assign"]
 

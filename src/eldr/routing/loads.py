@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr._policy_common import _check_num_workers
+from eldr.routing._common import _check_num_workers
 
 __all__ = ["LoadTracker"]
 

@@ -10,7 +10,7 @@ generates them from a small latent model of MoE routing (docs/synth.md):
   to a domain; for a soft one (``language``) topics are shared by all languages;
 * per request, Gaussian variation around its domain and topic;
 * per token, k distinct experts by Gumbel-top-k on the request's logits
-  (:mod:`eldr.synth_sampling`), prefill from the request's logits, decode from a drifted
+  (:mod:`eldr.traces.sampling`), prefill from the request's logits, decode from a drifted
   copy (part of the request term is redrawn, and the global logits shift a little), so
   prefill and decode expert counts correlate below 1;
 * shared system prompts: with probability ``workload.shared_prefix_prob`` a request starts
@@ -23,7 +23,7 @@ script ``scripts/calibrate_synth.py``, to the paper's published premises ONLY: t
 prefill↔decode Pearson of each model, the same-domain distinct-expert reduction of each
 workload, ρ(count·idf) > ρ(gate_prob) and the effective number of experts per layer. They
 were never tuned to any routing outcome (TPOT, TTFT or an ELDR-vs-baseline gap): doing so
-would make the evaluation circular. :func:`eldr.premises.calibration_report` measures the
+would make the evaluation circular. :func:`eldr.traces.premises.calibration_report` measures the
 premises on a generated trace.
 
 Everything is seeded: the same (model, workload, number of requests, seed, keep_topk)
@@ -38,11 +38,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from eldr._progress import Progress
-from eldr.models import ModelPreset, get_preset
-from eldr.synth_sampling import aggregate_counts, approx_gate_sums, inclusion_probs
-from eldr.synth_tokens import TokenRecorder
-from eldr.trace import Trace, TraceMeta
-from eldr.workloads import Workload, get_workload
+from eldr.traces.models import ModelPreset, get_preset
+from eldr.traces.recorder import TokenRecorder
+from eldr.traces.sampling import aggregate_counts, approx_gate_sums, inclusion_probs
+from eldr.traces.trace import Trace, TraceMeta
+from eldr.traces.workloads import Workload, get_workload
 
 __all__ = [
     "CALIBRATION",
@@ -218,13 +218,13 @@ def generate(
 ) -> Trace:
     """Generate a synthetic routing trace.
 
-    model: preset name or :class:`~eldr.models.ModelPreset`; workload: name or
-    :class:`~eldr.workloads.Workload`; num_requests: default ``workload.num_requests``;
+    model: preset name or :class:`~eldr.traces.models.ModelPreset`; workload: name or
+    :class:`~eldr.traces.workloads.Workload`; num_requests: default ``workload.num_requests``;
     keep_topk: route every token explicitly and keep ``prefill_topk``/``decode_topk``
     (memory ≈ (prompt + output tokens) x L x k x 2 bytes, ~1 µs per token and layer);
     ``False`` draws the per-request counts and gate sums directly (count path of
-    :mod:`eldr.synth_sampling`), ~100x faster. params: override the calibrated
-    :data:`CALIBRATION` entry. Returns a validated :class:`~eldr.trace.Trace` with
+    :mod:`eldr.traces.sampling`), ~100x faster. params: override the calibrated
+    :data:`CALIBRATION` entry. Returns a validated :class:`~eldr.traces.trace.Trace` with
     counts, lengths, domains, gate sums, prompt token ids (system prompts shared) and,
     when ``keep_topk``, per-token top-k.
     """

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = [
     "PEARSON_TARGETS",
@@ -203,7 +203,7 @@ def representation_rho(
     representation and cost hundreds of ρ evaluations. ``max_requests`` subsamples
     requests (seeded) to bound the cost.
     """
-    from eldr.signature import SignatureEncoder  # lazy: only this measurement needs it
+    from eldr.fit.signature import SignatureEncoder  # lazy: only this measurement needs it
 
     rng = np.random.default_rng(random_state)
     t = trace
@@ -235,7 +235,7 @@ def _infer_workload(trace: Trace) -> str | None:
     if m:
         return m.group(1)
     if trace.domain_names is not None:
-        from eldr.workloads import WORKLOADS
+        from eldr.traces.workloads import WORKLOADS
 
         for name, wl in WORKLOADS.items():
             if tuple(trace.domain_names) == wl.domain_names:

@@ -1,4 +1,4 @@
-"""Helpers shared by every routing policy (``eldr.routing``, ``eldr.baselines``)."""
+"""Helpers shared by every routing policy (``eldr.routing``, ``eldr.routing.baselines``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ row of counts per KV block: ``row[l, e]`` = tokens of that block whose top-k at 
            + counts of its partial tail block        built from top-k ids, never cached
 
 which is exact under partial hits and evictions, whichever request populated a block
-(design.md §5). Blocks are named by :func:`eldr.hashing.block_hashes`.
+(design.md §5). Blocks are named by :func:`eldr.cache.hashing.block_hashes`.
 
 Typical use (engine, simulator or router)::
 
@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from eldr.hashing import HASH_NBYTES, BlockHash
+from eldr.cache.hashing import HASH_NBYTES, BlockHash
 
 __all__ = [
     "BlockRows",
@@ -121,7 +121,7 @@ def _count_blocks(topk: np.ndarray, block_size: int, num_experts: int) -> BlockR
 
 
 class SignatureCache:
-    """LRU cache of per-block expert-count rows, keyed by :data:`~eldr.hashing.BlockHash`.
+    """LRU cache of per-block expert-count rows, keyed by :data:`~eldr.cache.hashing.BlockHash`.
 
     ``num_blocks`` rows of shape ``(|S|, E)`` are preallocated (use the engine's number of
     KV blocks to mirror its cache); ``layers`` is the routing artifact's layer mask (sorted,
@@ -260,7 +260,7 @@ class SignatureCache:
         """Exact (|S|, E) int32 counts of one prompt; caches its freshly computed blocks.
 
         ``block_hashes``: the hashes of ALL full blocks of the prompt
-        (:func:`~eldr.hashing.block_hashes`). ``num_cached_tokens``: prompt tokens whose
+        (:func:`~eldr.cache.hashing.block_hashes`). ``num_cached_tokens``: prompt tokens whose
         prefill was skipped (a multiple of ``block_size``; usually ``lookup(...) *
         block_size``, or the engine's own count) — their blocks must be cached. ``fresh_topk``:
         (T_new, L, k) expert ids (all L layers) of the tokens actually computed, the prompt's

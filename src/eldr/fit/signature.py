@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = ["REPRESENTATIONS", "SignatureEncoder", "pairwise_cosine_distance", "rho"]
 

@@ -12,7 +12,7 @@ short prompts and longer answers) and modest enough that per-token top-k traces 
 requests stay within a few GB. They are configurable: build a new workload with
 ``dataclasses.replace(WORKLOADS["task"], prompt_len=LengthDist(...))``. Note that the
 prefill↔decode Pearson premise depends on the lengths (fewer tokens = noisier counts), so
-the generator's calibration (``eldr.synth``) holds for these defaults.
+the generator's calibration (``eldr.traces.synth``) holds for these defaults.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Validation of :class:`eldr.trace.Trace` fields, run on construction and on load.
+"""Validation of :class:`eldr.traces.trace.Trace` fields, run on construction and on load.
 
 Every failure is a ``ValueError`` naming the field and, where it applies, the first
 offending request. Arrays are normalised to the documented dtypes in place.
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from eldr.trace import Trace
+    from eldr.traces.trace import Trace
 
 COUNT_FIELDS = ("prefill_counts", "decode_counts")
 GATE_FIELDS = ("prefill_gate_prob", "prefill_gate_logit")
@@ -30,8 +30,8 @@ def _first_bad(mask: np.ndarray) -> int:
 
 
 def validate(t: Trace) -> None:
-    """Check every field of ``t`` (see eldr.trace); normalise dtypes in place."""
-    from eldr.trace import TraceMeta  # deferred: eldr.trace imports this module
+    """Check every field of ``t`` (see eldr.traces.trace); normalise dtypes in place."""
+    from eldr.traces.trace import TraceMeta  # deferred: eldr.traces.trace imports this module
 
     if not isinstance(t.meta, TraceMeta):
         _fail("meta", f"must be a TraceMeta, got {type(t.meta).__name__}")

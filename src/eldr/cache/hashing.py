@@ -7,7 +7,7 @@ prefix-caching scheme). Two prompts share their first ``n`` block hashes exactly
 share their first ``n * block_size`` tokens (and extra keys). Only FULL blocks are hashed:
 a partial tail block can still grow, so it is never cached and never named.
 
-The signature cache (:mod:`eldr.sigcache`), the simulator and the HTTP router all import
+The signature cache (:mod:`eldr.cache.sigcache`), the simulator and the HTTP router all import
 these two functions, so a hash computed in one place finds the row stored by another.
 
 Canonical serialisation, format version 1 (pinned by a test; changing it is a format

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr._trace_validation import GATE_FIELDS, TOPK_FIELDS
-from eldr._trace_validation import validate as _validate
 from eldr.fileio import atomic_file
+from eldr.traces.validation import GATE_FIELDS, TOPK_FIELDS
+from eldr.traces.validation import validate as _validate
 
 __all__ = ["FORMAT_VERSION", "Trace", "TraceMeta", "concat", "load", "save"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from eldr.fileio import atomic_write_text
-from eldr.trace import Trace
+from eldr.traces.trace import Trace
 
 __all__ = [
     "PLACEMENT_VERSION",

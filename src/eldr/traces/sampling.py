@@ -1,4 +1,4 @@
-"""Samplers behind :mod:`eldr.synth`: per-token top-k routing and its aggregate shortcut.
+"""Samplers behind :mod:`eldr.traces.synth`: per-token top-k routing and its aggregate shortcut.
 
 The token model. A segment of ``n`` tokens (a request's user prompt, a shared system
 prompt, or a request's decode tokens) has one logit vector ``z`` (E,) per layer. Token

@@ -2,19 +2,15 @@
 
 ``random``, ``round_robin``, ``jsq``, ``p2c`` balance load only; ``domain`` sends each
 oracle domain label to a fixed worker group sized by the domain's calibration share.
-Tie-breaks and fallbacks are documented in ``eldr.routing``.
+Stateless: they ignore the dispatch/release events of :mod:`eldr.routing.protocol`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from eldr._policy_common import _check, _check_num_workers, _jsq, _no_healthy, _Uniforms
-
-if TYPE_CHECKING:
-    from eldr.routing import RouteRequest
+from eldr.routing._common import _check, _check_num_workers, _jsq, _no_healthy, _Uniforms
+from eldr.routing.protocol import PolicyBase, RouteRequest
 
 __all__ = [
     "DomainPolicy",
@@ -26,7 +22,7 @@ __all__ = [
 ]
 
 
-class RandomPolicy:
+class RandomPolicy(PolicyBase):
     """Uniform over healthy workers."""
 
     def __init__(self, num_workers: int, *, random_state=None, name: str = "random") -> None:
@@ -46,7 +42,7 @@ class RandomPolicy:
         return int(idx[int(self._u.next() * idx.size)])
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(PolicyBase):
     """Cycles through workers in index order, skipping unhealthy ones."""
 
     def __init__(self, num_workers: int, *, name: str = "round_robin") -> None:
@@ -67,7 +63,7 @@ class RoundRobinPolicy:
         raise _no_healthy(self.name)
 
 
-class JSQPolicy:
+class JSQPolicy(PolicyBase):
     """Join the shortest queue: least-loaded healthy worker, ties → lowest index."""
 
     def __init__(self, num_workers: int, *, name: str = "jsq") -> None:
@@ -81,7 +77,7 @@ class JSQPolicy:
         return _jsq(self.name, loads, healthy)
 
 
-class P2CPolicy:
+class P2CPolicy(PolicyBase):
     """Power of two choices: two distinct random healthy workers, the less loaded wins."""
 
     def __init__(self, num_workers: int, *, random_state=None, name: str = "p2c") -> None:
@@ -152,7 +148,7 @@ def domain_groups(domain_shares: np.ndarray, num_workers: int) -> list[np.ndarra
     return [np.arange(bounds[d], bounds[d + 1], dtype=np.int64) for d in range(D)]
 
 
-class DomainPolicy:
+class DomainPolicy(PolicyBase):
     """Oracle domain label → its worker group (:func:`domain_groups`), JSQ inside it.
 
     A request without a domain, or whose group has no healthy worker, goes to JSQ over
@@ -164,6 +160,7 @@ class DomainPolicy:
         self.name = name
         self.num_workers = _check_num_workers(num_workers)
         self.num_fallbacks = 0
+        self.inputs = frozenset({"domain"})
         self.groups_ = domain_groups(domain_shares, self.num_workers)
         masks = np.zeros((len(self.groups_), self.num_workers), dtype=bool)
         for d, g in enumerate(self.groups_):

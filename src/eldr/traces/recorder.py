@@ -1,10 +1,10 @@
-"""Token path of :mod:`eldr.synth`: route every token and record its top-k ids."""
+"""Token path of :mod:`eldr.traces.synth`: route every token and record its top-k ids."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from eldr.synth_sampling import token_topk
+from eldr.traces.sampling import token_topk
 
 __all__ = ["TokenRecorder"]
 

@@ -1,0 +1,71 @@
+"""Online decode routing: one contract for the simulator and the HTTP router.
+
+Modules, in the order a decision runs (llm-d's filter → score → pick shape):
+
+- :mod:`~eldr.routing.protocol`: ``RouteRequest``, ``Decision``, the ``Policy`` protocol
+  and its dispatch/release events;
+- :mod:`~eldr.routing.filters`: health, capacity, the locality band;
+- :mod:`~eldr.routing.scorers`: load, similarity;
+- :mod:`~eldr.routing.pickers`: lowest score with tie-breaks;
+- policies: :mod:`~eldr.routing.baselines` (random, round-robin, JSQ, P2C, domain),
+  :mod:`~eldr.routing.band` (``eldr``), :mod:`~eldr.routing.cost` (``eldr_cost``);
+- :mod:`~eldr.routing.registry`: names → factories with declared resources;
+- :mod:`~eldr.routing.loads`: the router's live per-decoder loads and health.
+"""
+
+from eldr.routing import filters, pickers, scorers
+from eldr.routing.band import EldrPolicy, decode_patterns
+from eldr.routing.baselines import (
+    DomainPolicy,
+    JSQPolicy,
+    P2CPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    domain_groups,
+)
+from eldr.routing.cost import CostPolicy, ExpertFootprint, prefill_profile
+from eldr.routing.protocol import (
+    OUTCOMES,
+    Decision,
+    NoHealthyWorkerError,
+    Outcome,
+    Policy,
+    PolicyBase,
+    RouteRequest,
+)
+from eldr.routing.registry import (
+    POLICIES,
+    PolicySpec,
+    RoutingResources,
+    make_policy,
+    register_policy,
+)
+
+__all__ = [
+    "OUTCOMES",
+    "POLICIES",
+    "CostPolicy",
+    "Decision",
+    "DomainPolicy",
+    "EldrPolicy",
+    "ExpertFootprint",
+    "JSQPolicy",
+    "NoHealthyWorkerError",
+    "Outcome",
+    "P2CPolicy",
+    "Policy",
+    "PolicyBase",
+    "PolicySpec",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "RoutingResources",
+    "decode_patterns",
+    "domain_groups",
+    "filters",
+    "make_policy",
+    "pickers",
+    "prefill_profile",
+    "register_policy",
+    "scorers",
+]

@@ -1,0 +1,187 @@
+"""Routing by marginal expert cost (docs/fit-and-routing.md, "the cost policy").
+
+A decode step of decoder d costs ``t_fixed + Σ_l (a + b·D_l) + κ_s·Σ ctx`` (the step-time
+model of docs/simulator.md): ``D_l`` distinct experts at layer l, ``ctx`` the context
+tokens whose KV each request reads. Sending request x to d changes every step while x
+runs there: x itself waits for d's whole batch, and each of d's ``n_d`` requests waits
+for the experts and KV x adds. In units of ``b`` (one expert streamed once), the sum of
+per-token latencies x adds to the cluster is
+
+    J_d(x) = D_d + (n_d + 1)·ΔD_d(x) + κ·(C_d + n_d·ctx_x)        (+ terms equal for all d)
+
+with, for a per-token expert-inclusion profile ``p_r (L, E)`` per request,
+
+    S_d    = Π_{r on d} (1 − p_r)          kept as Σ log(1 − p_r), moved at dispatch/release
+    D_d    = Σ_{l,e} (1 − S_d)             expected distinct experts of one step of d's batch
+    ΔD_d(x)= Σ_{l,e} S_d · p_x             experts x is expected to add
+    C_d    = Σ_{r on d} ctx_r ,  κ = (seconds per context token per step) / b
+
+The argmin over healthy decoders with a free batch slot (``capacity``; a full decoder
+makes x queue, which no locality repays) is the policy. Every decoder empty → every
+``J_d`` equals ``Σ p_x``: ties → lowest load → lowest index, i.e. JSQ's choice. Under load
+it packs requests whose experts overlap, and only as far as the shared experts pay for the
+longer batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr.routing import filters, pickers, scorers
+from eldr.routing._common import _check, _check_num_workers
+from eldr.routing.protocol import Decision, Outcome, PolicyBase, RouteRequest
+
+__all__ = ["CostPolicy", "ExpertFootprint", "prefill_profile"]
+
+_P_MAX = 1.0 - 1e-6  # log(1 − p) stays finite for an expert every token selects
+
+
+def prefill_profile(counts: np.ndarray, num_tokens: int, top_k: int | None = None
+                    ) -> np.ndarray:
+    """(L, E) float32 per-token inclusion probabilities from prefill counts (L, E).
+
+    ``counts / num_tokens``: the share of prompt tokens whose top-k held each expert, the
+    calibration-free estimate of how often a decode token selects it. A prompt with no
+    tokens gives the uniform profile ``top_k / E`` (nothing is known), or zeros without
+    ``top_k``.
+    """
+    c = np.asarray(counts, dtype=np.float32)
+    if c.ndim != 2:
+        raise ValueError(f"counts must be (L, E), got shape {c.shape}")
+    if num_tokens <= 0:
+        return np.full(c.shape, (top_k or 0) / c.shape[1], dtype=np.float32)
+    return np.minimum(c / np.float32(num_tokens), np.float32(1.0))
+
+
+class ExpertFootprint:
+    """Per-decoder expected expert footprint of the requests in flight.
+
+    ``miss`` (K, L·E) float32 = ``S_d`` (probability that no request on d selects the
+    expert at a step), ``distinct`` (K,) = ``D_d``, ``context`` (K,) = ``C_d``. Rows are
+    recomputed from the float64 log sums only for the decoder an event touched; a decoder
+    left with no request is reset to exactly zero (no float drift accumulates).
+    """
+
+    def __init__(self, num_workers: int, num_cells: int) -> None:
+        self.num_workers = _check_num_workers(num_workers)
+        if num_cells <= 0:
+            raise ValueError(f"num_cells must be > 0, got {num_cells}")
+        K = self.num_workers
+        self.num_cells = num_cells
+        self.log_miss = np.zeros((K, num_cells), dtype=np.float64)  # Σ log(1 − p_r)
+        self.miss = np.ones((K, num_cells), dtype=np.float32)  # S_d
+        self.distinct = np.zeros(K, dtype=np.float64)  # D_d
+        self.context = np.zeros(K, dtype=np.float64)  # C_d
+        self.count = np.zeros(K, dtype=np.int64)  # requests held per decoder
+        self._held: dict[str, tuple[int, np.ndarray | None, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def _refresh(self, d: int) -> None:
+        if self.count[d] == 0:
+            self.log_miss[d] = 0.0
+            self.miss[d] = 1.0
+            self.distinct[d] = 0.0
+            self.context[d] = 0.0
+            return
+        np.exp(self.log_miss[d], out=self.miss[d], casting="same_kind")
+        self.distinct[d] = self.num_cells - float(self.miss[d].sum(dtype=np.float64))
+
+    def add(self, request_id: str, worker: int, profile: np.ndarray | None,
+            context_tokens: float = 0.0) -> None:
+        """Hold ``profile`` (L·E,) on ``worker`` until :meth:`remove` (None: count only)."""
+        if request_id in self._held:  # dispatched twice: the last placement holds
+            self.remove(request_id)
+        row = None
+        if profile is not None:
+            p = np.minimum(profile.reshape(-1), _P_MAX)
+            row = np.log1p(-p, dtype=np.float32)
+            self.log_miss[worker] += row
+        self._held[request_id] = (worker, row, float(context_tokens))
+        self.count[worker] += 1
+        self.context[worker] += context_tokens
+        self._refresh(worker)
+
+    def remove(self, request_id: str) -> bool:
+        """Drop a held request; False when it is not held (already released)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        d, row, ctx = held
+        if row is not None:
+            self.log_miss[d] -= row
+        self.count[d] -= 1
+        self.context[d] -= ctx
+        self._refresh(d)
+        return True
+
+    def added(self, profile: np.ndarray) -> np.ndarray:
+        """(K,) ``ΔD_d``: expected experts ``profile`` (L·E,) adds to each decoder."""
+        return self.miss @ profile.reshape(-1)
+
+
+class CostPolicy(PolicyBase):
+    """Marginal expert cost (module docstring); needs ``RouteRequest.profile`` (L, E).
+
+    ``context_weight`` = κ, decode-step seconds per context token divided by seconds per
+    distinct expert (0 ignores KV reads); ``capacity`` = a decoder's batch limit (None:
+    unlimited).
+    """
+
+    def __init__(self, num_workers: int, *, num_layers: int, num_experts: int,
+                 context_weight: float = 0.0, capacity: float | None = None,
+                 name: str = "eldr_cost") -> None:
+        self.name = name
+        self.num_workers = _check_num_workers(num_workers)
+        self.num_fallbacks = 0
+        self.inputs = frozenset({"profile"})
+        if num_layers <= 0 or num_experts <= 0:
+            raise ValueError(f"{name}: num_layers and num_experts must be > 0, "
+                             f"got {num_layers}, {num_experts}")
+        if not np.isfinite(context_weight) or context_weight < 0:
+            raise ValueError(f"{name}: context_weight must be finite and >= 0, "
+                             f"got {context_weight}")
+        if capacity is not None and not capacity >= 1:
+            raise ValueError(f"{name}: capacity must be >= 1 or None, got {capacity}")
+        self.shape = (int(num_layers), int(num_experts))
+        self.context_weight = float(context_weight)
+        self.capacity = capacity
+        self.footprint = ExpertFootprint(self.num_workers, self.shape[0] * self.shape[1])
+
+    def costs(self, profile: np.ndarray, loads: np.ndarray, context_tokens: float = 0.0
+              ) -> np.ndarray:
+        """(K,) float64 ``J_d(x)`` for a profile (L, E) and the live loads (K,)."""
+        if profile.shape != self.shape:
+            raise ValueError(f"{self.name}: profile has shape {profile.shape}, "
+                             f"expected {self.shape}")
+        fp = self.footprint
+        p = profile.reshape(-1)
+        delta = fp.added(p).astype(np.float64)
+        J = fp.distinct + (loads + 1.0) * delta
+        if self.context_weight:
+            J += self.context_weight * (fp.context + loads * context_tokens)
+        return J
+
+    def decide(self, request: RouteRequest, loads: np.ndarray,
+               healthy: np.ndarray | None = None) -> Decision:
+        _check(self.name, self.num_workers, loads, healthy)
+        ok = filters.with_capacity(filters.healthy(self.name, self.num_workers, healthy),
+                                   loads, self.capacity)
+        if request.profile is None:
+            self.num_fallbacks += 1
+            return Decision(pickers.lowest(ok, scorers.load(loads)), fallback=True)
+        J = self.costs(request.profile, loads, request.context_tokens)
+        k = pickers.lowest(ok, J, tiebreak=scorers.load(loads))
+        return Decision(k, cost=float(J[k]))
+
+    def on_dispatch(self, request: RouteRequest, worker: int) -> None:
+        if not 0 <= worker < self.num_workers:
+            raise ValueError(f"{self.name}: worker {worker} out of range")
+        p = request.profile
+        if p is not None and p.shape != self.shape:
+            p = None  # a malformed profile never enters the state (decide refused it too)
+        self.footprint.add(request.request_id, worker, p, request.context_tokens)
+
+    def on_release(self, request_id: str, outcome: Outcome) -> None:
+        self.footprint.remove(request_id)

@@ -1,0 +1,46 @@
+"""Filters: which decoders may take a request (llm-d's first scheduling stage).
+
+A filter maps the candidate mask (K,) bool to a narrower one; it never empties a
+non-empty mask unless the request cannot be served at all (health). Each is a small pure
+function so it can be tested on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr.routing._common import _no_healthy
+
+__all__ = ["band", "healthy", "with_capacity"]
+
+
+def healthy(policy_name: str, num_workers: int, mask: np.ndarray | None) -> np.ndarray:
+    """(K,) bool of healthy decoders; raises NoHealthyWorkerError when there is none."""
+    if mask is None:
+        return np.ones(num_workers, dtype=bool)
+    if not mask.any():
+        raise _no_healthy(policy_name)
+    return mask
+
+
+def with_capacity(candidates: np.ndarray, loads: np.ndarray, capacity: float | None
+                  ) -> np.ndarray:
+    """Candidates with a free batch slot (``loads < capacity``); all of them when none has.
+
+    A decoder at its batch limit makes a new request wait for a slot: queueing no
+    locality can repay. When every candidate is full the request has to wait somewhere,
+    and the later stages decide where.
+    """
+    if capacity is None:
+        return candidates
+    free = candidates & (loads < capacity)
+    return free if free.any() else candidates
+
+
+def band(candidates: np.ndarray, similarities: np.ndarray, tau: float) -> np.ndarray:
+    """The locality band: candidates whose similarity is within ``tau`` of the best one.
+
+    ``similarities`` (K,) float32 ``c_k · s``; the best is taken over candidates only.
+    """
+    sim = np.where(candidates, similarities, -np.inf)
+    return sim >= sim.max() - np.float32(tau)

@@ -1,0 +1,110 @@
+"""The routing contract shared by the simulator and the HTTP router.
+
+A decode-routing policy answers one question at the prefill→decode handoff — which of
+``K`` decode workers (indices ``0..K-1``) gets this request — and is told what became of
+every request it placed, so it can keep per-decoder state (the marginal-cost policy keeps
+each decoder's expected expert footprint):
+
+    d = policy.choose(request, loads, healthy)       # or policy.decide(...) for the why
+    policy.on_dispatch(request, d)                   # the request was sent to d
+    ...
+    policy.on_release(request.request_id, "completed")   # or "failed" / "cancelled"
+
+``loads`` (K,) are in-flight requests per decoder (any non-negative numbers), owned by the
+caller (:class:`eldr.routing.loads.LoadTracker` in the router, arrays in the simulator) so
+that engine-reported loads can overwrite them; ``healthy`` (K,) bool or ``None``.
+
+Every policy releases each dispatched request exactly once; releasing an unknown id is a
+no-op (a request may be released by a timeout and again by its late completion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from eldr.routing._common import NoHealthyWorkerError
+
+__all__ = [
+    "OUTCOMES",
+    "REQUEST_INPUTS",
+    "Decision",
+    "NoHealthyWorkerError",
+    "Outcome",
+    "Policy",
+    "PolicyBase",
+    "RouteRequest",
+]
+
+Outcome = Literal["completed", "failed", "cancelled"]
+OUTCOMES: tuple[str, ...] = ("completed", "failed", "cancelled")
+# what a policy may read from a request; a policy declares the ones it needs in `inputs`
+REQUEST_INPUTS: tuple[str, ...] = ("signature", "profile", "domain", "decode_pattern")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may look at when routing one request to a decode worker."""
+
+    request_id: str  # caller's id; keys the policy's per-request state, never branched on
+    signature: np.ndarray | None = None  # (d,) float32 unit row (SignatureEncoder), or None
+    domain: int | None = None  # oracle domain label (the `domain` policy only), or None
+    decode_pattern: np.ndarray | None = None  # (d',) unit row of true decode counts (oracle)
+    # (L, E) float32 predicted per-token inclusion probability of each expert (cost policy)
+    profile: np.ndarray | None = None
+    context_tokens: int = 0  # prompt tokens whose KV the decoder will read every step
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One routing decision and what it was based on (logs and metrics)."""
+
+    worker: int  # chosen decoder index
+    fallback: bool = False  # routed by load because a declared input was missing
+    band_size: int | None = None  # |B| of the locality band, when the policy has one
+    cost: float | None = None  # the chosen decoder's marginal cost, when the policy has one
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A decode-routing policy (see the module docstring for the event contract)."""
+
+    name: str  # registry name, e.g. "eldr"
+    num_workers: int  # K
+    num_fallbacks: int  # requests routed by load because their routing input was missing
+    inputs: frozenset[str]  # request fields it reads (subset of REQUEST_INPUTS)
+
+    def decide(self, request: RouteRequest, loads: np.ndarray,
+               healthy: np.ndarray | None = None) -> Decision: ...
+
+    def choose(self, request: RouteRequest, loads: np.ndarray,
+               healthy: np.ndarray | None = None) -> int: ...
+
+    def on_dispatch(self, request: RouteRequest, worker: int) -> None: ...
+
+    def on_release(self, request_id: str, outcome: Outcome) -> None: ...
+
+
+class PolicyBase:
+    """Defaults for stateless policies: ``choose`` = ``decide().worker``, no-op events."""
+
+    name: str
+    num_workers: int
+    num_fallbacks: int = 0
+    inputs: frozenset[str] = frozenset()
+
+    def decide(self, request: RouteRequest, loads: np.ndarray,
+               healthy: np.ndarray | None = None) -> Decision:
+        return Decision(self.choose(request, loads, healthy))
+
+    def choose(self, request: RouteRequest, loads: np.ndarray,
+               healthy: np.ndarray | None = None) -> int:
+        return self.decide(request, loads, healthy).worker
+
+    def on_dispatch(self, request: RouteRequest, worker: int) -> None:
+        """The request was sent to ``worker`` (stateless policies ignore it)."""
+
+    def on_release(self, request_id: str, outcome: Outcome) -> None:
+        """The request left its decoder (stateless policies ignore it)."""

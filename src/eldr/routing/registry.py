@@ -1,0 +1,140 @@
+"""The policy registry: each policy declares the fitted resources it needs.
+
+    policy = make_policy("eldr", num_workers=K, centroids=C, tau=0.1)
+
+A factory receives exactly the resources its :class:`PolicySpec` declares (``needs`` are
+required, ``options`` may be absent); :func:`make_policy` refuses unknown resource names
+(a typo is an error, not a silently ignored keyword) and ignores known resources the policy
+does not use, so a caller holding one fitted bundle (:class:`RoutingResources`) can build
+any policy from it. Registered policies:
+
+- ``random``, ``round_robin``, ``jsq``, ``p2c``: load only (:mod:`eldr.routing.baselines`);
+- ``domain``: oracle domain label → worker group (evaluation; needs ``domain_shares``);
+- ``eldr``: the locality band (:mod:`eldr.routing.band`; ``centroids``, ``tau``);
+- ``eldr_top1``: the band with τ = 0;
+- ``eldr_cost``: marginal expert cost (:mod:`eldr.routing.cost`; ``num_layers``,
+  ``num_experts``, optional ``context_weight`` and ``capacity``);
+- ``oracle_signature``: the band on the TRUE decode pattern (evaluation only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+
+import numpy as np
+
+from eldr.routing.band import EldrPolicy
+from eldr.routing.baselines import (
+    DomainPolicy,
+    JSQPolicy,
+    P2CPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+)
+from eldr.routing.cost import CostPolicy
+from eldr.routing.protocol import Policy
+
+__all__ = [
+    "POLICIES",
+    "PolicySpec",
+    "RoutingResources",
+    "make_policy",
+    "register_policy",
+]
+
+
+@dataclass(frozen=True)
+class RoutingResources:
+    """Everything policies may be built from; ``None`` = not available.
+
+    One bundle per (fit, decode pool): :meth:`eldr.fit.artifact.RoutingArtifact.resources`
+    fills it from an artifact, the reproduction from its calibration split.
+    """
+
+    centroids: np.ndarray | None = None  # (K, d) float32 signature centroids
+    decode_centroids: np.ndarray | None = None  # (K, d') decode-pattern centroids (oracle)
+    tau: float | None = None  # band width
+    domain_shares: np.ndarray | None = None  # (D,) calibration share of each domain
+    num_layers: int | None = None  # L of the model (cost policy)
+    num_experts: int | None = None  # E of the model (cost policy)
+    context_weight: float | None = None  # κ: step seconds per context token / per expert
+    capacity: float | None = None  # a decoder's batch limit (cost policy's admission)
+    random_state: int | np.random.Generator | None = None  # seed of random policies
+
+    def as_kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+RESOURCE_NAMES = frozenset(f.name for f in fields(RoutingResources))
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered policy: its factory and what it needs."""
+
+    name: str
+    factory: Callable[..., Policy]  # factory(num_workers, **declared resources)
+    needs: frozenset[str] = frozenset()  # required resources
+    options: frozenset[str] = frozenset()  # resources used when given
+    evaluation_only: bool = False  # needs labels a deployment lacks (oracles)
+
+
+_REGISTRY: dict[str, PolicySpec] = {}
+POLICIES: Mapping[str, PolicySpec] = MappingProxyType(_REGISTRY)  # name → spec
+
+
+def register_policy(name: str, factory: Callable[..., Policy], *, needs=(), options=(),
+                    evaluation_only: bool = False) -> None:
+    """Add a policy. A name can be registered once; resources must be known names."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"policy name must be a non-empty string, got {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"policy {name!r} is already registered")
+    unknown = (set(needs) | set(options)) - RESOURCE_NAMES
+    if unknown:
+        raise ValueError(f"policy {name!r} declares unknown resources {sorted(unknown)}; "
+                         f"known: {sorted(RESOURCE_NAMES)}")
+    _REGISTRY[name] = PolicySpec(name, factory, frozenset(needs), frozenset(options),
+                                 evaluation_only)
+
+
+def make_policy(name: str, *, num_workers: int, **resources) -> Policy:
+    """Build the registered policy ``name`` for ``num_workers`` decoders from ``resources``
+    (keywords of :class:`RoutingResources`; ``None`` values count as absent)."""
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(_REGISTRY)}")
+    unknown = set(resources) - RESOURCE_NAMES
+    if unknown:
+        raise ValueError(f"make_policy: unknown resources {sorted(unknown)}; "
+                         f"known: {sorted(RESOURCE_NAMES)}")
+    given = {k: v for k, v in resources.items() if v is not None}
+    missing = spec.needs - given.keys()
+    if missing:
+        raise ValueError(f"{name}: {', '.join(sorted(missing))} "
+                         f"{'is' if len(missing) == 1 else 'are'} required")
+    used = {k: v for k, v in given.items() if k in spec.needs | spec.options}
+    return spec.factory(num_workers, **used)
+
+
+register_policy("random", lambda K, **kw: RandomPolicy(K, **kw), options={"random_state"})
+register_policy("round_robin", lambda K: RoundRobinPolicy(K))
+register_policy("jsq", lambda K: JSQPolicy(K))
+register_policy("p2c", lambda K, **kw: P2CPolicy(K, **kw), options={"random_state"})
+register_policy("domain", lambda K, **kw: DomainPolicy(K, **kw), needs={"domain_shares"},
+                evaluation_only=True)
+register_policy("eldr", lambda K, **kw: EldrPolicy(K, **kw), needs={"centroids"},
+                options={"tau"})
+register_policy("eldr_top1", lambda K, centroids: EldrPolicy(K, centroids=centroids, tau=0.0,
+                                                             name="eldr_top1"),
+                needs={"centroids"})
+register_policy("eldr_cost", lambda K, **kw: CostPolicy(K, **kw),
+                needs={"num_layers", "num_experts"}, options={"context_weight", "capacity"})
+register_policy("oracle_signature",
+                lambda K, decode_centroids, tau=0.1: EldrPolicy(
+                    K, centroids=decode_centroids, tau=tau, use_decode_pattern=True,
+                    name="oracle_signature"),
+                needs={"decode_centroids"}, options={"tau"}, evaluation_only=True)

@@ -1,0 +1,122 @@
+"""The marginal expert-cost policy on hand-built batches (exact D_d, ΔD_d, J_d)."""
+
+import numpy as np
+import pytest
+
+from eldr.routing import CostPolicy, ExpertFootprint, RouteRequest, prefill_profile
+
+
+def _req(rid, p, ctx=0):
+    """A request with profile ``p``; a 1-D ``p`` is one layer's row."""
+    return RouteRequest(rid, profile=np.atleast_2d(np.asarray(p, dtype=np.float32)),
+                        context_tokens=ctx)
+
+
+def test_prefill_profile_is_counts_over_tokens():
+    counts = np.array([[3, 1, 0, 0], [2, 2, 0, 0]])  # 2 tokens, top-2 → rows sum to k·T
+    p = prefill_profile(counts, 2, top_k=2)
+    assert p.dtype == np.float32
+    np.testing.assert_allclose(p, [[1.0, 0.5, 0, 0], [1.0, 1.0, 0, 0]])
+    np.testing.assert_allclose(prefill_profile(counts, 0, top_k=2), np.full((2, 4), 0.5))
+    with pytest.raises(ValueError, match="shape"):
+        prefill_profile(np.zeros(4), 2)
+
+
+def test_footprint_matches_the_formula_by_hand():
+    # decoder 0 runs a = [0.5, 0.5, 0, 0] and b = [0.5, 0, 0.5, 0] (one layer, 4 experts)
+    fp = ExpertFootprint(2, 4)
+    fp.add("a", 0, np.array([0.5, 0.5, 0, 0], np.float32), 10)
+    fp.add("b", 0, np.array([0.5, 0, 0.5, 0], np.float32), 20)
+    # S_0 = [0.25, 0.5, 0.5, 1]; D_0 = Σ(1 − S) = 0.75 + 0.5 + 0.5 + 0 = 1.75
+    np.testing.assert_allclose(fp.miss[0], [0.25, 0.5, 0.5, 1.0], rtol=1e-6)
+    assert fp.distinct[0] == pytest.approx(1.75, rel=1e-6)
+    assert fp.distinct[1] == 0 and fp.context[0] == 30
+    # x = [0, 0, 0.5, 0.5]: ΔD_0 = 0.5·0.5 + 1·0.5 = 0.75; ΔD_1 (empty) = Σ p = 1
+    np.testing.assert_allclose(fp.added(np.array([0, 0, 0.5, 0.5], np.float32)),
+                               [0.75, 1.0], rtol=1e-6)
+    assert fp.remove("a") and not fp.remove("a")
+    np.testing.assert_allclose(fp.miss[0], [0.5, 1.0, 0.5, 1.0], rtol=1e-6)
+    fp.remove("b")
+    assert fp.distinct[0] == 0 and not fp.log_miss.any() and len(fp) == 0
+
+
+def test_cost_is_the_marginal_latency_in_experts():
+    pol = CostPolicy(2, num_layers=1, num_experts=4)
+    pol.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 0)
+    pol.on_dispatch(_req("b", [0.5, 0, 0.5, 0]), 0)
+    loads = np.array([2.0, 0.0])
+    x = np.array([[0, 0, 0.5, 0.5]], np.float32)
+    # J_0 = D_0 + (n_0 + 1)·ΔD_0 = 1.75 + 3·0.75 = 4.0; J_1 = 0 + 1·1 = 1
+    np.testing.assert_allclose(pol.costs(x, loads), [4.0, 1.0], rtol=1e-6)
+    assert pol.choose(_req("x", x), loads) == 1
+    # a request sharing a's experts exactly: ΔD_0 = 0.25·0.5 + 0.5·0.5 = 0.375,
+    # J_0 = 1.75 + 3·0.375 = 2.875 vs J_1 = 1.0: still the empty decoder (a batch of 3 pays)
+    y = np.array([[0.5, 0.5, 0, 0]], np.float32)
+    np.testing.assert_allclose(pol.costs(y, loads), [2.875, 1.0], rtol=1e-6)
+
+
+def test_packs_when_the_shared_experts_pay_for_the_longer_batch():
+    # decoder 0 runs one request on experts {0, 1}, decoder 1 one on {2, 3}; a new request
+    # on {0, 1} adds nothing to decoder 0 and everything to decoder 1
+    pol = CostPolicy(2, num_layers=1, num_experts=4)
+    pol.on_dispatch(_req("a", [1, 1, 0, 0]), 0)
+    pol.on_dispatch(_req("b", [0, 0, 1, 1]), 1)
+    x = np.array([[1, 1, 0, 0]], np.float32)
+    J = pol.costs(x, np.array([1.0, 1.0]))
+    assert J[0] == pytest.approx(2.0, abs=1e-4) and J[1] == pytest.approx(6.0, abs=1e-4)
+    assert pol.choose(_req("x", x), np.array([1.0, 1.0])) == 0
+
+
+def test_context_weight_adds_the_kv_reads():
+    pol = CostPolicy(2, num_layers=1, num_experts=2, context_weight=0.01)
+    pol.on_dispatch(_req("a", [1, 0], ctx=100), 0)
+    x = np.array([[1, 0]], np.float32)
+    # J_0 = 1 + 2·0 + 0.01·(100 + 1·50) = 2.5 ; J_1 = 0 + 1 + 0 = 1
+    np.testing.assert_allclose(pol.costs(x, np.array([1.0, 0.0]), 50), [2.5, 1.0], atol=1e-4)
+
+
+def test_all_empty_spreads_like_jsq():
+    pol = CostPolicy(4, num_layers=2, num_experts=4)
+    rng = np.random.default_rng(0)
+    loads = np.zeros(4)
+    for i in range(4):  # each lone request is cheapest on an empty decoder: one each
+        req = _req(f"r{i}", rng.random((2, 4)) / 2)
+        k = pol.choose(req, loads)
+        assert loads[k] == 0
+        pol.on_dispatch(req, k)
+        loads[k] += 1
+    assert (loads == 1).all()
+
+
+def test_full_decoders_are_skipped_while_one_has_room():
+    pol = CostPolicy(2, num_layers=1, num_experts=2, capacity=2)
+    pol.on_dispatch(_req("a", [1, 0]), 0)
+    x = _req("x", [[1, 0]])
+    assert pol.choose(x, np.array([1.0, 1.0])) == 0  # room on 0: locality wins
+    assert pol.choose(x, np.array([2.0, 1.0])) == 1  # 0 is full
+    assert pol.choose(x, np.array([2.0, 2.0])) == 0  # all full: cost decides
+
+
+def test_state_returns_to_zero_whatever_the_outcome():
+    pol = CostPolicy(3, num_layers=2, num_experts=3)
+    rng = np.random.default_rng(1)
+    reqs = [_req(f"r{i}", rng.random((2, 3)), ctx=int(rng.integers(100))) for i in range(50)]
+    for i, r in enumerate(reqs):
+        pol.on_dispatch(r, i % 3)
+    for i, r in enumerate(reqs):
+        pol.on_release(r.request_id, ("completed", "failed", "cancelled")[i % 3])
+    fp = pol.footprint
+    assert len(fp) == 0 and not fp.log_miss.any() and not fp.distinct.any()
+    assert (fp.miss == 1).all() and not fp.context.any()
+
+
+def test_missing_profile_falls_back_to_jsq_and_bad_shapes_are_refused():
+    pol = CostPolicy(2, num_layers=1, num_experts=2)
+    assert pol.choose(RouteRequest("r"), np.array([3.0, 1.0])) == 1
+    assert pol.num_fallbacks == 1
+    with pytest.raises(ValueError, match="profile has shape"):
+        pol.choose(_req("r", np.ones((2, 2))), np.zeros(2))
+    with pytest.raises(ValueError, match="context_weight"):
+        CostPolicy(2, num_layers=1, num_experts=2, context_weight=-1)
+    with pytest.raises(ValueError, match="capacity"):
+        CostPolicy(2, num_layers=1, num_experts=2, capacity=0)
