@@ -41,7 +41,7 @@ def test_footprint_matches_the_formula_by_hand():
 
 
 def test_cost_is_the_marginal_latency_in_experts():
-    pol = CostPolicy(2, num_layers=1, num_experts=4)
+    pol = CostPolicy(2, num_layers=1, num_experts=4, memory=0)
     pol.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 0)
     pol.on_dispatch(_req("b", [0.5, 0, 0.5, 0]), 0)
     loads = np.array([2.0, 0.0])
@@ -58,7 +58,7 @@ def test_cost_is_the_marginal_latency_in_experts():
 def test_packs_when_the_shared_experts_pay_for_the_longer_batch():
     # decoder 0 runs one request on experts {0, 1}, decoder 1 one on {2, 3}; a new request
     # on {0, 1} adds nothing to decoder 0 and everything to decoder 1
-    pol = CostPolicy(2, num_layers=1, num_experts=4)
+    pol = CostPolicy(2, num_layers=1, num_experts=4, memory=0)
     pol.on_dispatch(_req("a", [1, 1, 0, 0]), 0)
     pol.on_dispatch(_req("b", [0, 0, 1, 1]), 1)
     x = np.array([[1, 1, 0, 0]], np.float32)
@@ -68,7 +68,7 @@ def test_packs_when_the_shared_experts_pay_for_the_longer_batch():
 
 
 def test_context_weight_adds_the_kv_reads():
-    pol = CostPolicy(2, num_layers=1, num_experts=2, context_weight=0.01)
+    pol = CostPolicy(2, num_layers=1, num_experts=2, context_weight=0.01, memory=0)
     pol.on_dispatch(_req("a", [1, 0], ctx=100), 0)
     x = np.array([[1, 0]], np.float32)
     # J_0 = 1 + 2·0 + 0.01·(100 + 1·50) = 2.5 ; J_1 = 0 + 1 + 0 = 1
@@ -120,3 +120,26 @@ def test_missing_profile_falls_back_to_jsq_and_bad_shapes_are_refused():
         CostPolicy(2, num_layers=1, num_experts=2, context_weight=-1)
     with pytest.raises(ValueError, match="capacity"):
         CostPolicy(2, num_layers=1, num_experts=2, capacity=0)
+
+
+def test_memory_adds_the_future_joiners_of_the_decoders_usual_kind():
+    # decoder 0 was sent requests on expert 0, decoder 1 on expert 1; both now hold one
+    # request on expert 2. A request on expert 0 is cheaper on decoder 0 only because of
+    # what joins it later: without memory the two costs tie.
+    def run(memory):
+        pol = CostPolicy(2, num_layers=1, num_experts=3, memory=memory, memory_weight=1.0)
+        for i in range(6):
+            pol.on_dispatch(_req(f"a{i}", [0.9, 0, 0]), 0)
+            pol.on_dispatch(_req(f"b{i}", [0, 0.9, 0]), 1)
+            pol.on_release(f"a{i}", "completed")
+            pol.on_release(f"b{i}", "completed")
+        pol.on_dispatch(_req("c0", [0, 0, 0.9]), 0)
+        pol.on_dispatch(_req("c1", [0, 0, 0.9]), 1)
+        return pol.costs(np.array([[0.9, 0, 0]], np.float32), np.array([1.0, 1.0]))
+
+    J = run(0.0)
+    assert J[0] == pytest.approx(J[1])
+    J = run(2.0)
+    assert J[0] < J[1] - 0.5
+    with pytest.raises(ValueError, match="memory"):
+        CostPolicy(2, num_layers=1, num_experts=3, memory=-1)
