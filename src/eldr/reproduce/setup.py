@@ -37,6 +37,7 @@ class RoutingSetup:
     tokens: TokenBank  # per-request decode bitsets of the eval split, shared by runs
     seed: int  # seed of the K-means fits
     fit_seconds: float = 0.0  # encoder fit time
+    predictor: object | None = None  # fitted ProfilePredictor (eldr_cost), or None
     _centroids: dict = field(default_factory=dict)  # (K, kind) -> (K, d) float32
     _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration labels
     _placements: dict = field(default_factory=dict)  # (K, ep, layout) -> placement
@@ -80,9 +81,12 @@ class RoutingSetup:
         return self._placements[key]
 
     def profile(self, r: int) -> np.ndarray:
-        """(L, E) float32 predicted per-token expert profile of eval request ``r``."""
-        return prefill_profile(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]),
-                               self.eval.meta.top_k)
+        """(L, E) float32 predicted per-token expert profile of eval request ``r`` (the
+        predictor fitted on the calibration split; the raw prefill profile without one)."""
+        if self.predictor is None:
+            return prefill_profile(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]),
+                                   self.eval.meta.top_k)
+        return self.predictor.predict(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]))
 
     def prime(self, name: str, K: int, kind: str = "balanced") -> None:
         """Fit what policy ``name`` needs for K decoders now (before forking workers)."""
@@ -124,6 +128,7 @@ def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0
               selection_max_pairs: int | None = 100_000, max_pairs: int | None = 200_000,
               representation: str = "count_idf") -> RoutingSetup:
     """Split ``trace`` (``calib_requests`` for calibration), fit the encoder, encode eval."""
+    from eldr.fit.predictor import ProfilePredictor
     from eldr.fit.signature import SignatureEncoder
 
     R = trace.num_requests
@@ -145,5 +150,5 @@ def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0
         workload=workload, calib=calib, eval=ev, encoder=enc,
         signatures=enc.transform(ev), patterns=decode_patterns(ev.decode_counts),
         domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
-        fit_seconds=fit_s,
+        fit_seconds=fit_s, predictor=ProfilePredictor(random_state=seed).fit(calib),
     )
