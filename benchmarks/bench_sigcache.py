@@ -27,7 +27,7 @@ from eldr.cache.hashing import block_hashes, hash_block_tokens
 from eldr.cache.sigcache import SignatureCache, block_rows, kv_fraction
 
 KIB, MIB = 1024, 1024 * 1024
-# design.md §7, used only when eldr.traces.models is unavailable:
+# docs/method.md#model-facts, used only when eldr.traces.models is unavailable:
 # name -> (num_layers, num_experts, top_k, kv_bytes_per_token, fixed KV bytes per request)
 _LOCAL_PRESETS = {
     "qwen3-30b-a3b": (48, 128, 8, 96 * KIB, 0),
@@ -42,7 +42,7 @@ def load_presets() -> tuple[str, dict]:
     try:
         from eldr.traces.models import PRESETS
     except ImportError:
-        return "local design.md table", dict(_LOCAL_PRESETS)
+        return "local copy of docs/method.md#model-facts", dict(_LOCAL_PRESETS)
     table = {
         name: (p.num_layers, p.num_experts, p.top_k, p.kv_bytes_per_token,
                p.kv_fixed_bytes_per_request)

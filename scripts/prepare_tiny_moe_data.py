@@ -2,8 +2,9 @@
 """Build the multi-domain text corpus for the embedded tiny MoE from local files only.
 
 Nothing is fetched and nothing this script writes is committed: it reads text that Debian
-and PyPI packages installed on this machine and writes a corpus folder outside the
-repository (default ``/work/tinymoe_data``). To reproduce on Debian 12::
+and PyPI packages installed on this machine and writes a corpus folder that is never
+committed (default ``out/tinymoe_data`` under the repository root, which git ignores;
+``--out`` puts it elsewhere). To reproduce on Debian 12::
 
     apt-get install -y manpages manpages-fr manpages-ru manpages-zh manpages-de \\
         manpages-es pari-doc
@@ -49,6 +50,9 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "out" / "tinymoe_data"  # git-ignored; train_tiny_moe.py reads it
 
 MAN_LANGS = {"en": "", "fr": "fr", "ru": "ru", "de": "de", "es": "es", "zh": "zh_CN"}
 
@@ -216,7 +220,8 @@ def cut_prompts(text: str, rng: np.random.Generator, num: int, min_chars: int,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="/work/tinymoe_data")
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
+                    help="corpus folder (default: out/tinymoe_data in the repository)")
     ap.add_argument("--icd", default=None, help="simple-icd-10-cm wheel or tabular .xml")
     ap.add_argument("--heldout-fraction", type=float, default=0.08)
     ap.add_argument("--max-chars", type=int, default=3_000_000,

@@ -5,7 +5,7 @@
 
 Prints a Markdown table: per-request prefill↔decode Pearson, distinct experts per layer
 of same-domain vs mixed decode batches (16 requests, one decode token each), effective
-experts per layer, and ρ (design.md Eq. 1) of every signature representation with all
+experts per layer, and ρ (docs/method.md Eq. 1) of every signature representation with all
 layers in the mask and with the greedy layer mask. Pure numpy; seconds.
 """
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Train the embedded tiny MoE (Qwen3-MoE architecture) on the local multi-domain corpus.
 
-Run ``scripts/prepare_tiny_moe_data.py`` first (it writes ``/work/tinymoe_data``), then::
+Run ``scripts/prepare_tiny_moe_data.py`` first (by default it writes ``out/tinymoe_data``
+under the repository root), then::
 
-    python scripts/train_tiny_moe.py --data /work/tinymoe_data --out src/eldr/data/tiny_moe
+    python scripts/train_tiny_moe.py [--data out/tinymoe_data] [--out src/eldr/data/tiny_moe]
+
+Both defaults are resolved against the repository root, not the working directory.
 
 The result is an ordinary Hugging Face model folder (``config.json`` with
 ``architectures: ["Qwen3MoeForCausalLM"]``, ``model.safetensors`` in bfloat16,
@@ -35,6 +38,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = REPO / "out" / "tinymoe_data"  # what prepare_tiny_moe_data.py writes
+DEFAULT_OUT = REPO / "src" / "eldr" / "data" / "tiny_moe"  # the model eldr ships
 
 
 def train_tokenizer(texts_by_domain: dict[str, list[str]], vocab_size: int, sample_chars: int):
@@ -107,8 +114,10 @@ def build_model(args, vocab_size: int, eos: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default="/work/tinymoe_data")
-    ap.add_argument("--out", default="src/eldr/data/tiny_moe")
+    ap.add_argument("--data", default=str(DEFAULT_DATA),
+                    help="corpus folder (default: out/tinymoe_data in the repository)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
+                    help="model folder (default: src/eldr/data/tiny_moe in the repository)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=6)

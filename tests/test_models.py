@@ -1,4 +1,4 @@
-"""Model presets: the design table's numbers, derived bytes, lookup and validation."""
+"""Model presets: docs/method.md#model-facts numbers, derived bytes, lookup and validation."""
 
 from __future__ import annotations
 

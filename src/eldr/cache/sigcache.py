@@ -10,7 +10,7 @@ row of counts per KV block: ``row[l, e]`` = tokens of that block whose top-k at 
            + counts of its partial tail block        built from top-k ids, never cached
 
 which is exact under partial hits and evictions, whichever request populated a block
-(design.md §5). Blocks are named by :func:`eldr.cache.hashing.block_hashes`.
+(docs/sigcache.md). Blocks are named by :func:`eldr.cache.hashing.block_hashes`.
 
 Typical use (engine, simulator or router)::
 

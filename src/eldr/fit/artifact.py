@@ -1,4 +1,4 @@
-"""The routing artifact: everything the online router needs, fitted offline (design.md §3).
+"""The routing artifact: what the online router needs, fitted offline (docs/fit-and-routing.md).
 
 An artifact is a directory with two files (format in ``docs/fit-and-routing.md``):
 

@@ -1,4 +1,4 @@
-"""Balanced clustering of signatures (design.md §3): one centroid per decode worker.
+"""Balanced clustering of signatures (docs/method.md#offline-fit): one centroid per decode worker.
 
 - :func:`balanced_assign` — the exact capacitated assignment step: every row to one
   column, at most ``capacity`` rows per column, minimum total cost. Method and proof

@@ -1,4 +1,4 @@
-"""Per-decoder expert placement for expert parallelism (design.md §3, METRO-style).
+"""Per-decoder expert placement for expert parallelism (docs/fit-and-routing.md, METRO-style).
 
 With EP over ``ep`` GPUs (ranks), each MoE layer's ``E`` experts are split ``E/ep`` per
 rank, and a decode step waits for the rank with the most work. ELDR routes similar requests

@@ -1,4 +1,4 @@
-"""Expert signatures and their quality objective ρ (design.md §2).
+"""Expert signatures and their quality objective ρ (docs/method.md#expert-signature).
 
 A request's signature is built from its prefill expert activations: per MoE layer ``l`` in
 a layer mask ``S``, a length-``E`` feature row (counts, counts·IDF, ...), concatenated and
@@ -105,7 +105,7 @@ def rho(
     max_pairs: int | None = None,
     random_state=None,
 ) -> float:
-    """ρ (design.md Eq. 1): Spearman(cosdist(s_i, s_j), cosdist(p_i, p_j)) over pairs i < j.
+    """ρ (docs/method.md Eq. 1): Spearman(cosdist(s_i, s_j), cosdist(p_i, p_j)) over pairs i < j.
 
     signatures: (R, d) any real rows (re-normalised here). decode_counts: (R, L, E) or
     (R, L*E) decode expert counts over ALL layers. Exact on all R(R-1)/2 pairs by default;

@@ -1,5 +1,5 @@
 """``eldr serve``: an OpenAI-compatible prefill/decode router for vLLM that routes decode
-by expert locality (design.md §6).
+by expert locality (docs/method.md#request-path-with-vllm).
 
 Modules: :mod:`~eldr.proxy.config` (settings), :mod:`~eldr.proxy.upstream` (engines,
 health, load), :mod:`~eldr.proxy.affinity` (prefill choice), :mod:`~eldr.proxy.decision`

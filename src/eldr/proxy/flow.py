@@ -1,6 +1,6 @@
 """The prefill → route → decode flow of one OpenAI request, with retries and SSE relay.
 
-Per attempt (design.md §6; vLLM's PD proxy protocol):
+Per attempt (vLLM's PD proxy protocol; docs/method.md#request-path-with-vllm):
 
 1. prefill: the request with ``max_tokens`` 1 (and ``max_completion_tokens`` 1 for chat),
    ``stream`` false and ``kv_transfer_params = {"do_remote_decode": true, ...}`` goes to a
@@ -138,7 +138,7 @@ def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
 
     The capture plugin counts only tokens the prefill computed: blocks found in a prefix
     cache or loaded by a KV connector are not recomputed, so their experts are missing
-    (design.md §5; the signature cache is the exact answer). Such a signature is still
+    (the signature cache of docs/sigcache.md is the exact answer). Such a signature is still
     used; it is counted so an operator sees how often it happens.
     """
     counted = payload.get("tokens") if isinstance(payload, dict) else None

@@ -65,7 +65,7 @@ class RoutingSetup:
     def placement(self, K: int, ep: int, layout: str) -> np.ndarray:
         """EP layout from calibration decode activation: ``global`` (L, E) balances the
         whole calibration set; ``per_decoder`` (K, L, E) balances each decoder's cluster
-        (balanced K-means labels), design.md §3."""
+        (balanced K-means labels), docs/method.md#per-decoder-expert-placement."""
         key = (K, ep, layout)
         if key not in self._placements:
             dc = self.calib.decode_counts.astype(np.float64)

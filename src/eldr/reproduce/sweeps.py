@@ -1,4 +1,4 @@
-"""The paper's experiments as simulation sweeps (design.md §7; seeds/002 §5–6).
+"""The paper's experiments as simulation sweeps (docs/method.md#results-to-reproduce).
 
 A :class:`Plan` fixes sizes (``QUICK`` for CI and a first look, ``FULL`` for the paper's
 setting); :func:`run_plan` builds the traces and the routing set-ups, runs every

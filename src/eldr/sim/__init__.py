@@ -1,4 +1,4 @@
-"""A discrete-event simulator of a PD-disaggregated MoE cluster (design.md §7).
+"""A discrete-event simulator of a PD-disaggregated MoE cluster (docs/simulator.md).
 
 Requests of a trace arrive (Poisson or replayed), are prefilled on a prefill pool with
 prefix-affinity routing, have their KV transferred, and are decoded on a decode pool under

@@ -4,8 +4,8 @@ Hardware presets hold what a decode or prefill step costs on one GPU; the MoE-la
 constants ``a`` (fixed µs per layer) and ``b`` (µs per distinct expert) are per model, so
 :func:`moe_constants` resolves them for a (hardware, model) pair.
 
-H200 (``h200``). ``a`` and ``b`` are the measured fused-MoE fits of design.md §7 (stored in
-the model presets). HBM bandwidth 4.8 TB/s, 141 GB HBM3e, 989 TFLOPS dense bf16.
+H200 (``h200``). ``a`` and ``b`` are the measured fused-MoE fits of docs/method.md#h200-constants
+(stored in the model presets). HBM bandwidth 4.8 TB/s, 141 GB HBM3e, 989 TFLOPS dense bf16.
 ``t_fixed`` = 2.0 ms per step is an ASSUMPTION: everything in a decode step that is neither
 a routed-expert GEMM nor a weight/KV read — attention/norm/rotary kernels at small batch,
 sampling, the scheduler and the CPU↔GPU sync under CUDA graphs. With it a batch-1

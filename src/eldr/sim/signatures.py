@@ -1,7 +1,7 @@
 """Signatures as the router sees them when prefill workers cache prefixes.
 
 With prefix caching, a prefix-hit request's prefill only computes its uncached tokens, so
-the expert counts its prefill worker observes are incomplete (design.md §5).
+the expert counts its prefill worker observes are incomplete (docs/sigcache.md).
 ``SimConfig.signature_source`` chooses what the decode router gets:
 
 - ``"trace"`` (default): the signature of the request's full prompt counts, precomputed

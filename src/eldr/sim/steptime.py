@@ -1,6 +1,6 @@
 """Step-time model and the per-step expert union, vectorised with bitsets.
 
-Decode step time of one worker (design.md §7)::
+Decode step time of one worker (docs/method.md#step-time-model)::
 
     t_step = t_fixed + Σ_l (a + b · D_l) + dense_bytes / BW + Σ_req kv_bytes(ctx_req) / BW
 

@@ -2,10 +2,10 @@
 
 Every number carries its source in a comment. Architecture facts (layers, hidden size,
 heads, experts, top-k, vocabulary) come from each model's ``config.json`` as summarised in
-``design.md`` §7. Byte counts are derived from those facts; the arithmetic is written out
+docs/method.md#model-facts. Byte counts are derived from those facts; the arithmetic is written out
 as the expression itself, so the reader can check it. Small tensors (RMSNorm weights,
 q/k norms) are ignored: they are below 0.1% of any figure here. Where a fact is not in
-the design table and had to be assumed, the comment says "assumed".
+the model-facts table and had to be assumed, the comment says "assumed".
 
 The simulator (decode step time, KV transfer), the signature-cache benchmark and the
 synthetic trace generator import these presets; nothing here does any I/O.
@@ -114,8 +114,8 @@ _QWEN3_30B = ModelPreset(
     # 48 x (attention + router) + LM head 151936 x 2048 bf16 = 2,459,435,008 B
     dense_bytes_per_step=48 * (_QWEN3_30B_ATTN + _QWEN3_30B_ROUTER) + 151936 * 2048 * BF16,
     kv_bytes_per_token=48 * 2 * 4 * 128 * BF16,  # layers x (K,V) x kv heads x head_dim = 96 KiB
-    moe_layer_fixed_us=18.7,  # design.md §7: H200, vLLM 0.19 fused_moe fit
-    moe_layer_per_expert_us=2.22,  # design.md §7
+    moe_layer_fixed_us=18.7,  # docs/method.md#h200-constants (vLLM 0.19 fused_moe fit)
+    moe_layer_per_expert_us=2.22,  # docs/method.md#h200-constants
 )
 
 # -- GPT-OSS-120B ----------------------------------------------------------------------------
@@ -152,8 +152,8 @@ _GPT_OSS_120B = ModelPreset(
     kv_bytes_per_token=18 * 2 * 8 * 64 * BF16,  # 18 full layers x (K,V) x 8 x 64 = 36 KiB
     sliding_window=128,  # config.json sliding_window
     kv_sliding_bytes_per_token=18 * 2 * 8 * 64 * BF16,  # x 128 tokens = 4.5 MiB per request
-    moe_layer_fixed_us=61.9,  # design.md §7: H200 fit
-    moe_layer_per_expert_us=5.07,  # design.md §7
+    moe_layer_fixed_us=61.9,  # docs/method.md#h200-constants
+    moe_layer_per_expert_us=5.07,  # docs/method.md#h200-constants
 )
 
 # -- Gemma-4-26B-A4B -------------------------------------------------------------------------
@@ -163,7 +163,7 @@ _GPT_OSS_120B = ModelPreset(
 # Attention: 25 sliding-window layers (window 1024; 16 query heads, 8 KV heads, head_dim
 # 256) and 5 global layers (16 query heads of head_dim 512, K shared with V).
 # ASSUMED: 2 KV heads on global layers, K stored once more as V in the cache — this is what
-# the design table's 20 KiB/token implies (5 x 2 x 2 x 512 x 2 B = 20 KiB).
+# the model-facts table's 20 KiB/token implies (5 x 2 x 2 x 512 x 2 B = 20 KiB).
 _GEMMA4_SLIDING_ATTN = (2816 * 16 * 256 + 2 * 2816 * 8 * 256 + 16 * 256 * 2816) * BF16
 # = 69,206,016 B per sliding layer
 _GEMMA4_GLOBAL_ATTN = (2816 * 16 * 512 + 2816 * 2 * 512 + 16 * 512 * 2816) * BF16
@@ -190,8 +190,8 @@ _GEMMA4_26B = ModelPreset(
     sliding_window=1024,
     # 25 layers x (K,V) x 8 x 256 x 2 B = 200 KiB per token, x 1024 = 200 MiB per request
     kv_sliding_bytes_per_token=25 * 2 * 8 * 256 * BF16,
-    moe_layer_fixed_us=25.0,  # design.md §7: H200 fit (SGLang table)
-    moe_layer_per_expert_us=2.73,  # design.md §7
+    moe_layer_fixed_us=25.0,  # docs/method.md#h200-constants (SGLang)
+    moe_layer_per_expert_us=2.73,  # docs/method.md#h200-constants
 )
 
 # -- Qwen3-235B-A22B -------------------------------------------------------------------------
@@ -215,8 +215,8 @@ _QWEN3_235B = ModelPreset(
     # 94 x (attention + router) + LM head 151936 x 4096 bf16 = 14,748,221,440 B
     dense_bytes_per_step=94 * (_QWEN3_235B_ATTN + _QWEN3_235B_ROUTER) + 151936 * 4096 * BF16,
     kv_bytes_per_token=94 * 2 * 4 * 128 * BF16,  # 188 KiB
-    moe_layer_fixed_us=32.8,  # design.md §7: H200 fit
-    moe_layer_per_expert_us=8.31,  # design.md §7
+    moe_layer_fixed_us=32.8,  # docs/method.md#h200-constants
+    moe_layer_per_expert_us=8.31,  # docs/method.md#h200-constants
 )
 
 PRESETS: dict[str, ModelPreset] = {

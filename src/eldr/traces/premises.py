@@ -1,6 +1,6 @@
 """Measurements of the paper's premises on a trace.
 
-These are the statistics that make expert-locality routing worth doing (design.md §1):
+These are the statistics that make expert-locality routing worthwhile (docs/method.md#why-it-works):
 prefill expert counts predict decode expert counts, and same-domain batches activate fewer
 distinct experts. They are used to check synthetic traces against published numbers and to
 report what real traces show.
@@ -9,7 +9,7 @@ report what real traces show.
 * :func:`distinct_experts_reduction`: distinct experts per layer of same-domain vs mixed
   decode batches (one step of 16 requests);
 * :func:`effective_experts`: exp(entropy) of each layer's expert popularity;
-* :func:`representation_rho`: ρ (design.md Eq. 1) of signature representations;
+* :func:`representation_rho`: ρ (docs/method.md Eq. 1) of signature representations;
 * :func:`calibration_report`: all of the above next to the published targets.
 """
 

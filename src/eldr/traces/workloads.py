@@ -2,9 +2,9 @@
 
 A :class:`Workload` says which domains requests come from and in what shares, how many
 requests a run has by default, and how long prompts and outputs are. The domain shares
-come from the paper (seeds/002, §5-6): ``task`` has four domains whose largest/smallest
-share ratio is 1.41; ``language`` is WildChat-like, the top two languages carry ≈75% of
-requests and the top four 87.6%.
+come from the paper (docs/method.md#results-to-reproduce): ``task`` has four domains
+whose largest/smallest share ratio is 1.41; ``language`` is WildChat-like, the top two
+languages carry ≈75% of requests and the top four 87.6%.
 
 Length distributions are NOT published by the paper; the defaults below are assumptions
 chosen to be typical of the source datasets (short task prompts and answers, chat with
