@@ -10,6 +10,7 @@ from eldr.traces.arrivals import (
     DEFAULT_ARRIVALS,
     RequestArrivals,
     arrivals_trace,
+    calibration_and_replay,
     clip_lengths,
     default_arrivals,
     detect_format,
@@ -253,3 +254,14 @@ def test_azure_trace_has_no_token_ids_and_output_zero_becomes_one():
     assert t.prompt_token_ids is None
     np.testing.assert_array_equal(t.output_lens, [1, 3])
     assert t.meta.source.endswith("+arrivals:x")
+
+
+def test_calibration_and_replay_share_structure_but_not_requests(tmp_path):
+    a = load_arrivals(_write(tmp_path, MOONCAKE))
+    calib, replay = calibration_and_replay(a, "qwen3-30b-a3b", num_calibration=5, seed=2)
+    assert calib.num_requests == 5 and replay.num_requests == 4
+    np.testing.assert_array_equal(replay.prompt_lens, a.prompt_lens)
+    assert set(calib.prompt_lens) <= set(a.prompt_lens)  # real lengths, resampled
+    np.testing.assert_array_equal(replay.prompt_tokens(1), replay.prompt_tokens(0)[:600])
+    with pytest.raises(ValueError, match="num_calibration must be a positive integer"):
+        calibration_and_replay(a, "qwen3-30b-a3b", num_calibration=0)

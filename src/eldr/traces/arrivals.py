@@ -43,6 +43,7 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "RequestArrivals",
     "arrivals_trace",
+    "calibration_and_replay",
     "clip_lengths",
     "default_arrivals",
     "detect_format",
@@ -404,6 +405,37 @@ def arrivals_trace(arrivals: RequestArrivals, model, workload="language", *, see
     meta = trace.meta
     return replace(trace, _cache={}, prompt_token_ids=ids,
                    meta=replace(meta, source=f"{meta.source}+arrivals:{arrivals.source}"))
+
+
+def calibration_and_replay(arrivals: RequestArrivals, model, workload="language", *,
+                           num_calibration: int, seed: int = 0, block_size: int = 16,
+                           progress: bool = False) -> tuple[Trace, Trace]:
+    """(calibration trace, replay trace) from ONE synthetic draw, so both share the latent
+    routing structure of ``seed`` while no replayed request is also a calibration request.
+
+    The replay trace is :func:`arrivals_trace`'s: request i is arrival i (use
+    :func:`sim_arrivals`). The ``num_calibration`` calibration requests take the (prompt,
+    output, block ids) of arrivals drawn with replacement (seeded by ``seed``): real
+    lengths, fresh routing draws. Fit on the first, replay the second.
+    """
+    if isinstance(num_calibration, bool) or not isinstance(num_calibration, (int, np.integer)) \
+            or num_calibration < 1:
+        raise ValueError("calibration_and_replay: num_calibration must be a positive integer, "
+                         f"got {num_calibration!r}")
+    n, c = arrivals.num_requests, int(num_calibration)
+    if n < 1:
+        raise ValueError(f"calibration_and_replay: {arrivals.source} has no requests")
+    pick = np.random.default_rng((int(seed), 0xCA1B)).integers(0, n, size=c)
+    both = RequestArrivals(
+        times=np.concatenate([np.zeros(c), arrivals.times]),
+        prompt_lens=np.concatenate([arrivals.prompt_lens[pick], arrivals.prompt_lens]),
+        output_lens=np.concatenate([arrivals.output_lens[pick], arrivals.output_lens]),
+        block_ids=None if arrivals.block_ids is None
+        else tuple(arrivals.block_ids[i] for i in pick) + arrivals.block_ids,
+        source=arrivals.source, block_tokens=arrivals.block_tokens)
+    trace = arrivals_trace(both, model, workload, seed=seed, block_size=block_size,
+                           progress=progress)
+    return trace.subset(np.arange(c)), trace.subset(np.arange(c, c + n))
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
