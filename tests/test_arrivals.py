@@ -265,3 +265,19 @@ def test_calibration_and_replay_share_structure_but_not_requests(tmp_path):
     np.testing.assert_array_equal(replay.prompt_tokens(1), replay.prompt_tokens(0)[:600])
     with pytest.raises(ValueError, match="num_calibration must be a positive integer"):
         calibration_and_replay(a, "qwen3-30b-a3b", num_calibration=0)
+
+
+def test_replay_through_the_simulator_keeps_the_scaled_arrivals(tmp_path):
+    from eldr.routing import make_policy
+    from eldr.sim import SimConfig, simulate
+
+    a = scale_to_rate(load_arrivals(_write(tmp_path, MOONCAKE)), 6.0)
+    trace = arrivals_trace(a, "qwen3-30b-a3b")
+    cfg = SimConfig(num_prefill=2, num_decode=2, qps=6.0, warmup_s=0.0, duration_s=1.0,
+                    prefix_caching=True)
+    res = simulate(trace, cfg, make_policy("jsq", num_workers=2), arrivals=sim_arrivals(a))
+    rec = res.requests
+    np.testing.assert_array_equal(rec["t_arrival"], a.times)
+    np.testing.assert_array_equal(rec["prompt_len"], a.prompt_lens)
+    np.testing.assert_array_equal(rec["finishes"], np.ones(4))
+    assert rec["cached_tokens"].sum() > 0  # the shared Mooncake blocks hit the prefix cache

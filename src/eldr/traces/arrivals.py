@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr.traces.models import get_preset
+from eldr.traces.synth import generate
 from eldr.traces.trace import Trace
 
 __all__ = [
@@ -197,7 +199,9 @@ def load_arrivals(path: str | os.PathLike, *, max_bytes: int = MAX_FILE_BYTES) -
             text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    lines = text.splitlines()
+    # split on "\n" only (str.splitlines also splits on form feeds etc.): line numbers
+    # in errors are the ones an editor shows; csv and json accept a trailing "\r"
+    lines = text.split("\n")
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is None:
         raise ValueError(f"{path}: empty file, no requests")
@@ -390,9 +394,6 @@ def arrivals_trace(arrivals: RequestArrivals, model, workload="language", *, see
     shared blocks are NOT shared (each request's prompt is routed as a whole).
     ``block_size`` is the trace's KV block size (prefix-cache granularity).
     """
-    from eldr.traces.models import get_preset
-    from eldr.traces.synth import generate
-
     n = arrivals.num_requests
     if n < 1:
         raise ValueError(f"arrivals_trace: {arrivals.source} has no requests")
