@@ -13,7 +13,8 @@ licences, statistics); :func:`default_arrivals` loads them by name. A trace beco
 :class:`RequestArrivals` record; :func:`scale_to_rate`, :func:`window`, :func:`head` and
 :func:`clip_lengths` derive new records from it; :func:`arrivals_trace` builds the
 expert-routing :class:`~eldr.traces.trace.Trace` the simulator replays, one trace request
-per arrival (routing from :mod:`eldr.traces.synth` for exactly the replayed lengths), and
+per arrival (routing from :mod:`eldr.traces.synth` for exactly the replayed lengths);
+:func:`calibration_and_replay` adds distinct calibration requests from the same draw, and
 :func:`sim_arrivals` gives the ``arrivals=(times, trace_index)`` argument of
 :func:`eldr.sim.simulate`.
 
