@@ -96,3 +96,71 @@ def test_sliding_window_needs_its_bytes():
     with pytest.raises(ValueError, match="together"):
         replace(PRESETS["qwen3-30b-a3b"], sliding_window=128)
     assert isinstance(PRESETS["gemma-4-26b-a4b"], ModelPreset)
+
+
+# -- the shipped tiny MoE ---------------------------------------------------------------------
+def _tiny_config() -> dict:
+    import json
+
+    from eldr.capture import tiny_moe_dir
+
+    return json.loads((tiny_moe_dir() / "config.json").read_text())
+
+
+def test_tiny_moe_preset_is_derived_from_its_config_json():
+    c, p = _tiny_config(), get_preset("tiny-moe")
+    h, hd, bf16 = c["hidden_size"], c["head_dim"], 2
+    q, kv, L, E = c["num_attention_heads"], c["num_key_value_heads"], \
+        c["num_hidden_layers"], c["num_local_experts"]
+    assert (p.num_layers, p.num_experts, p.top_k, p.hidden_size, p.vocab_size) == (
+        L, E, c["num_experts_per_tok"], h, c["vocab_size"])
+    assert p.expert_bytes == 3 * h * c["moe_intermediate_size"] * bf16 == 24_576
+    attn = (2 * h * q * hd + 2 * h * kv * hd) * bf16
+    assert p.attn_bytes_per_layer == attn
+    assert c["tie_word_embeddings"]  # the LM head is the embedding matrix, read once
+    assert p.dense_bytes_per_step == L * (attn + h * E * bf16) + c["vocab_size"] * h * bf16
+    assert p.kv_bytes_per_token == L * 2 * kv * hd * bf16 == 1_536
+    assert p.max_context_tokens == c["max_position_embeddings"]
+    assert p.sliding_window is None and c["sliding_window"] is None
+
+
+def test_tiny_moe_resolves_from_its_trace_name_and_stays_out_of_the_paper_presets():
+    from eldr.capture import tiny_moe_trace_path
+    from eldr.traces.models import ALL_PRESETS, TINY_MOE
+    from eldr.traces.trace import load
+
+    assert get_preset(load(tiny_moe_trace_path()).meta.model) is TINY_MOE  # "tiny_moe"
+    assert "tiny-moe" in ALL_PRESETS and "tiny-moe" not in PRESETS  # no synth calibration
+
+
+def test_tiny_moe_step_constants_are_derived_from_the_expert_bytes():
+    from eldr.sim import get_hardware, moe_constants
+    from eldr.sim.config import _ETA, A_OVER_B_MI300X
+
+    p = get_preset("tiny-moe")
+    for hw in ("h200", "mi300x"):
+        h = get_hardware(hw)
+        a, b = moe_constants(h, p)
+        assert b == pytest.approx(p.expert_bytes / (h.hbm_bandwidth * _ETA), rel=1e-12)
+        assert a == pytest.approx(A_OVER_B_MI300X * b, rel=1e-12)
+
+
+def test_tiny_moe_round_trip_simulates_the_shipped_trace_and_every_request_finishes():
+    import numpy as np
+
+    from eldr.capture import tiny_moe_trace_path
+    from eldr.routing import make_policy
+    from eldr.sim import SimConfig, simulate
+    from eldr.traces.trace import load
+
+    trace = load(tiny_moe_trace_path())
+    cfg = SimConfig(model=trace.meta.model, num_prefill=2, num_decode=4, qps=50.0,
+                    warmup_s=1.0, duration_s=5.0, seed=3)
+    n = trace.num_requests
+    times = np.arange(n) / 50.0  # every captured request once
+    res = simulate(trace, cfg, make_policy("jsq", num_workers=4),
+                   arrivals=(times, np.arange(n)))
+    rec = res.requests
+    np.testing.assert_array_equal(rec["finishes"], np.ones(n))
+    np.testing.assert_array_equal(rec["tokens_out"], trace.output_lens)
+    assert np.isfinite(rec["t_last"]).all() and res.summary()["tpot_median_ms"] > 0

@@ -65,3 +65,67 @@ def test_simulate_command_rejects_unknown_policy(tmp_path, capsys):
     path = save(make_trace(20, L, E, K_TOP, seed=6, with_topk=False), tmp_path / "t.npz")
     assert main(["simulate", "--trace", str(path), "--policies", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+MOONCAKE_LINES = "\n".join(
+    json.dumps({"timestamp": t, "input_length": p, "output_length": o, "hash_ids": ids})
+    for t, p, o, ids in [
+        (0, 1100, 5, [0, 1, 2]), (250, 600, 3, [0, 1]), (250, 1024, 4, [0, 7]),
+        (1000, 20, 2, [9]), (1400, 700, 6, [0, 1]), (2000, 40, 3, [11])])
+
+
+def _poisson_row_keys(tmp_path, capsys):
+    path = save(make_trace(60, L, E, K_TOP, seed=6, with_topk=False), tmp_path / "t.npz")
+    assert main(["simulate", "--trace", str(path), "--calib", "20", "--prefill", "2",
+                 "--decode", "3", "--qps", "100", "--policies", "jsq", "--duration", "0.2",
+                 "--warmup", "0.05", "--json"]) == 0
+    return set(json.loads(capsys.readouterr().out)[0])
+
+
+def test_simulate_arrivals_file_told_by_content_replays_every_arrival(tmp_path, capsys):
+    keys = _poisson_row_keys(tmp_path, capsys)
+    path = tmp_path / "kimi.dat"  # no telling extension: the content says Mooncake
+    path.write_text(MOONCAKE_LINES + "\n")
+    rc = main(["simulate", "--arrivals", str(path), "--rate", "2.5,5", "--calib", "20",
+               "--prefill", "2", "--decode", "3", "--policies", "jsq,eldr",
+               "--warmup", "0", "--duration", "60", "--prefix-caching", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert set(rows[0]) == keys  # --json rows keep the Poisson rows' fields
+    assert [(r["policy"], r["qps"]) for r in rows] == [
+        ("jsq", 2.5), ("eldr", 2.5), ("jsq", 5.0), ("eldr", 5.0)]
+    assert all(r["workload"] == "kimi" for r in rows)
+    assert all(r["requests"] == 6 for r in rows)  # every arrival of the file, once
+
+
+def test_simulate_shipped_arrivals_shorthand(capsys):
+    rc = main(["simulate", "--arrivals", "azure_conv", "--rate", "40", "--calib", "30",
+               "--prefill", "2", "--decode", "4", "--policies", "jsq", "--warmup", "0.5",
+               "--duration", "2", "--json"])
+    assert rc == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["workload"] == "azure_conv" and row["qps"] == 40.0 and row["requests"] > 20
+
+
+def test_simulate_arrivals_option_conflicts_are_refused(tmp_path, capsys):
+    assert main(["simulate", "--rate", "5", "--policies", "jsq"]) == 2
+    assert "give --arrivals too" in capsys.readouterr().err
+    assert main(["simulate", "--arrivals", "azure_conv", "--qps", "5"]) == 2
+    assert "use --rate instead of --qps" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5}\n')
+    assert main(["simulate", "--arrivals", str(bad)]) == 2
+    assert "line 1, field 'output_length': missing" in capsys.readouterr().err
+
+
+def test_simulate_the_real_tiny_moe_trace_through_its_preset(capsys):
+    from eldr.capture import tiny_moe_trace_path
+
+    rc = main(["simulate", "--trace", str(tiny_moe_trace_path()), "--calib", "100",
+               "--prefill", "2", "--decode", "4", "--qps", "50", "--policies", "jsq,eldr",
+               "--warmup", "0.5", "--duration", "3", "--json"])
+    assert rc == 0
+    out = capsys.readouterr()
+    rows = json.loads(out.out)
+    assert "tiny_moe: 314 requests, L=6 E=64 k=4" in out.err
+    assert all(r["requests"] > 100 and r["tpot_median_ms"] > 0 for r in rows)

@@ -234,3 +234,44 @@ def test_eldr_synth_refuses_huge_topk_and_writes_the_default(tmp_path, capsys, m
     monkeypatch.setitem(synth.DEFAULT_TRACE, "num_requests", 12)
     assert main(["synth", "--default", "--no-check", "-o", str(tmp_path / "d.npz")]) == 0
     assert load(tmp_path / "d.npz").meta.source.endswith(f"seed={DEFAULT_TRACE['seed']}")
+
+
+@pytest.mark.parametrize("keep_topk", [True, False])
+def test_explicit_lengths_are_used_exactly_and_leave_no_shared_prefix(keep_topk):
+    prompt = np.array([0, 5, 33, 17], np.int64)
+    output = np.array([1, 9, 2, 30], np.int64)
+    t = generate("qwen3-30b-a3b", SHORT, seed=3, keep_topk=keep_topk, lengths=(prompt, output))
+    np.testing.assert_array_equal(t.prompt_lens, prompt)
+    np.testing.assert_array_equal(t.output_lens, output)
+    k = t.meta.top_k
+    L = t.meta.num_layers
+    np.testing.assert_array_equal(t.prefill_counts.sum(axis=2),
+                                  np.repeat(k * prompt[:, None], L, axis=1))
+    np.testing.assert_array_equal(t.decode_counts.sum(axis=2),
+                                  np.repeat(k * (output - 1)[:, None], L, axis=1))
+    assert t.prompt_token_ids.shape == (int(prompt.sum()),)
+
+
+def test_explicit_lengths_do_not_change_the_default_draws():
+    a = generate("qwen3-30b-a3b", SHORT, num_requests=20, seed=4, keep_topk=False)
+    b = generate("qwen3-30b-a3b", SHORT, num_requests=20, seed=4, keep_topk=False,
+                 lengths=(a.prompt_lens * 0 + 3, a.output_lens))
+    np.testing.assert_array_equal(a.domains, b.domains)  # same streams, only lengths differ
+
+
+@pytest.mark.parametrize("lengths, match", [
+    ((np.array([1, 2]), np.array([1])), "differ in shape"),
+    ((np.array([1, -1]), np.array([1, 1])), "prompt_lens must be >= 0"),
+    ((np.array([1, 1]), np.array([1, 0])), "output_lens must be >= 1"),
+    ((np.array([1.5]), np.array([1])), "1-D integer array"),
+    ((np.array([1]),), "a pair"),
+])
+def test_bad_explicit_lengths_are_refused(lengths, match):
+    with pytest.raises(ValueError, match=match):
+        generate("qwen3-30b-a3b", SHORT, seed=0, keep_topk=False, lengths=lengths)
+
+
+def test_explicit_lengths_must_agree_with_num_requests():
+    with pytest.raises(ValueError, match="num_requests=3 but lengths give 2"):
+        generate("qwen3-30b-a3b", SHORT, num_requests=3, seed=0, keep_topk=False,
+                 lengths=(np.array([4, 4]), np.array([2, 2])))

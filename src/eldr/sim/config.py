@@ -21,6 +21,9 @@ H200 fit implies for Qwen3-30B-A3B (9.44 MB / 4.8 TB/s = 1.97 µs vs the measure
 makes an MoE layer 4.7× slower, so (a + 128 b) / (a + 16 b) = 4.7, i.e.
 a = (128 − 4.7·16) / 3.7 · b ≈ 14.3 b. ``t_fixed`` = 3.0 ms (ASSUMED; ROCm launch and
 sync overheads are larger). 192 GB HBM3, 1307 TFLOPS dense bf16.
+
+A model preset without a measured fit (the shipped ``tiny-moe``) gets these DERIVED
+constants on every hardware, the H200 included (``moe_constants``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Presets of the four MoE models the paper evaluates: routing shape and weight/KV bytes.
+"""Presets of the four MoE models the paper evaluates (and of the tiny MoE shipped with
+eldr): routing shape and weight/KV bytes.
 
 Every number carries its source in a comment. Architecture facts (layers, hidden size,
 heads, experts, top-k, vocabulary) come from each model's ``config.json`` as summarised in
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PRESETS", "ModelPreset", "get_preset"]
+__all__ = ["ALL_PRESETS", "PRESETS", "TINY_MOE", "ModelPreset", "get_preset"]
 
 BF16 = 2  # bytes per bf16 parameter
 
@@ -46,6 +47,7 @@ class ModelPreset:
     kv_sliding_bytes_per_token: int = 0  # KV bytes per token on sliding layers (<= window)
     moe_layer_fixed_us: float | None = None  # H200 MoE-layer time a in t = a + b*D (µs)
     moe_layer_per_expert_us: float | None = None  # ... b, µs per distinct expert D
+    max_context_tokens: int | None = None  # context window (prompt + output); None: unset
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_experts", "top_k", "hidden_size",
@@ -61,6 +63,11 @@ class ModelPreset:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"model preset {self.name!r}: sliding_window must be positive "
                              f"or None, got {self.sliding_window!r}")
+        if self.max_context_tokens is not None and (
+                isinstance(self.max_context_tokens, bool)
+                or not isinstance(self.max_context_tokens, int) or self.max_context_tokens < 2):
+            raise ValueError(f"model preset {self.name!r}: max_context_tokens must be an "
+                             f"integer >= 2 or None, got {self.max_context_tokens!r}")
         if self.kv_sliding_bytes_per_token < 0:
             raise ValueError(f"model preset {self.name!r}: kv_sliding_bytes_per_token must "
                              f"be >= 0, got {self.kv_sliding_bytes_per_token!r}")
@@ -222,13 +229,53 @@ _QWEN3_235B = ModelPreset(
 PRESETS: dict[str, ModelPreset] = {
     p.name: p for p in (_QWEN3_30B, _GPT_OSS_120B, _GEMMA4_26B, _QWEN3_235B)
 }
+"""The paper's four models (the ones with a synthetic-routing calibration)."""
+
+# -- tiny MoE shipped with eldr ----------------------------------------------------------------
+# src/eldr/data/tiny_moe/config.json (Qwen3MoeForCausalLM, trained by scripts/train_tiny_moe.py):
+# 6 layers, hidden 128, 4 query heads and 2 KV heads of head_dim 32, moe_intermediate_size
+# 32, 64 experts, top-4, vocab 4096, tied embeddings, bf16, max_position_embeddings 1024,
+# no sliding window, no shared expert (mlp_only_layers empty, decoder_sparse_step 1).
+# tests/test_models.py re-derives every byte count below from that config.json.
+_TINY_ATTN = (128 * 4 * 32         # q_proj
+              + 2 * 128 * 2 * 32   # k_proj, v_proj
+              + 4 * 32 * 128       # o_proj
+              ) * BF16             # = 98,304 B
+_TINY_ROUTER = 128 * 64 * BF16  # gate: hidden x E = 16,384 B
+TINY_MOE = ModelPreset(
+    name="tiny-moe",
+    hf_id="local:eldr/data/tiny_moe",
+    num_layers=6,
+    num_experts=64,
+    top_k=4,
+    hidden_size=128,
+    expert_intermediate_size=32,
+    vocab_size=4096,
+    dtype="bf16",
+    expert_bytes=3 * 128 * 32 * BF16,  # DERIVED: gate, up, down = 24,576 B
+    attn_bytes_per_layer=_TINY_ATTN,
+    # DERIVED: 6 x (attention + router) + tied LM head 4096 x 128 bf16 = 1,736,704 B
+    dense_bytes_per_step=6 * (_TINY_ATTN + _TINY_ROUTER) + 4096 * 128 * BF16,
+    kv_bytes_per_token=6 * 2 * 2 * 32 * BF16,  # DERIVED: layers x (K,V) x 2 x 32 = 1,536 B
+    # a, b: no measured fit exists, so none is stored and eldr.sim.config.moe_constants
+    # DERIVES them on every hardware: b = expert_bytes / (bandwidth x eta), a = 14.27 b
+    # (on the H200: b = 24,576 B / (4.8 TB/s x 0.886) = 5.8 ns, a = 82 ns). A model this
+    # small is overhead-bound, so its decode step is almost all t_fixed: expect little
+    # from expert locality unless --moe-a-us / --moe-b-us say otherwise.
+    max_context_tokens=1024,  # config.json max_position_embeddings
+)
+
+ALL_PRESETS: dict[str, ModelPreset] = {**PRESETS, TINY_MOE.name: TINY_MOE}
+"""Every preset :func:`get_preset` resolves: the paper's four and the shipped tiny MoE."""
 
 
 def get_preset(name: str | ModelPreset) -> ModelPreset:
-    """The preset called ``name`` (case-insensitive); a preset passes through unchanged."""
+    """The preset called ``name`` (case-insensitive, ``_`` read as ``-``, so a trace's
+    ``tiny_moe`` resolves); a preset passes through unchanged."""
     if isinstance(name, ModelPreset):
         return name
-    key = str(name).strip().lower()
-    if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(PRESETS)}")
-    return PRESETS[key]
+    key = str(name).strip().lower().replace("_", "-")
+    if key not in ALL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid names: "
+                         f"{', '.join(ALL_PRESETS)}")
+    return ALL_PRESETS[key]

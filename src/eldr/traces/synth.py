@@ -189,7 +189,11 @@ class _Requests:
 
 
 def _draw_requests(rng: np.random.Generator, wl: Workload, R: int, num_topics: int,
-                   block_size: int) -> _Requests:
+                   block_size: int,
+                   lengths: tuple[np.ndarray, np.ndarray] | None = None) -> _Requests:
+    """Per-request draws. With explicit ``lengths`` (prompt, output), everything is drawn
+    as usual (same streams) and then the lengths replace the drawn ones; no request gets a
+    shared system prompt, since the given prompt length is the whole prompt."""
     D, per = wl.num_domains, wl.shared_prefixes_per_domain
     domains = wl.sample_domains(rng, R)
     topics = rng.integers(0, num_topics, size=R)
@@ -200,6 +204,9 @@ def _draw_requests(rng: np.random.Generator, wl: Workload, R: int, num_topics: i
     prefix_domain = np.repeat(np.arange(D), per)
     has = rng.random(R) < wl.shared_prefix_prob
     prefix = np.where(has, domains * per + rng.integers(0, per, size=R), -1)
+    if lengths is not None:
+        user_lens, output_lens = lengths
+        prefix = np.full(R, -1, np.int64)
     return _Requests(domains, topics, user_lens, output_lens, prefix, prefix_lens,
                      prefix_domain)
 
@@ -214,6 +221,7 @@ def generate(
     keep_topk: bool = True,
     params: SynthParams | None = None,
     block_size: int = 16,
+    lengths: tuple[np.ndarray, np.ndarray] | None = None,
     progress: bool = False,
 ) -> Trace:
     """Generate a synthetic routing trace.
@@ -224,13 +232,22 @@ def generate(
     (memory ≈ (prompt + output tokens) x L x k x 2 bytes, ~1 µs per token and layer);
     ``False`` draws the per-request counts and gate sums directly (count path of
     :mod:`eldr.traces.sampling`), ~100x faster. params: override the calibrated
-    :data:`CALIBRATION` entry. Returns a validated :class:`~eldr.traces.trace.Trace` with
-    counts, lengths, domains, gate sums, prompt token ids (system prompts shared) and,
-    when ``keep_topk``, per-token top-k.
+    :data:`CALIBRATION` entry. lengths: explicit ``(prompt_lens, output_lens)``, two (R,)
+    integer arrays (prompt >= 0, output >= 1), used instead of the workload's length
+    distributions, e.g. to pair a real request trace's lengths with synthetic routing
+    (:mod:`eldr.traces.arrivals`); R is then their length (``num_requests`` must be ``None``
+    or equal) and no request gets a shared system prompt. The calibration was fitted on the
+    workload's own lengths; other lengths change the premises that depend on them (longer
+    prompts give less noisy counts, hence a higher prefill↔decode Pearson). Returns a
+    validated :class:`~eldr.traces.trace.Trace` with counts, lengths, domains, gate sums,
+    prompt token ids (system prompts shared) and, when ``keep_topk``, per-token top-k.
     """
     preset, wl = get_preset(model), get_workload(workload)
     p = get_params(preset, wl) if params is None else params
     R = wl.num_requests if num_requests is None else int(num_requests)
+    if lengths is not None:
+        lengths = _check_lengths(lengths, num_requests)
+        R = lengths[0].shape[0]
     if R <= 0:
         raise ValueError(f"generate: num_requests must be positive, got {num_requests!r}")
     if not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -243,7 +260,7 @@ def generate(
     s_struct, s_req, s_ids, *s_layers = ss.spawn(3 + L)
     st = _structure(np.random.default_rng(s_struct), preset, wl, p)
     num_topics = st.topic.shape[2]
-    rq = _draw_requests(np.random.default_rng(s_req), wl, R, num_topics, block_size)
+    rq = _draw_requests(np.random.default_rng(s_req), wl, R, num_topics, block_size, lengths)
 
     # Segments routed with one logit vector each: Q shared prefixes, then R user prompts.
     Q = rq.prefix_lens.shape[0]
@@ -303,6 +320,29 @@ def generate(
         decode_topk=None if plan is None else plan.decode_topk,
         prompt_token_ids=token_ids,
     )
+
+
+def _check_lengths(lengths: tuple[np.ndarray, np.ndarray],
+                   num_requests: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Validated explicit (prompt_lens, output_lens): (R,) int64 each."""
+    if not isinstance(lengths, (tuple, list)) or len(lengths) != 2:
+        raise ValueError("generate: lengths must be a pair (prompt_lens, output_lens)")
+    out = []
+    for name, arr, low in (("prompt_lens", lengths[0], 0), ("output_lens", lengths[1], 1)):
+        a = np.asarray(arr)
+        if a.ndim != 1 or a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"generate: lengths {name} must be a 1-D integer array, got "
+                             f"dtype {a.dtype} shape {a.shape}")
+        if a.size and int(a.min()) < low:
+            raise ValueError(f"generate: lengths {name} must be >= {low}, got {int(a.min())}")
+        out.append(a.astype(np.int64))
+    if out[0].shape != out[1].shape:
+        raise ValueError(f"generate: lengths prompt_lens {out[0].shape} and output_lens "
+                         f"{out[1].shape} differ in shape")
+    if num_requests is not None and int(num_requests) != out[0].shape[0]:
+        raise ValueError(f"generate: num_requests={num_requests!r} but lengths give "
+                         f"{out[0].shape[0]} requests")
+    return out[0], out[1]
 
 
 def _token_ids(rng: np.random.Generator, rq: _Requests, vocab: int) -> np.ndarray:
