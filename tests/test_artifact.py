@@ -71,6 +71,29 @@ def test_round_trip_preserves_everything(fitted, tmp_path):
     pol = make_policy("eldr", num_workers=2, centroids=back.centroids, tau=back.tau)
     s = back.encoder.transform(trace)[0]
     assert pol.choose(RouteRequest("r", s), np.zeros(2)) in (0, 1)
+    # the cost policy's parts: predictor and cluster profiles, exact through the files
+    assert back.profile_alpha == fitted.profile_alpha is not None
+    np.testing.assert_array_equal(back.profile_mean, fitted.profile_mean)
+    np.testing.assert_array_equal(back.decoder_profiles, fitted.decoder_profiles)
+    assert back.decoder_profiles.shape == (2, L, E) and (back.decoder_profiles <= 0).all()
+    cost = make_policy("eldr_cost", num_workers=2, **back.resources([1, 0]).as_kwargs())
+    np.testing.assert_array_equal(cost.footprint.typical.reshape(2, L, E)[0],
+                                  back.decoder_profiles[1])
+    p = back.predict_profile(trace.prefill_counts[0], int(trace.prompt_lens[0]))
+    assert p.shape == (L, E) and cost.choose(RouteRequest("r", profile=p), np.zeros(2)) in (0, 1)
+
+
+def test_version_1_artifacts_without_cost_parts_still_load(fitted, tmp_path):
+    import dataclasses
+
+    old = dataclasses.replace(fitted, profile_alpha=None, profile_mean=None,
+                              decoder_profiles=None)
+    out = artifact.save(old, tmp_path / "art")
+    _corrupt_json(out, lambda d: (d.update(version=1), d.pop("cost")))
+    back = artifact.load(out)
+    assert back.decoder_profiles is None and back.profile_alpha is None
+    p = back.predict_profile(np.full((L, E), 2), 4)  # raw prefill profile: counts / tokens
+    np.testing.assert_allclose(p, 0.5)
 
 
 def test_save_replaces_an_artifact_but_not_other_directories(fitted, tmp_path):
@@ -118,13 +141,21 @@ def _corrupt_arrays(path, **changes):
 
 
 @pytest.mark.parametrize("name, damage, match", [
-    ("version", lambda p: _corrupt_json(p, lambda d: d.update(version=2)), "version 2"),
+    ("version", lambda p: _corrupt_json(p, lambda d: d.update(version=3)), "version 3"),
     ("format", lambda p: _corrupt_json(p, lambda d: d.update(format="x")), "not an eldr"),
     ("json", lambda p: (p / "artifact.json").write_text("{"), "not valid JSON"),
     ("no json", lambda p: (p / "artifact.json").unlink(), "no artifact.json"),
     ("no arrays", lambda p: (p / "arrays.npz").unlink(), "missing arrays.npz"),
     ("garbage arrays", lambda p: (p / "arrays.npz").write_bytes(b"junk"), "not a readable"),
     ("field", lambda p: _corrupt_json(p, lambda d: d["model"].pop("top_k")), "model.top_k"),
+    ("cost alpha", lambda p: _corrupt_json(p, lambda d: d["cost"].update(alpha=2.0)),
+     "alpha must be in"),
+    ("cost missing", lambda p: _corrupt_json(p, lambda d: d.pop("cost")), "cost.alpha"),
+    ("positive log", lambda p: _corrupt_arrays(
+        p, decoder_profiles=np.ones((2, L, E), np.float32)), "decoder_profiles must be"),
+    ("profile shape", lambda p: _corrupt_arrays(
+        p, profile_mean=np.zeros((1, E), np.float32)), "profile_mean must be"),
+    ("half the cost parts", lambda p: _corrupt_arrays(p, profile_mean=None), "holds"),
     ("type", lambda p: _corrupt_json(p, lambda d: d["model"].update(num_layers="3")),
      "must be an integer"),
     ("tau", lambda p: _corrupt_json(p, lambda d: d["routing"].update(tau=-1)), "tau"),

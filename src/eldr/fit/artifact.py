@@ -6,7 +6,11 @@ An artifact is a directory with two files (format in ``docs/fit-and-routing.md``
   the signature settings (representation, layer mask, ρ and its greedy curve), the
   routing settings (τ, decode worker ids, balanced or vanilla K-means) and fit statistics;
 - ``arrays.npz`` — ``idf`` (L, E) float64 and ``centroids`` (K, |S|·E) float32 unit rows
-  (row k is the centroid of ``worker_ids[k]``), read with ``allow_pickle=False``.
+  (row k is the centroid of ``worker_ids[k]``), read with ``allow_pickle=False``; since
+  version 2 also the cost policy's parts: ``profile_mean`` (L, E) float32, the mean
+  per-token decode profile the profile predictor shrinks toward (by ``cost.alpha`` in the
+  JSON), and ``decoder_profiles`` (K, L, E) float32, each cluster's mean ``log(1 − p)``
+  (:func:`eldr.fit.predictor.decoder_profiles`). Version 1 artifacts (no cost parts) load.
 
 :func:`save` writes a temporary directory next to the target and renames it into place,
 so a reader never sees half an artifact. :func:`load` validates everything it reads and
@@ -35,7 +39,8 @@ from eldr.traces.trace import Trace, TraceMeta
 
 __all__ = ["ARTIFACT_VERSION", "RoutingArtifact", "fit_artifact", "load", "save"]
 
-ARTIFACT_VERSION = 1
+ARTIFACT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 FORMAT_NAME = "eldr-routing-artifact"
 _JSON = "artifact.json"
 _ARRAYS = "arrays.npz"
@@ -56,6 +61,32 @@ class RoutingArtifact:
     tau: float  # locality band width of the eldr policy
     balanced: bool = True  # balanced K-means (False: vanilla, the ablation)
     fit_stats: dict = field(default_factory=dict)  # JSON-able statistics of the fit
+    profile_alpha: float | None = None  # predictor shrinkage α (cost policy), or None
+    profile_mean: np.ndarray | None = None  # (L, E) float32 mean decode profile, or None
+    decoder_profiles: np.ndarray | None = None  # (K, L, E) float32 cluster log(1 − p)
+
+    def predict_profile(self, counts: np.ndarray, prompt_len: int) -> np.ndarray:
+        """(L, E) float32 per-token profile of prefill ``counts`` (L, E) for the cost
+        policy: the fitted shrinkage, or ``counts / prompt_len`` without one."""
+        c = np.asarray(counts, dtype=np.float32)
+        pre = np.minimum(c / np.float32(max(int(prompt_len), 1)), np.float32(1.0))
+        if self.profile_alpha is None or self.profile_mean is None or not self.profile_alpha:
+            return pre
+        a = np.float32(self.profile_alpha)
+        return (1 - a) * pre + a * self.profile_mean
+
+    def resources(self, order: Sequence[int] | None = None, **deployment):
+        """:class:`eldr.routing.RoutingResources` for any policy, decoders in ``order``
+        (from :meth:`check_workers`; None: the artifact's). ``deployment``: what the fit
+        does not know (``context_weight``, ``capacity``, ``random_state``)."""
+        from eldr.routing.registry import RoutingResources
+
+        idx = np.arange(self.num_workers) if order is None else np.asarray(order)
+        return RoutingResources(
+            centroids=self.centroids[idx], tau=self.tau, num_layers=self.num_layers,
+            num_experts=self.num_experts,
+            decoder_profiles=None if self.decoder_profiles is None
+            else self.decoder_profiles[idx], **deployment)
 
     @property
     def num_workers(self) -> int:
@@ -146,6 +177,14 @@ def fit_artifact(
         on_stage(f"{'balanced' if balanced else 'vanilla'} K-means, K={len(ids)}")
     km = BalancedKMeans(len(ids), balanced=balanced, n_init=n_init,
                         random_state=random_state).fit(X)
+    if on_stage:
+        on_stage("profile predictor and cluster profiles (cost policy)")
+    from eldr.fit.predictor import ProfilePredictor, decoder_profiles, prefill_profiles
+
+    predictor = ProfilePredictor(random_state=random_state).fit(trace)
+    a = np.float32(predictor.alpha_)
+    profiles = (1 - a) * prefill_profiles(trace) + a * predictor.mean_
+    cluster_profiles = decoder_profiles(profiles, km.labels_, len(ids))
     t2 = time.perf_counter()
     sizes = np.bincount(km.labels_, minlength=len(ids))
     stats = {
@@ -161,12 +200,15 @@ def fit_artifact(
         "encoder_seconds": round(t1 - t0, 4),
         "kmeans_seconds": round(t2 - t1, 4),
         "fit_seconds": round(t2 - t0, 4),
+        "profile_predictor": predictor.summary(),
     }
     m = trace.meta
     return RoutingArtifact(
         model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
         encoder=encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
         worker_ids=ids, tau=tau, balanced=balanced, fit_stats=stats,
+        profile_alpha=float(predictor.alpha_), profile_mean=predictor.mean_,
+        decoder_profiles=cluster_profiles,
     )
 
 
@@ -204,6 +246,7 @@ def _document(art: RoutingArtifact) -> dict:
         "routing": {"tau": art.tau, "worker_ids": list(art.worker_ids),
                     "balanced": bool(art.balanced)},
         "arrays": {"idf": list(enc["idf"].shape), "centroids": list(art.centroids.shape)},
+        "cost": None if art.profile_alpha is None else {"alpha": float(art.profile_alpha)},
         "fit": art.fit_stats,
     }
 
@@ -229,9 +272,14 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
     try:
         os.chmod(tmp, default_dir_mode())
         (tmp / _JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        arrays = {"idf": np.asarray(artifact.encoder.idf_, dtype=np.float64),
+                  "centroids": np.asarray(artifact.centroids, dtype=np.float32)}
+        if artifact.profile_alpha is not None:
+            arrays["profile_mean"] = np.asarray(artifact.profile_mean, dtype=np.float32)
+            arrays["decoder_profiles"] = np.asarray(artifact.decoder_profiles,
+                                                    dtype=np.float32)
         with open(tmp / _ARRAYS, "wb") as fh:
-            np.savez(fh, idf=np.asarray(artifact.encoder.idf_, dtype=np.float64),
-                     centroids=np.asarray(artifact.centroids, dtype=np.float32))
+            np.savez(fh, **arrays)
         if target.exists():  # a directory cannot be os.replace'd over a non-empty one
             old = target.with_name(f".{target.name}.{os.getpid()}.old")
             os.replace(target, old)
@@ -280,9 +328,9 @@ def load(directory: str | os.PathLike, *,
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise ValueError(f"{d / _JSON}: not an eldr routing artifact")
     version = doc.get("version")
-    if version != ARTIFACT_VERSION:
+    if isinstance(version, bool) or version not in _READABLE_VERSIONS:
         raise ValueError(f"{d}: artifact format version {version!r} is not supported "
-                         f"(this eldr reads version {ARTIFACT_VERSION})")
+                         f"(this eldr reads versions {list(_READABLE_VERSIONS)})")
     try:
         art = _from_document(doc, _read_arrays(d / _ARRAYS))
     except ValueError as exc:
@@ -300,8 +348,10 @@ def _read_arrays(path: Path) -> dict[str, np.ndarray]:
         raise ValueError(f"missing {_ARRAYS}") from None
     except Exception as exc:  # zip/format errors, object arrays (they need pickle)
         raise ValueError(f"{_ARRAYS} is not a readable array file ({exc})") from exc
-    if set(arrays) != {"idf", "centroids"}:
-        raise ValueError(f"{_ARRAYS} holds {sorted(arrays)}, expected ['centroids', 'idf']")
+    if set(arrays) not in ({"idf", "centroids"},
+                           {"idf", "centroids", "profile_mean", "decoder_profiles"}):
+        raise ValueError(f"{_ARRAYS} holds {sorted(arrays)}, expected ['centroids', 'idf'] "
+                         "(and 'decoder_profiles', 'profile_mean')")
     return arrays
 
 
@@ -345,6 +395,21 @@ def _from_document(doc: dict, arrays: dict[str, np.ndarray]) -> RoutingArtifact:
              "idf": idf, "rho": _get(doc, "signature.rho", float),
              "rho_curve": doc["signature"].get("rho_curve", [])}
     encoder = SignatureEncoder.from_state(state)  # validates idf values and the layer mask
+    alpha = mean = profiles = None
+    if "profile_mean" in arrays:
+        alpha = _get(doc, "cost.alpha", float)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"cost.alpha must be in [0, 1], got {alpha}")
+        mean, profiles = arrays["profile_mean"], arrays["decoder_profiles"]
+        if mean.shape != (L, E) or mean.dtype != np.float32 or not np.isfinite(mean).all() \
+                or (mean < 0).any() or (mean > 1).any():
+            raise ValueError(f"profile_mean must be ({L}, {E}) float32 in [0, 1], got "
+                             f"{mean.shape} {mean.dtype}")
+        if profiles.shape != (K, L, E) or profiles.dtype != np.float32 or \
+                not np.isfinite(profiles).all() or (profiles > 0).any():
+            raise ValueError(f"decoder_profiles must be ({K}, {L}, {E}) float32 finite "
+                             f"log-probabilities (<= 0), got {profiles.shape} {profiles.dtype}")
     return RoutingArtifact(model=name, num_layers=L, num_experts=E, top_k=k, encoder=encoder,
                            centroids=centroids, worker_ids=tuple(ids), tau=tau,
-                           balanced=balanced, fit_stats=fit_stats)
+                           balanced=balanced, fit_stats=fit_stats, profile_alpha=alpha,
+                           profile_mean=mean, decoder_profiles=profiles)

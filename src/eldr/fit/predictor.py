@@ -21,7 +21,7 @@ import numpy as np
 
 from eldr.traces.trace import Trace
 
-__all__ = ["ProfilePredictor", "decode_profiles", "prefill_profiles"]
+__all__ = ["ProfilePredictor", "decode_profiles", "decoder_profiles", "prefill_profiles"]
 
 
 def prefill_profiles(trace: Trace) -> np.ndarray:
@@ -94,3 +94,25 @@ class ProfilePredictor:
         """JSON-able: chosen α, held-out R² (chosen and prefill-only), errors per α."""
         return {"alpha": self.alpha_, "r2": self.r2_, "r2_prefill": self.r2_prefill_,
                 "errors": {f"{a:g}": e for a, e in self.errors_.items()}}
+
+
+def decoder_profiles(profiles: np.ndarray, labels: np.ndarray, num_workers: int) -> np.ndarray:
+    """(K, L, E) float32 mean ``log(1 − p)`` of each cluster's calibration requests.
+
+    ``profiles`` (R, L, E) predicted per-token profiles of the calibration requests,
+    ``labels`` (R,) their cluster (= decoder) index. The cost policy raises it to a batch
+    size: ``exp(n · mean log(1 − p))`` is the chance that none of n of the cluster's usual
+    requests selects an expert. An empty cluster gets the all-cluster mean.
+    """
+    p = np.minimum(np.asarray(profiles, dtype=np.float32), np.float32(1.0 - 1e-6))
+    lab = np.asarray(labels)
+    if p.ndim != 3 or lab.shape != (p.shape[0],):
+        raise ValueError(f"profiles must be (R, L, E) and labels (R,), got {p.shape}, "
+                         f"{lab.shape}")
+    logs = np.log1p(-p)
+    overall = logs.mean(axis=0) if p.shape[0] else np.zeros(p.shape[1:], np.float32)
+    out = np.empty((num_workers, *p.shape[1:]), dtype=np.float32)
+    for k in range(num_workers):
+        members = logs[lab == k]
+        out[k] = members.mean(axis=0) if members.shape[0] else overall
+    return out

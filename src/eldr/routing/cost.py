@@ -72,7 +72,8 @@ class ExpertFootprint:
     left with no request is reset to exactly zero (no float drift accumulates).
     """
 
-    def __init__(self, num_workers: int, num_cells: int, *, memory: float = 0.0) -> None:
+    def __init__(self, num_workers: int, num_cells: int, *, memory: float = 0.0,
+                 typical: np.ndarray | None = None) -> None:
         self.num_workers = _check_num_workers(num_workers)
         if num_cells <= 0:
             raise ValueError(f"num_cells must be > 0, got {num_cells}")
@@ -92,7 +93,14 @@ class ExpertFootprint:
         self.memory = float(memory)
         self._keep = 0.5 ** (1.0 / memory) if memory > 0 else 0.0
         self.typical = np.zeros((K, num_cells), dtype=np.float64) if memory > 0 else None
-        self.typical_miss = np.ones((K, num_cells), dtype=np.float32) if memory > 0 else None
+        if typical is not None:  # fitted: each decoder's cluster, fixed (no online update)
+            t = np.asarray(typical, dtype=np.float64).reshape(K, -1)
+            if t.shape != (K, num_cells) or not np.isfinite(t).all() or (t > 0).any():
+                raise ValueError(f"typical must be ({K}, {num_cells}) finite mean "
+                                 f"log(1 - p) values <= 0, got shape {t.shape}")
+            self.typical, self._keep = t.copy(), 1.0
+        self.typical_miss = np.ones((K, num_cells), dtype=np.float32) \
+            if self.typical is not None else None
         self.typical_distinct = np.zeros(K, dtype=np.float64)
 
     def __len__(self) -> int:
@@ -123,7 +131,7 @@ class ExpertFootprint:
             p = np.minimum(profile.reshape(-1), _P_MAX)
             row = np.log1p(-p, dtype=np.float32)
             self.log_miss[worker] += row
-            if self.typical is not None:
+            if self.typical is not None and self._keep < 1.0:
                 self.typical[worker] *= self._keep
                 self.typical[worker] += (1.0 - self._keep) * row
         self._held[request_id] = (worker, row, float(context_tokens))
@@ -156,6 +164,11 @@ class ExpertFootprint:
 class CostPolicy(PolicyBase):
     """Marginal expert cost (module docstring); needs ``RouteRequest.profile`` (L, E).
 
+    ``decoder_profiles`` (K, L, E): the mean ``log(1 − p)`` of the calibration requests of
+    each decoder's cluster (``eldr.fit.predictor.decoder_profiles``; in the artifact). Given,
+    they are what joins d in the future term, fixed, with ``memory_weight`` 1 by default;
+    without them the online memory (half-life ``memory`` dispatches) stands in, weight 0.5.
+
     ``context_weight`` = κ, decode-step seconds per context token divided by seconds per
     distinct expert (0 ignores KV reads); ``capacity`` = a decoder's batch limit (None:
     unlimited).
@@ -163,7 +176,8 @@ class CostPolicy(PolicyBase):
 
     def __init__(self, num_workers: int, *, num_layers: int, num_experts: int,
                  context_weight: float = 0.0, capacity: float | None = None,
-                 memory: float = 4.0, memory_weight: float = 0.5,
+                 memory: float = 4.0, memory_weight: float | None = None,
+                 decoder_profiles: np.ndarray | None = None,
                  name: str = "eldr_cost") -> None:
         self.name = name
         self.num_workers = _check_num_workers(num_workers)
@@ -180,8 +194,20 @@ class CostPolicy(PolicyBase):
         self.shape = (int(num_layers), int(num_experts))
         self.context_weight = float(context_weight)
         self.capacity = capacity
+        typical = None
+        if decoder_profiles is not None:
+            dp = np.asarray(decoder_profiles, dtype=np.float32)
+            if dp.shape != (self.num_workers, *self.shape):
+                raise ValueError(f"{name}: decoder_profiles have shape {dp.shape}, expected "
+                                 f"({self.num_workers}, {self.shape[0]}, {self.shape[1]})")
+            typical = dp
         self.footprint = ExpertFootprint(self.num_workers, self.shape[0] * self.shape[1],
-                                         memory=memory)
+                                         memory=memory, typical=typical)
+        if memory_weight is None:
+            memory_weight = 0.5 if typical is None else 1.0
+        if not np.isfinite(memory_weight) or memory_weight < 0:
+            raise ValueError(f"{name}: memory_weight must be finite and >= 0, "
+                             f"got {memory_weight}")
         self.memory_weight = float(memory_weight)
 
     def costs(self, profile: np.ndarray, loads: np.ndarray, context_tokens: float = 0.0

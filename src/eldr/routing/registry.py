@@ -61,6 +61,7 @@ class RoutingResources:
     num_experts: int | None = None  # E of the model (cost policy)
     context_weight: float | None = None  # κ: step seconds per context token / per expert
     capacity: float | None = None  # a decoder's batch limit (cost policy's admission)
+    decoder_profiles: np.ndarray | None = None  # (K, L, E) cluster mean log(1 − p) (cost)
     random_state: int | np.random.Generator | None = None  # seed of random policies
 
     def as_kwargs(self) -> dict:
@@ -132,7 +133,8 @@ register_policy("eldr_top1", lambda K, centroids: EldrPolicy(K, centroids=centro
                                                              name="eldr_top1"),
                 needs={"centroids"})
 register_policy("eldr_cost", lambda K, **kw: CostPolicy(K, **kw),
-                needs={"num_layers", "num_experts"}, options={"context_weight", "capacity"})
+                needs={"num_layers", "num_experts"},
+                options={"context_weight", "capacity", "decoder_profiles"})
 register_policy("oracle_signature",
                 lambda K, decode_centroids, tau=0.1: EldrPolicy(
                     K, centroids=decode_centroids, tau=tau, use_decode_pattern=True,
