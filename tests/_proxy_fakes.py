@@ -24,7 +24,7 @@ from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import RoutingState
 from eldr.routing import make_policy
 
-L, E = 2, 8  # fingerprint of the fake model
+L, E, TOP_K = 2, 8, 4  # fingerprint of the fake model (domain_counts: 4 experts a token)
 MODEL = "tiny"
 
 
@@ -51,10 +51,11 @@ def fake_centroids() -> np.ndarray:
 def make_state(config: ServeConfig, *, tau: float = 0.0, names=("w-code", "w-other"),
                encoder=None) -> RoutingState:
     policy = make_policy(config.policy, num_workers=len(config.decode_urls),
-                         centroids=fake_centroids(), tau=tau, random_state=0)
+                         centroids=fake_centroids(), tau=tau, num_layers=L, num_experts=E,
+                         random_state=0)
     return RoutingState(policy=policy, worker_names=tuple(names),
                         encoder=encoder or fake_encoder(), num_layers=L, num_experts=E,
-                        tau=tau, artifact=None, loaded_at=0.0)
+                        top_k=TOP_K, tau=tau, artifact=None, loaded_at=0.0)
 
 
 def _prompt_of(body: dict) -> str:

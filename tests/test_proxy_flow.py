@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from _proxy_fakes import cluster, run
+from _proxy_fakes import cluster, make_state, run
 from eldr.proxy.flow import RequestFlow, _SSEUsage, decode_body, fix_usage, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
@@ -275,3 +275,125 @@ def test_client_disconnect_aborts_the_upstream_stream():
     assert decoders[0].aborted == 1
     assert router.pool.decode[0].in_flight == 0 and router.pool.tracker.loads[0] == 0
     assert _metric(router, "client_disconnects") == 1
+
+
+# -- the stateful policy contract (dispatch / release) ---------------------------------------
+def _spy_events(policy):
+    """Record (event, request id, worker or outcome) of ``policy`` (wrapping its methods)."""
+    events = []
+    dispatch, release = policy.on_dispatch, policy.on_release
+
+    def on_dispatch(request, worker):
+        events.append(("dispatch", request.request_id, worker))
+        dispatch(request, worker)
+
+    def on_release(request_id, outcome):
+        events.append(("release", request_id, outcome))
+        release(request_id, outcome)
+
+    policy.on_dispatch, policy.on_release = on_dispatch, on_release
+    return events
+
+
+def _assert_empty_footprint(policy):
+    fp = policy.footprint
+    assert len(fp) == 0
+    assert not fp.count.any() and not fp.log_miss.any() and not fp.context.any()
+
+
+def test_eldr_cost_routes_end_to_end_and_packs_by_experts():
+    async def go():
+        async with cluster(policy="eldr_cost") as (router, client, _, decoders):
+            policy = router.state.policy
+            events = _spy_events(policy)
+            decoders[0].mode = decoders[1].mode = "slow"
+            # two concurrent code streams, then a law one: the law prompt's experts are
+            # disjoint, so it adds fewer distinct experts to the empty-of-law decoder
+            r1 = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r1.content.readany()
+            held = len(policy.footprint)
+            r2 = await client.post("/v1/completions", json={**LAW, "stream": True})
+            await r2.content.readany()
+            placed = (r1.headers["X-Eldr-Decoder"], r2.headers["X-Eldr-Decoder"])
+            await r1.text(), await r2.text()
+            return router, policy, events, held, placed
+
+    router, policy, events, held, placed = run(go())
+    assert held == 1 and placed == ("w-code", "w-other")
+    assert [e[0] for e in events] == ["dispatch", "dispatch", "release", "release"]
+    assert {e[2] for e in events if e[0] == "release"} == {"completed"}
+    assert _metric(router, "decisions", policy="eldr_cost", decoder="w-code") == 1
+    assert router.metrics.fallbacks.values == {}
+    _assert_empty_footprint(policy)
+
+
+def test_every_dispatch_is_released_once_whatever_happens():
+    """Completed, engine 4xx, retried, failed for good, broken mid-stream, client gone:
+    the cost policy's footprint is back to exactly zero and each attempt released once."""
+    async def go():
+        async with cluster(policy="eldr_cost", decode_read_timeout=0.5, unhealthy_after=99,
+                           engine_kw={"tokens": 50}) as (router, client, _, decoders):
+            policy = router.state.policy
+            events = _spy_events(policy)
+            statuses = []
+            for _ in range(3):  # completed, JSON and streamed
+                statuses.append((await client.post("/v1/completions", json=CODE)).status)
+                r = await client.post("/v1/completions", json={**LAW, "stream": True})
+                await r.text()
+                statuses.append(r.status)
+            decoders[0].mode = "400"  # relayed 4xx
+            statuses.append((await client.post("/v1/completions", json=CODE)).status)
+            decoders[0].mode = "500"  # retried on the other decoder
+            statuses.append((await client.post("/v1/completions", json=CODE)).status)
+            decoders[1].mode = "hang"  # both fail: 502 after a timeout
+            statuses.append((await client.post("/v1/completions", json=CODE)).status)
+            decoders[0].mode = "break"  # mid-stream break
+            decoders[1].mode = "ok"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.text()
+            statuses.append(r.status)
+            decoders[0].mode = decoders[1].mode = "slow"  # the client leaves mid-stream
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.content.readany()
+            r.close()
+            decoders[0].mode = decoders[1].mode = "hang"  # the client leaves before a byte
+            task = asyncio.ensure_future(client.post("/v1/completions", json=CODE))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if len(policy.footprint):
+                    break
+            task.cancel()
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if len(policy.footprint) == 0 and not router.pool.tracker.loads.any():
+                    break
+            return policy, events, statuses
+
+    policy, events, statuses = run(go())
+    assert statuses == [200] * 6 + [400, 200, 502, 200]
+    dispatched = [e[1] for e in events if e[0] == "dispatch"]
+    released = [e[1] for e in events if e[0] == "release"]
+    assert sorted(dispatched) == sorted(released) and len(set(dispatched)) == len(dispatched)
+    outcomes = [e[2] for e in events if e[0] == "release"]
+    assert outcomes.count("cancelled") == 2
+    # 4xx; 500 then retried; 500, hang, 500 (three attempts); the mid-stream break
+    assert outcomes.count("failed") == 6
+    _assert_empty_footprint(policy)
+
+
+def test_releases_go_to_the_policy_that_got_the_dispatch_across_a_reload():
+    async def go():
+        async with cluster(policy="eldr_cost") as (router, client, _, decoders):
+            old = router.state.policy
+            decoders[0].mode = decoders[1].mode = "slow"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.content.readany()
+            held = len(old.footprint)
+            router.state = make_state(router.config)  # what a reload does
+            await r.text()
+            return old, router.state.policy, held
+
+    old, new, held = run(go())
+    assert held == 1
+    _assert_empty_footprint(old)
+    _assert_empty_footprint(new)

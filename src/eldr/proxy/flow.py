@@ -6,8 +6,9 @@ Per attempt (design.md §6; vLLM's PD proxy protocol):
    ``stream`` false and ``kv_transfer_params = {"do_remote_decode": true, ...}`` goes to a
    prefill instance chosen by prefix affinity with load spill, with the attempt's
    ``X-Request-Id``;
-2. route: the signature is read off the prefill response, encoded, and the policy picks a
-   healthy decoder on the live loads;
+2. route: the inputs the policy declares (``policy.inputs``: a signature, an expert
+   profile) are read off the prefill response and the policy picks a healthy decoder on
+   the live loads; ``policy.on_dispatch`` tells it the request went there;
 3. decode: the ORIGINAL request plus the prefill's ``kv_transfer_params`` (relayed
    verbatim, minus the eldr payload) goes to that decoder; its answer is streamed back.
 
@@ -17,10 +18,18 @@ consumed ``kv_transfer_params`` are never sent again (vLLM would answer 200 with
 computed from freed KV blocks). A non-streaming answer is buffered, so it is retryable to
 its end; a stream that breaks after its first byte ends with an SSE error event. An
 engine's 4xx is the client's problem: relayed as is, never retried.
+
+Every dispatch is released exactly once (``policy.on_release``) when its decode ends:
+``"completed"``, ``"failed"`` (an engine error, a timeout, a stream broken mid-way, or a
+retry elsewhere: the failed attempt is released before the next one is dispatched) or
+``"cancelled"`` (the client left). The events go to the policy of the routing snapshot
+the request started with, so a reload in between cannot leak a stateful policy's
+footprint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -28,10 +37,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from eldr.proxy.decision import RoutingState, SignatureResult, read_signature, split_kv_params
+from eldr.proxy.decision import Reading, RoutingState, read_inputs, split_kv_params
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.upstream import Instance, error_kind
-from eldr.routing import NoHealthyWorkerError, RouteRequest
+from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
 __all__ = ["RequestFlow", "fix_usage"]
 
@@ -55,7 +64,8 @@ class Decision:
     """Where one attempt's decode goes, and why."""
 
     worker: int  # decode worker index k
-    signature: SignatureResult  # what the prefill response carried
+    request: RouteRequest  # what the policy routed (dispatched to ``worker``)
+    reading: Reading  # what the prefill response carried
     kv_params: dict | None  # kv_transfer_params to relay to the decoder
     prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
 
@@ -173,6 +183,7 @@ class RequestFlow:
         from aiohttp import web
 
         config = self.config
+        state: RoutingState = self.router.state  # this request's snapshot, reloads or not
         rid = request.headers.get("X-Request-Id") or self._new_id()
         stream = bool(body.get("stream", False))
         # Affinity only matters with a choice of prefill instances.
@@ -188,13 +199,19 @@ class RequestFlow:
             attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
             headers["X-Request-Id"] = attempt_id
             prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
-            decision = self._decide(attempt_id, doc, excluded)
+            decision = self._decide(state, attempt_id, doc, excluded)
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
+            state.policy.on_dispatch(decision.request, decision.worker)
+            outcome: Outcome = "failed"
             try:
-                return await self._decode(request, kind, body, raw, decoder, decision,
-                                          headers, reply, stream, web)
+                resp, outcome = await self._decode(request, kind, body, raw, decoder,
+                                                   decision, headers, reply, stream, web)
+                return resp
+            except asyncio.CancelledError:  # the client left (handler cancellation)
+                outcome = "cancelled"
+                raise
             except _RetryDecode as exc:
                 last = exc
                 excluded.append(decision.worker)
@@ -202,6 +219,8 @@ class RequestFlow:
                     self.metrics.retries.inc()
                 log.warning("request %s: decode at %s failed (%s); %s", rid, decoder.name, exc,
                             "retrying" if attempt + 1 < config.max_attempts else "giving up")
+            finally:
+                state.policy.on_release(attempt_id, outcome)
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
 
@@ -266,23 +285,19 @@ class RequestFlow:
             return inst, doc
 
     # -- route -----------------------------------------------------------------------------
-    def _decide(self, request_id: str, doc: dict, excluded: list[int]) -> Decision:
+    def _decide(self, state: RoutingState, request_id: str, doc: dict,
+                excluded: list[int]) -> Decision:
         t0 = time.perf_counter()
-        state: RoutingState = self.router.state
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
         usage = doc.get("usage")
         pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        pt = pt if isinstance(pt, int) else None
-        if state.needs_signature:
-            sig = read_signature(doc, payload, state)
-            metrics.signatures.inc(source=sig.source)
-            if sig.vector is None:
-                metrics.fallbacks.inc(reason=sig.problem)
-            elif _is_partial(payload, pt):
+        pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
+        reading = read_inputs(doc, payload, state, pt)
+        if reading.problem != "not_used":
+            metrics.signatures.inc(source=reading.source)
+            if reading.problem is None and _is_partial(payload, pt):
                 metrics.partial.inc()
-        else:
-            sig = SignatureResult(None, "none", "not_used")
         tracker = self.pool.tracker
         healthy = tracker.healthy
         if excluded:
@@ -290,22 +305,26 @@ class RequestFlow:
             mask[excluded] = False
             if mask.any():  # else: retry on a decoder that failed rather than on none
                 healthy = mask
+        route = RouteRequest(request_id, signature=reading.signature, profile=reading.profile,
+                             context_tokens=reading.context_tokens)
         try:
-            k = state.policy.choose(RouteRequest(request_id, sig.vector), tracker.loads,
-                                    None if healthy.all() else healthy)
+            decided = state.policy.decide(route, tracker.loads,
+                                          None if healthy.all() else healthy)
         except NoHealthyWorkerError:
             raise ProxyError(503, "no healthy decode instance", code="no_decoder") from None
-        if sig.vector is not None:
-            band = state.band_size(sig.vector, None if healthy.all() else healthy)
-            if band is not None:
-                metrics.band.observe(band)
+        k = decided.worker
+        if decided.fallback:
+            metrics.fallbacks.inc(reason=reading.problem or "unbound")
+        if decided.band_size is not None:
+            metrics.band.observe(decided.band_size)
         metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
         metrics.latency.observe(time.perf_counter() - t0)
-        return Decision(k, sig, kv_params, pt)
+        return Decision(k, route, reading, kv_params, pt)
 
     # -- decode ----------------------------------------------------------------------------
     async def _decode(self, request, kind: str, body: dict, raw: bytes | None, inst: Instance,
                       decision: Decision, headers: dict, reply: dict, stream: bool, web):
+        """(the client's response, the outcome to release the dispatch with)."""
         import aiohttp
 
         data = decode_body(body, raw, decision.kv_params)
@@ -328,7 +347,7 @@ class RequestFlow:
                         raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
                 if not stream:
-                    return await self._whole(resp, inst, decision, reply, web)
+                    return await self._whole(resp, inst, decision, reply, web), "completed"
                 return await self._relay(request, resp, inst, decision, reply, web)
             finally:
                 resp.close()  # an unfinished upstream request is aborted, not pooled
@@ -361,6 +380,7 @@ class RequestFlow:
 
     async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
+        """Stream the decoder's SSE to the client: (response, outcome)."""
         try:
             first = await resp.content.readany()
         except Exception as exc:  # nothing was sent yet: retryable
@@ -370,6 +390,7 @@ class RequestFlow:
         self.pool.record_success(inst)
         out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
         usage = _SSEUsage(decision.prompt_tokens)
+        outcome: Outcome = "completed"
         try:
             await out.prepare(request)
             await out.write(usage.feed(first))
@@ -379,6 +400,7 @@ class RequestFlow:
                 except Exception as exc:  # too late to retry: tell the client
                     self._upstream_error(inst, error_kind(exc), exc)
                     msg = f"decoder {inst.name} failed mid-stream: {error_kind(exc)}"
+                    outcome = "failed"
                     await out.write(usage.flush() + b"data: " + error_body(502, msg) + b"\n\n")
                     break
                 if not chunk:
@@ -388,5 +410,6 @@ class RequestFlow:
             await out.write_eof()
         except ConnectionResetError:  # the client left: stop reading (closes upstream)
             self.metrics.client_disconnects.inc()
-        return out
+            outcome = "cancelled"
+        return out, outcome
 
