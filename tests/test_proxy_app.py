@@ -12,11 +12,16 @@ from eldr.routing import make_policy
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 TOKEN = "s3cret-token"
+DEEP_974 = b'{"prompt":"x","x":' + b"[" * 974 + b"]" * 974 + b"}"
+DEEP_50K = b'{"prompt":"x","x":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
 
 
 @pytest.mark.parametrize("raw, kind, status, match", [
     (b"{not json", "completions", 400, "not valid JSON"),
-    (b"\xff\xfe", "completions", 400, "not valid JSON"),
+    (b"\xff\xfe", "completions", 400, "not UTF-8"),
+    ('{"prompt": "x"}'.encode("utf-16"), "completions", 400, "only UTF-8"),
+    ('{"prompt": "x"}'.encode("utf-32-le"), "completions", 400, "only UTF-8"),
+    (DEEP_974, "completions", 400, "nested too deeply"),
     (b"[1, 2]", "completions", 400, "JSON object"),
     (b'{"model": "m"}', "completions", 400, "'prompt' is required"),
     (b'{"prompt": "x", "stream": "yes"}', "completions", 400, "'stream'"),
@@ -180,3 +185,50 @@ def test_reload_does_not_drop_requests_in_flight(monkeypatch):
     events = [e for e in text.decode().split("\n\n") if e]
     assert len(events) == 21 and events[-1] == "data: [DONE]"
     assert json.loads(events[19][6:])["choices"][0]["text"] == "tok19"
+
+
+# -- issue 12: no 5xx and no traceback on any input -----------------------------------------
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-32-le"])
+def test_non_utf8_bodies_are_refused_before_any_prefill(encoding):
+    async def go():
+        async with cluster() as (_, client, prefills, _d):
+            data = json.dumps({**CODE, "prompt": "héllo wörld"}).encode(encoding)
+            r = await client.post("/v1/completions", data=data)
+            return r.status, await r.json(), prefills
+
+    status, doc, prefills = run(go())
+    assert status == 400 and "only UTF-8" in doc["error"]["message"]
+    assert prefills[0].requests == []
+
+
+@pytest.mark.parametrize("raw", [DEEP_974, DEEP_50K])
+def test_deeply_nested_bodies_are_a_400_before_any_prefill(raw):
+    async def go():
+        async with cluster() as (router, client, prefills, _):
+            r = await client.post("/v1/completions", data=raw)
+            return router, r.status, r.content_type, await r.json(), prefills
+
+    _router, status, ctype, doc, prefills = run(go())
+    assert (status, ctype) == (400, "application/json")
+    assert doc["error"]["code"] == "invalid_json"
+    assert prefills[0].requests == []
+
+
+def test_an_unexpected_error_is_a_json_500_naming_no_internals(monkeypatch, caplog):
+    async def go():
+        async with cluster() as (router, client, _p, _d):
+            async def boom(*args, **kwargs):
+                raise RuntimeError("/secret/path internals")
+
+            monkeypatch.setattr(router.flow, "run", boom)
+            r = await client.post("/v1/completions", json=CODE)
+            return router, r.status, r.content_type, await r.text()
+
+    router, status, ctype, text = run(go())
+    assert (status, ctype) == (500, "application/json")
+    doc = json.loads(text)
+    assert doc["error"]["code"] == "internal_error" and "secret" not in text
+    assert "RuntimeError" not in text and "Traceback" not in text
+    assert router.metrics.requests.get(endpoint="completions", status="500") == 1
+    assert any("secret" in r.getMessage() or r.exc_info for r in caplog.records
+               if r.levelname == "ERROR")

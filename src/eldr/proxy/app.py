@@ -11,7 +11,8 @@ Routes::
 
 Every error is an OpenAI-style JSON document (:mod:`eldr.proxy.errors`): malformed JSON or
 a non-object body → 400, an unknown model → 404, a body over ``max_body_bytes`` → 413,
-no healthy engine → 503, engines failing on every attempt → 502. The app runs with
+no healthy engine → 503, engines failing on every attempt → 502; anything unexpected is
+logged with its traceback and answered as a JSON 500 that names no internals. The app runs with
 aiohttp's handler cancellation on, so a client that disconnects cancels its handler and
 with it the upstream requests (the engines see the connection close and abort).
 """
@@ -127,6 +128,11 @@ class Router:
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
             raise
+        except Exception:  # a bug of ours: logged in full, answered without internals
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            resp = web.Response(status=500, body=error_body(
+                500, "internal error of the router; it was logged", code="internal_error"),
+                content_type="application/json")
         endpoint = _ENDPOINTS.get(request.path) or (
             request.path if request.path in _OTHER_ROUTES else "other")
         self.metrics.requests.inc(endpoint=endpoint, status=str(resp.status))
@@ -236,11 +242,29 @@ class Router:
 
 
 def parse_body(raw: bytes, kind: str) -> dict:
-    """The request JSON object, or a 400 naming what is wrong with it."""
+    """The request JSON object, or a 400 naming what is wrong with it.
+
+    UTF-8 only (RFC 8259 §8.1): ``json.loads`` would also take UTF-16/32 bytes, but the
+    router splices the client's raw bytes into the decoder's body next to ASCII, and a
+    mixed-encoding body is rejected by the decoder after a prefill was spent. Nesting
+    deeper than the parser's recursion limit is a client error too (``RecursionError``
+    is not a ``ValueError``).
+    """
+    if b"\x00" in raw[:4]:  # UTF-16/32 without a BOM: JSON text starts with two ASCII chars
+        raise ProxyError(400, "request body looks UTF-16 or UTF-32 encoded: only UTF-8 is "
+                              "accepted", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProxyError(400, f"request body is not UTF-8 encoded JSON (byte {exc.start}): "
+                              f"only UTF-8 is accepted", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
         raise ProxyError(400, f"request body is not valid JSON: {exc}",
+                         code="invalid_json") from None
+    except RecursionError:
+        raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                          code="invalid_json") from None
     if not isinstance(body, dict):
         raise ProxyError(400, f"request body must be a JSON object, got {type(body).__name__}",
