@@ -26,6 +26,9 @@ from eldr.routing import make_policy
 
 L, E, TOP_K = 2, 8, 4  # fingerprint of the fake model (domain_counts: 4 experts a token)
 MODEL = "tiny"
+# a JSON document with usage, nested deeper than json.loads can recurse (RecursionError)
+_DEEP_DOC = (b'{"usage": {"prompt_tokens": 1}, "x": ' + b"[" * 100_000 + b"]" * 100_000
+             + b"}")
 
 
 def domain_counts(prompt: str) -> np.ndarray:
@@ -65,7 +68,11 @@ def _prompt_of(body: dict) -> str:
 
 
 class FakeEngine:
-    """One fake vLLM instance. ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow."""
+    """One fake vLLM instance.
+
+    ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow | deep (answers, and the
+    SSE usage event, nested 100,000 deep) | notjson (a 200 that is not JSON / not SSE).
+    """
 
     def __init__(self, name: str, *, tokens: int = 3, payload: str = "counts",
                  report_prompt_tokens: int | None = None) -> None:
@@ -125,6 +132,11 @@ class FakeEngine:
         if mode == "drop":
             request.transport.close()
             return web.Response()
+        if mode == "notjson":
+            return web.Response(status=200, body=b"<html>gateway page</html>",
+                                content_type="text/html")
+        if mode == "deep" and not body.get("stream"):
+            return web.Response(status=200, body=_DEEP_DOC, content_type="application/json")
         if mode == "empty":  # 200, then the stream ends before any byte
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -184,6 +196,8 @@ class FakeEngine:
                 if self.mode == "slow":
                     await asyncio.sleep(0.05)
             opts = body.get("stream_options") or {}
+            if self.mode == "deep":
+                await resp.write(b"data: " + _DEEP_DOC + b"\n\n")
             if opts.get("include_usage"):
                 pt = self.report_prompt_tokens if self.report_prompt_tokens is not None \
                     else n_prompt

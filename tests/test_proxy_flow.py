@@ -397,3 +397,61 @@ def test_releases_go_to_the_policy_that_got_the_dispatch_across_a_reload():
     assert held == 1
     _assert_empty_footprint(old)
     _assert_empty_footprint(new)
+
+
+# -- issue 12: upstream answers that do not parse are protocol errors -----------------------
+def test_a_prefill_answer_nested_too_deep_is_a_protocol_error_of_that_instance():
+    async def go():
+        async with cluster(num_prefill=2, unhealthy_after=99) as (router, client, prefills, _):
+            prefills[0].mode = "deep"
+            statuses = [(await client.post("/v1/completions", json=CODE)).status
+                        for _ in range(2)]
+            return router, statuses
+
+    router, statuses = run(go())
+    assert statuses == [200, 200]
+    assert _metric(router, "upstream_errors", role="prefill", instance="prefill-0",
+                   kind="protocol") >= 1
+
+
+@pytest.mark.parametrize("mode", ["deep", "notjson"])
+def test_an_unparsable_decoder_answer_is_retried_elsewhere(mode):
+    async def go():
+        async with cluster() as (router, client, _p, decoders):
+            decoders[0].mode = mode
+            r = await client.post("/v1/completions", json=CODE)
+            return router, r.status, r.headers.get("X-Eldr-Decoder"), r.content_type, \
+                await r.text()
+
+    router, status, decoder, ctype, text = run(go())
+    assert (status, decoder, ctype) == (200, "w-other", "application/json")
+    assert json.loads(text)["choices"][0]["text"] == "tok0tok1tok2"
+    assert _metric(router, "upstream_errors", role="decode", instance="w-code",
+                   kind="protocol") == 1
+
+
+def test_a_stream_that_is_not_sse_is_retried_elsewhere():
+    async def go():
+        async with cluster() as (_router, client, _p, decoders):
+            decoders[0].mode = "notjson"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            return r.status, r.headers.get("X-Eldr-Decoder"), await r.text()
+
+    status, decoder, text = run(go())
+    assert (status, decoder) == (200, "w-other") and text.endswith("data: [DONE]\n\n")
+
+
+def test_an_sse_usage_event_nested_too_deep_ends_the_stream_with_an_error_event():
+    async def go():
+        async with cluster() as (router, client, _p, decoders):
+            decoders[0].mode = "deep"
+            body = {**CODE, "stream": True, "stream_options": {"include_usage": True}}
+            r = await client.post("/v1/completions", json=body)
+            return router, r.status, await r.text()
+
+    router, status, text = run(go())
+    events = [e for e in text.split("\n\n") if e]
+    assert status == 200 and json.loads(events[0][6:])["choices"][0]["text"] == "tok0"
+    assert json.loads(events[-1][6:])["error"]["type"] == "upstream_error"
+    assert _metric(router, "upstream_errors", role="decode", instance="w-code",
+                   kind="protocol") == 1

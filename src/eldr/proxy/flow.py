@@ -87,8 +87,28 @@ def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
     return True
 
 
+class _BadEvent(ValueError):
+    """An SSE event the router must read (usage) does not parse: an upstream protocol error."""
+
+
+def _json_object(raw: bytes) -> dict | None:
+    """``raw`` parsed as a JSON object, or None (invalid, nested too deep, not an object).
+
+    Upstream answers are parsed here only: ``json.loads`` raises ``RecursionError`` (not a
+    ``ValueError``) on deep nesting, and an engine's answer must never turn into a 500.
+    """
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class _SSEUsage:
-    """Rewrites the usage of SSE events in a byte stream; other events pass untouched."""
+    """Rewrites the usage of SSE events in a byte stream; other events pass untouched.
+
+    ``feed`` raises :class:`_BadEvent` when a usage event does not parse.
+    """
 
     def __init__(self, prompt_tokens: int | None) -> None:
         self.prompt_tokens = prompt_tokens
@@ -113,10 +133,9 @@ class _SSEUsage:
 
     def _fix(self, event: bytes) -> bytes:
         if b'"prompt_tokens"' in event and event.startswith(b"data: "):
-            try:
-                doc = json.loads(event[6:])
-            except ValueError:
-                return event + b"\n\n"
+            doc = _json_object(event[6:])
+            if doc is None:
+                raise _BadEvent("an SSE usage event is not a JSON object")
             if isinstance(doc, dict) and fix_usage(doc.get("usage"), self.prompt_tokens):
                 return b"data: " + json.dumps(doc).encode() + b"\n\n"
         return event + b"\n\n"
@@ -186,13 +205,17 @@ class RequestFlow:
         state: RoutingState = self.router.state  # this request's snapshot, reloads or not
         rid = request.headers.get("X-Request-Id") or self._new_id()
         stream = bool(body.get("stream", False))
-        # Affinity only matters with a choice of prefill instances.
-        hashes = (self.router.affinity.hashes(prompt_key(body, kind))
-                  if len(self.pool.prefill) > 1 else [])
+        try:
+            # Affinity only matters with a choice of prefill instances.
+            hashes = (self.router.affinity.hashes(prompt_key(body, kind))
+                      if len(self.pool.prefill) > 1 else [])
+            prefill_data = self._prefill_body(body, kind)  # the same for every attempt
+        except RecursionError:  # parsed just under the limit, deeper to re-encode
+            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
+                             code="invalid_json") from None
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
-        prefill_data = self._prefill_body(body, kind)  # the same for every attempt
         excluded: list[int] = []
         last: _RetryDecode | None = None
         for attempt in range(config.max_attempts):
@@ -273,12 +296,9 @@ class RequestFlow:
                 continue
             if status >= 400:
                 raise UpstreamReply(status, raw[:_ERROR_BODY_LIMIT], ctype)
-            try:
-                doc = json.loads(raw)
-                if not isinstance(doc, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                self._upstream_error(inst, "protocol", exc)
+            doc = _json_object(raw)
+            if doc is None:
+                self._upstream_error(inst, "protocol", "prefill answer is not a JSON object")
                 continue
             pool.record_success(inst)
             self.router.affinity.record(hashes, i)
@@ -367,13 +387,11 @@ class RequestFlow:
             raw = await resp.read()
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
-        if decision.prompt_tokens is not None and b'"usage"' in raw:
-            try:
-                doc = json.loads(raw)
-            except ValueError:
-                raise self._decode_failure(inst, "protocol", "answer is not JSON") from None
-            if isinstance(doc, dict) and fix_usage(doc.get("usage"), decision.prompt_tokens):
-                raw = json.dumps(doc).encode()
+        doc = _json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
+        if doc is None:
+            raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
+        if fix_usage(doc.get("usage"), decision.prompt_tokens):
+            raw = json.dumps(doc).encode()
         self.pool.record_success(inst)
         return web.Response(body=raw, status=resp.status, headers=reply,
                             content_type="application/json")
@@ -381,32 +399,40 @@ class RequestFlow:
     async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
         """Stream the decoder's SSE to the client: (response, outcome)."""
+        if resp.content_type != "text/event-stream":  # not a stream: nothing sent, retry
+            raise self._decode_failure(inst, "protocol",
+                                       f"stream answered as {resp.content_type!r}")
+        usage = _SSEUsage(decision.prompt_tokens)
         try:
-            first = await resp.content.readany()
+            raw_first = await resp.content.readany()
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
-        if not first:
+        if not raw_first:
             raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
+        try:
+            first = usage.feed(raw_first)
+        except _BadEvent as exc:
+            raise self._decode_failure(inst, "protocol", exc) from None
         self.pool.record_success(inst)
         out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
-        usage = _SSEUsage(decision.prompt_tokens)
         outcome: Outcome = "completed"
         try:
             await out.prepare(request)
-            await out.write(usage.feed(first))
+            await out.write(first)
             while True:
                 try:
                     chunk = await resp.content.readany()
+                    data = usage.feed(chunk) if chunk else usage.flush()
                 except Exception as exc:  # too late to retry: tell the client
-                    self._upstream_error(inst, error_kind(exc), exc)
-                    msg = f"decoder {inst.name} failed mid-stream: {error_kind(exc)}"
+                    kind = "protocol" if isinstance(exc, _BadEvent) else error_kind(exc)
+                    self._upstream_error(inst, kind, exc)
+                    msg = f"decoder {inst.name} failed mid-stream: {kind}"
                     outcome = "failed"
                     await out.write(usage.flush() + b"data: " + error_body(502, msg) + b"\n\n")
                     break
+                await out.write(data)
                 if not chunk:
-                    await out.write(usage.flush())
                     break
-                await out.write(usage.feed(chunk))
             await out.write_eof()
         except ConnectionResetError:  # the client left: stop reading (closes upstream)
             self.metrics.client_disconnects.inc()
