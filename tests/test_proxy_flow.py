@@ -455,3 +455,21 @@ def test_an_sse_usage_event_nested_too_deep_ends_the_stream_with_an_error_event(
     assert json.loads(events[-1][6:])["error"]["type"] == "upstream_error"
     assert _metric(router, "upstream_errors", role="decode", instance="w-code",
                    kind="protocol") == 1
+
+
+# -- issue 12: no prefill is spent for a request that cannot be decoded ---------------------
+def test_no_prefill_is_spent_when_every_decoder_is_down():
+    async def go():
+        async with cluster() as (router, client, prefills, decoders):
+            for d in decoders:
+                d.healthy = False
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if not router.pool.tracker.healthy.any():
+                    break
+            rs = [await client.post("/v1/completions", json=CODE) for _ in range(5)]
+            return [(r.status, (await r.json())["error"]["code"]) for r in rs], prefills
+
+    out, prefills = run(go())
+    assert out == [(503, "no_decoder")] * 5
+    assert len(prefills[0].requests) == 0  # prefills wasted per refused request: 0

@@ -221,6 +221,7 @@ class RequestFlow:
         for attempt in range(config.max_attempts):
             attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
             headers["X-Request-Id"] = attempt_id
+            self._check_decoders()
             prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
             decision = self._decide(state, attempt_id, doc, excluded)
             decoder = self.pool.decode[decision.worker]
@@ -246,6 +247,12 @@ class RequestFlow:
                 state.policy.on_release(attempt_id, outcome)
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
+
+    def _check_decoders(self) -> None:
+        """503 before the prefill when no decoder can take the request: a prefill whose KV
+        no decoder will read is compute thrown away (and KV pinned until it times out)."""
+        if not self.pool.tracker.healthy.any():
+            raise ProxyError(503, "no healthy decode instance", code="no_decoder")
 
     # -- prefill ---------------------------------------------------------------------------
     def _prefill_body(self, body: dict, kind: str) -> bytes:
