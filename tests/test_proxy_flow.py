@@ -86,7 +86,7 @@ def test_domains_reach_their_decoders_with_relayed_kv_params():
     assert sent["prompt"] == "write code now" and "max_tokens" not in sent
     assert sent["kv_transfer_params"]["remote_engine_id"] == "p0"
     assert "eldr" not in sent["kv_transfer_params"]
-    assert prefills[0].request_ids[0] == decoders[0].request_ids[0] == "req-1"
+    assert prefills[0].request_ids[0] == decoders[0].request_ids[0] != "req-1"
     assert _metric(router, "decisions", policy="eldr", decoder="w-code") == 1
     assert _metric(router, "decisions", policy="eldr", decoder="w-other") == 1
     assert _metric(router, "signatures", source="payload") == 2
@@ -154,8 +154,9 @@ def test_decode_failure_retries_with_a_fresh_prefill_on_another_decoder(mode):
     assert r.status == 200 and r.headers["X-Eldr-Decoder"] == "w-other"
     assert r.headers["X-Eldr-Attempts"] == "2"
     assert "tok0" in text
-    assert prefills[0].request_ids == ["r", "r-retry1"]  # a fresh prefill, own id
-    assert decoders[1].request_ids == ["r-retry1"]
+    first, second = prefills[0].request_ids  # a fresh prefill, own id
+    assert first != second and decoders[1].request_ids == [second]
+    assert r.headers["X-Request-Id"] == "r"
     assert _metric(router, "retries") == 1
     kinds = {"500": "http_5xx", "drop": "disconnect", "hang": "timeout", "empty": "disconnect"}
     assert _metric(router, "upstream_errors", role="decode", instance="w-code",
@@ -473,3 +474,19 @@ def test_no_prefill_is_spent_when_every_decoder_is_down():
     out, prefills = run(go())
     assert out == [(503, "no_decoder")] * 5
     assert len(prefills[0].requests) == 0  # prefills wasted per refused request: 0
+
+
+def test_upstream_request_ids_are_unique_per_attempt_whatever_the_client_sends():
+    async def go():
+        async with cluster() as (_, client, prefills, decoders):
+            rs = await asyncio.gather(*(client.post("/v1/completions", json=CODE,
+                                                    headers={"X-Request-Id": "same"})
+                                        for _ in range(20)))
+            return [(r.status, r.headers["X-Request-Id"]) for r in rs], prefills, decoders
+
+    out, prefills, decoders = run(go())
+    assert out == [(200, "same")] * 20  # the client's id comes back
+    sent = prefills[0].request_ids
+    assert len(set(sent)) == 20 and "same" not in sent
+    decoded = decoders[0].request_ids + decoders[1].request_ids
+    assert sorted(decoded) == sorted(sent)  # prefill and decode of an attempt share it

@@ -4,8 +4,8 @@ Per attempt (design.md §6; vLLM's PD proxy protocol):
 
 1. prefill: the request with ``max_tokens`` 1 (and ``max_completion_tokens`` 1 for chat),
    ``stream`` false and ``kv_transfer_params = {"do_remote_decode": true, ...}`` goes to a
-   prefill instance chosen by prefix affinity with load spill, with the attempt's
-   ``X-Request-Id``;
+   prefill instance chosen by prefix affinity with load spill, with the attempt's own
+   ``X-Request-Id`` (never the client's, which may be shared: engines key requests by it);
 2. route: the inputs the policy declares (``policy.inputs``: a signature, an expert
    profile) are read off the prefill response and the policy picks a healthy decoder on
    the live loads; ``policy.on_dispatch`` tells it the request went there;
@@ -195,7 +195,9 @@ class RequestFlow:
         self._id_count = itertools.count()
 
     def _new_id(self) -> str:
-        """A request id for clients that sent none: a per-process prefix and a counter."""
+        """A fresh id: a per-process random prefix and a counter (unique across replicas).
+
+        Every upstream attempt gets one, and so does a client that sent no id."""
         return f"{self._id_prefix}{next(self._id_count)}"
 
     async def run(self, request, body: dict, kind: str, raw: bytes | None = None):
@@ -219,7 +221,9 @@ class RequestFlow:
         excluded: list[int] = []
         last: _RetryDecode | None = None
         for attempt in range(config.max_attempts):
-            attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+            # Engines key requests by this id: a client's id may be shared or replayed, so
+            # each attempt gets one of ours (the client's id stays in the answer and logs).
+            attempt_id = self._new_id()
             headers["X-Request-Id"] = attempt_id
             self._check_decoders()
             prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
@@ -227,6 +231,8 @@ class RequestFlow:
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
+            log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
+                      attempt + 1, attempt_id, prefill.name, decoder.name)
             state.policy.on_dispatch(decision.request, decision.worker)
             outcome: Outcome = "failed"
             try:
@@ -241,7 +247,8 @@ class RequestFlow:
                 excluded.append(decision.worker)
                 if attempt + 1 < config.max_attempts:
                     self.metrics.retries.inc()
-                log.warning("request %s: decode at %s failed (%s); %s", rid, decoder.name, exc,
+                log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", rid,
+                            attempt_id, decoder.name, exc,
                             "retrying" if attempt + 1 < config.max_attempts else "giving up")
             finally:
                 state.policy.on_release(attempt_id, outcome)
