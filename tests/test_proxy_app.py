@@ -232,3 +232,55 @@ def test_an_unexpected_error_is_a_json_500_naming_no_internals(monkeypatch, capl
     assert router.metrics.requests.get(endpoint="completions", status="500") == 1
     assert any("secret" in r.getMessage() or r.exc_info for r in caplog.records
                if r.levelname == "ERROR")
+
+
+def _other_model_state(router, **fingerprint):
+    return dataclasses.replace(router.state, **fingerprint)
+
+
+@pytest.mark.parametrize("fingerprint, traffic, match", [
+    ({"num_layers": 6}, True, "L=6 E=8 k=4.*engines' prefill payloads have L=2 E=8"),
+    ({"num_experts": 16}, False, "L=2 E=16 k=4.*running artifact is for L=2 E=8 k=4"),
+    ({"top_k": 2}, True, "L=2 E=8 k=2.*running artifact is for L=2 E=8 k=4"),
+])
+def test_reload_refuses_an_artifact_for_another_model(monkeypatch, fingerprint, traffic,
+                                                      match):
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            if traffic:  # the engines' payloads tell the model's (L, E)
+                assert (await client.post("/v1/completions", json=CODE)).status == 200
+            old = router.state
+            monkeypatch.setattr(app_mod, "build_state",
+                                lambda config: _other_model_state(router, **fingerprint))
+            r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
+            after = await client.post("/v1/completions", json=CODE)
+            return router, old, r.status, await r.json(), after.status
+
+    router, old, status, doc, after = run(go())
+    assert status == 409 and doc["error"]["code"] == "artifact_model_mismatch"
+    assert re_search(match, doc["error"]["message"])
+    assert router.state is old and after == 200
+    assert router.metrics.reloads.get(result="error") == 1
+
+
+def re_search(pattern, text):
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+@pytest.mark.parametrize("exc", [RecursionError("deep"), TypeError("rho_curve")])
+def test_a_reload_failing_in_any_way_is_a_json_error_and_counted(monkeypatch, exc):
+    def broken(config):
+        raise exc
+
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            monkeypatch.setattr(app_mod, "build_state", broken)
+            r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
+            return router, r.status, r.content_type, await r.json()
+
+    router, status, ctype, doc = run(go())
+    assert (status, ctype) == (500, "application/json")
+    assert doc["error"]["code"] == "reload_failed"
+    assert router.metrics.reloads.get(result="error") == 1

@@ -99,8 +99,8 @@ async def serve(router, *, ready=None) -> None:
 async def _reload(router) -> None:
     try:
         await router.reload()
-    except (ValueError, OSError):
-        pass  # logged by reload(); the running artifact stays
+    except Exception:  # logged and counted by reload(); the running artifact stays
+        pass
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,6 +62,8 @@ class Router:
         self.flow = RequestFlow(self)
         self.session = None
         self._reload_lock = asyncio.Lock()
+        # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
+        self.engine_shape: tuple[int, int] | None = None
 
     def _on_recover(self, inst) -> None:
         if inst.role == "prefill":  # a restarted engine has an empty prefix cache
@@ -199,9 +201,15 @@ class Router:
         self._authorize(request)
         try:
             state = await self.reload()
+        except ReloadRefused as exc:
+            raise ProxyError(409, f"artifact reload refused, the previous one stays in use: "
+                                  f"{exc}", code=exc.code) from None
         except (ValueError, OSError) as exc:
             raise ProxyError(500, f"artifact reload failed, the previous one stays in use: "
                                   f"{exc}", code="reload_failed") from None
+        except Exception as exc:  # reload() logged the traceback; name no internals
+            raise ProxyError(500, f"artifact reload failed ({type(exc).__name__}), the "
+                                  f"previous one stays in use", code="reload_failed") from None
         return web.json_response({"reloaded": True, "artifact": state.artifact,
                                   "policy": state.policy.name, "tau": state.tau,
                                   "decoders": list(state.worker_names)})
@@ -218,6 +226,30 @@ class Router:
             raise ProxyError(401, "missing or wrong admin token (Authorization: Bearer ...)",
                              code="unauthorized")
 
+    def _check_fingerprint(self, new: RoutingState) -> None:
+        """Refuse an artifact fitted for another model than the one being served.
+
+        Such an artifact loads fine and then silently routes every request by load (its
+        (L, E) never match a payload). The served model is known from the engines' payloads
+        (``engine_shape``) once a request went through; k, and everything before the first
+        request, is compared with the running artifact. A deployment that changes model
+        restarts the router.
+        """
+        if new.num_layers is None:
+            return  # no artifact: nothing model-specific to compare
+        old = self.state
+        engines = self.engine_shape
+        if engines is not None and engines != (new.num_layers, new.num_experts):
+            raise ReloadRefused(
+                f"the new artifact is for {new.fingerprint()}, the engines' prefill payloads "
+                f"have L={engines[0]} E={engines[1]}", "artifact_model_mismatch")
+        same_shape = (old.num_layers, old.num_experts) == (new.num_layers, new.num_experts)
+        if old.num_layers is not None and (engines is None or same_shape) and \
+                old.fingerprint() != new.fingerprint():
+            raise ReloadRefused(
+                f"the new artifact is for {new.fingerprint()}, the running artifact is for "
+                f"{old.fingerprint()}", "artifact_model_mismatch")
+
     async def reload(self) -> RoutingState:
         """Re-read the artifact off the event loop, check it, swap the routing snapshot.
 
@@ -229,16 +261,30 @@ class Router:
             try:
                 state = await loop.run_in_executor(None, build_state, self.config)
                 if state.worker_names != self.state.worker_names:
-                    raise ValueError(f"the new artifact's decoders {list(state.worker_names)} "
-                                     f"differ from the running {list(self.state.worker_names)}")
+                    raise ReloadRefused(
+                        f"the new artifact's decoders {list(state.worker_names)} differ from "
+                        f"the running {list(self.state.worker_names)}", "artifact_workers")
+                self._check_fingerprint(state)
             except (ValueError, OSError) as exc:
                 self.metrics.reloads.inc(result="error")
                 log.error("artifact reload failed (keeping the current one): %s", exc)
+                raise
+            except Exception:  # an artifact must never take the router down
+                self.metrics.reloads.inc(result="error")
+                log.exception("artifact reload failed (keeping the current one)")
                 raise
             self.state = state
             self.metrics.reloads.inc(result="ok")
             log.info("routing artifact reloaded from %s", state.artifact)
             return state
+
+
+class ReloadRefused(ValueError):
+    """A valid artifact that does not fit the running deployment (HTTP 409)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def parse_body(raw: bytes, kind: str) -> dict:

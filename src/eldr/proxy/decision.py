@@ -41,7 +41,7 @@ from eldr.routing import (
 )
 
 __all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "build_state",
-           "read_inputs", "read_signature"]
+           "payload_shape", "read_inputs", "read_signature"]
 
 PAYLOAD_KEY = "eldr"  # eldr.capture.payload.PAYLOAD_KEY, repeated to keep this import-light
 _GATE_REPRESENTATIONS = ("gate_prob", "gate_logit")  # built from gate sums: counts won't do
@@ -146,6 +146,10 @@ class RoutingState:
     @property
     def needs_profile(self) -> bool:
         return "profile" in self.policy.inputs
+
+    def fingerprint(self) -> str:
+        """The artifact's model fingerprint, as ``RoutingArtifact.fingerprint`` writes it."""
+        return f"L={self.num_layers} E={self.num_experts} k={self.top_k}"
 
     @property
     def shape(self) -> tuple[int, int] | None:
@@ -269,6 +273,20 @@ def split_kv_params(doc: dict) -> tuple[dict | None, object]:
     return relay or None, kvp[PAYLOAD_KEY]
 
 
+def payload_shape(payload: object) -> tuple[int, int] | None:
+    """The (L, E) an eldr payload declares (its shape's last two), or None if malformed.
+
+    Cheap (no decoding): the router records it from every prefill answer as the engines'
+    model fingerprint, which an artifact reload must match.
+    """
+    dims = payload.get("shape") if isinstance(payload, dict) else None
+    if not (isinstance(dims, list) and len(dims) in (2, 3)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                    for x in dims[-2:])):
+        return None
+    return dims[-2], dims[-1]
+
+
 def _read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _Counts:
     """The prompt's (L, E) counts from a prefill response; ``shape`` None accepts the
     payload's own (L, E) (vLLM's ``routed_experts`` ids do not say E: refused then)."""
@@ -276,19 +294,17 @@ def _read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _
 
     if payload is not None:
         source = "payload"
-        dims = payload.get("shape") if isinstance(payload, dict) else None
-        if not (isinstance(dims, list) and len(dims) in (2, 3)
-                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                        for x in dims[-2:])):
+        theirs = payload_shape(payload)
+        if theirs is None:
             return _Counts(None, None, None, source, "malformed")
-        if shape is not None and dims[-2:] != list(shape):
-            _warn_once(f"prefill payloads have (layers, experts) = {dims[-2:]}, the router "
+        if shape is not None and theirs != tuple(shape):
+            _warn_once(f"prefill payloads have (layers, experts) = {list(theirs)}, the router "
                        f"expects {list(shape)}: is the artifact fitted for another model? "
                        f"Routing by load.")
             return _Counts(None, None, None, source, "mismatch")
-        L, E = dims[-2:]
+        L, E = theirs
         try:
-            if len(dims) == 3:
+            if len(payload["shape"]) == 3:
                 counts = wire.decode_block_counts(payload, num_layers=L, num_experts=E).sum(0)
             else:
                 counts = wire.decode_counts(payload, num_layers=L, num_experts=E)

@@ -37,7 +37,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from eldr.proxy.decision import Reading, RoutingState, read_inputs, split_kv_params
+from eldr.proxy.decision import (
+    Reading,
+    RoutingState,
+    payload_shape,
+    read_inputs,
+    split_kv_params,
+)
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.upstream import Instance, error_kind
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
@@ -324,6 +330,8 @@ class RequestFlow:
         t0 = time.perf_counter()
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
+        if payload is not None:
+            self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
         usage = doc.get("usage")
         pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
