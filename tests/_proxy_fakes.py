@@ -71,7 +71,9 @@ class FakeEngine:
     """One fake vLLM instance.
 
     ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow | deep (answers, and the
-    SSE usage event, nested 100,000 deep) | notjson (a 200 that is not JSON / not SSE).
+    SSE usage event, nested 100,000 deep) | notjson (a 200 that is not JSON / not SSE) |
+    flood (streams 64 KiB events until its client goes away) | big (a JSON answer of
+    ``big_bytes``; as a prefill too).
     """
 
     def __init__(self, name: str, *, tokens: int = 3, payload: str = "counts",
@@ -87,6 +89,7 @@ class FakeEngine:
         self.request_ids: list[str] = []
         self.headers: list[dict] = []  # headers of those requests
         self.aborted = 0  # decodes whose client (the router) went away mid-answer
+        self.big_bytes = 1 << 20  # size of a "big" answer
         self.server: TestServer | None = None
 
     @property
@@ -135,6 +138,12 @@ class FakeEngine:
         if mode == "notjson":
             return web.Response(status=200, body=b"<html>gateway page</html>",
                                 content_type="text/html")
+        if mode == "big":
+            pad = "x" * self.big_bytes
+            return web.json_response({"id": "x", "choices": [{"index": 0, "text": pad}],
+                                      "kv_transfer_params": {"pad": pad}})
+        if mode == "flood":
+            return await self._flood(request)
         if mode == "deep" and not body.get("stream"):
             return web.Response(status=200, body=_DEEP_DOC, content_type="application/json")
         if mode == "empty":  # 200, then the stream ends before any byte
@@ -180,6 +189,17 @@ class FakeEngine:
         return {"id": "p", "choices": [choice], "kv_transfer_params": kvp,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": 1,
                           "total_tokens": n_prompt + 1}}
+
+    async def _flood(self, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = b'data: {"choices": [{"index": 0, "text": "' + b"y" * 65536 + b'"}]}\n\n'
+        try:
+            while True:
+                await resp.write(event)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
 
     async def _stream(self, request, body: dict, n_prompt: int):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -490,3 +490,71 @@ def test_upstream_request_ids_are_unique_per_attempt_whatever_the_client_sends()
     assert len(set(sent)) == 20 and "same" not in sent
     decoded = decoders[0].request_ids + decoders[1].request_ids
     assert sorted(decoded) == sorted(sent)  # prefill and decode of an attempt share it
+
+
+# -- issue 12: bounded memory and no pinned decoder under clients that never read ----------
+async def _open_and_never_read(client, body: dict):
+    """Send a request on a raw socket with a tiny receive buffer, then never read."""
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (client.host, client.port))
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    await asyncio.get_running_loop().sock_sendall(sock, head + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_never_reads_is_dropped_and_the_decode_aborted(stream):
+    async def go():
+        async with cluster(write_timeout=0.5) as (router, client, _, decoders):
+            decoders[0].mode = "flood" if stream else "big"
+            decoders[0].big_bytes = 8 << 20
+            socks = [await _open_and_never_read(client, {**CODE, "stream": stream})
+                     for _ in range(3)]
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if router.metrics.slow_clients.get() == 3 and \
+                        router.pool.decode[0].in_flight == 0:
+                    break
+            for s in socks:
+                s.close()
+            await asyncio.sleep(0.1)
+            return router, decoders
+
+    router, decoders = run(go())
+    assert router.metrics.slow_clients.get() == 3
+    assert router.pool.decode[0].in_flight == 0 and router.pool.tracker.loads[0] == 0
+    if stream:
+        assert decoders[0].aborted == 3  # the decoder stopped generating for them
+    _assert_empty_footprint_if_any(router)
+
+
+def _assert_empty_footprint_if_any(router):
+    fp = getattr(router.state.policy, "footprint", None)
+    assert fp is None or len(fp) == 0
+
+
+def test_buffered_answers_over_their_cap_are_refused_not_buffered():
+    async def go():
+        async with cluster(max_response_bytes=1 << 20, max_prefill_bytes=1 << 20,
+                           num_prefill=2, unhealthy_after=99) as (router, client, prefills,
+                                                                  decoders):
+            decoders[0].mode = decoders[1].mode = "big"
+            decoders[0].big_bytes = decoders[1].big_bytes = 2 << 20
+            r1 = await client.post("/v1/completions", json=CODE)
+            decoders[0].mode = decoders[1].mode = "ok"
+            prefills[0].mode, prefills[0].big_bytes = "big", 2 << 20
+            rs = [await client.post("/v1/completions", json=CODE) for _ in range(2)]
+            return router, (r1.status, await r1.json()), \
+                [(r.status, r.headers["X-Eldr-Prefill"]) for r in rs], prefills
+
+    router, (s1, doc1), served, _prefills = run(go())
+    assert s1 == 502 and doc1["error"]["code"] == "upstream_too_large"
+    assert served == [(200, "prefill-1")] * 2  # the oversized one is skipped
+    assert _metric(router, "upstream_errors", role="prefill", instance="prefill-0",
+                   kind="too_large") >= 1

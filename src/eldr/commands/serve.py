@@ -42,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     p.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a decoder may stay silent, first byte included")
+    p.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client may leave an answer unread before it is dropped "
+                        "and its decode aborted")
+    p.add_argument("--max-prefill-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest prefill answer read (its expert payload included)")
+    p.add_argument("--max-response-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest non-streaming decode answer buffered")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--scrape-interval", type=float, default=0.0, metavar="S",
                    help="read engines' /metrics for their load every S seconds (0: off)")
@@ -65,7 +72,9 @@ def config_from_args(args: argparse.Namespace):
         admin_token=args.admin_token or os.environ.get(_TOKEN_ENV) or None,
         models=tuple(args.model), max_body_bytes=args.max_body_bytes,
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
-        decode_read_timeout=args.decode_timeout, health_interval=args.health_interval,
+        decode_read_timeout=args.decode_timeout, write_timeout=args.write_timeout,
+        max_prefill_bytes=args.max_prefill_bytes, max_response_bytes=args.max_response_bytes,
+        health_interval=args.health_interval,
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
         max_attempts=args.max_attempts)
 

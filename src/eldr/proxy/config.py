@@ -56,6 +56,9 @@ class ServeConfig:
     connect_timeout: float = 3.0  # seconds to open a connection to an instance
     prefill_timeout: float = 120.0  # seconds for a whole prefill response
     decode_read_timeout: float = 120.0  # seconds without a byte from a decoder (first included)
+    write_timeout: float = 30.0  # seconds a client may leave a write unread before it is dropped
+    max_prefill_bytes: int = 64 * 1024 * 1024  # a prefill answer (payload included) above: error
+    max_response_bytes: int = 64 * 1024 * 1024  # a buffered (non-streaming) decode answer
     health_interval: float = 2.0  # seconds between health checks of each instance
     health_timeout: float = 2.0  # seconds a health check may take
     unhealthy_after: int = 2  # consecutive failed checks that take an instance out
@@ -101,7 +104,8 @@ class ServeConfig:
             raise ValueError("admin token must be at least 8 characters")
         object.__setattr__(self, "models", tuple(self.models))
         positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
-                    "decode_read_timeout", "health_interval", "health_timeout",
+                    "decode_read_timeout", "write_timeout", "max_prefill_bytes",
+                    "max_response_bytes", "health_interval", "health_timeout",
                     "unhealthy_after", "max_attempts", "affinity_block_chars",
                     "affinity_max_blocks", "affinity_capacity")
         for name in positive:

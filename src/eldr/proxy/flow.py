@@ -33,6 +33,7 @@ import asyncio
 import itertools
 import json
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -93,6 +94,31 @@ def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
     return True
 
 
+_MAX_EVENT_BYTES = 4 * 1024 * 1024  # an SSE event held whole (to fix its usage) above: error
+
+
+async def _read_upto(stream, limit: int) -> tuple[bytes, bool]:
+    """(at most ``limit`` bytes of ``stream``, whether it ended within them).
+
+    Bodies from engines are read through this only, so an engine's answer never takes more
+    memory than its cap (``max_prefill_bytes``, ``max_response_bytes``, error bodies).
+    """
+    buf = bytearray()
+    async for chunk in stream.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            return bytes(buf[:limit]), False
+    return bytes(buf), True
+
+
+async def _within(awaitable, seconds: float):
+    """``await awaitable`` with a deadline (``asyncio.TimeoutError`` past it)."""
+    if sys.version_info >= (3, 11):  # a timer, not a task per call
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
+
+
 class _BadEvent(ValueError):
     """An SSE event the router must read (usage) does not parse: an upstream protocol error."""
 
@@ -126,6 +152,8 @@ class _SSEUsage:
         data = self._tail + chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
+            if len(data) > _MAX_EVENT_BYTES:  # never a blank line: bounded, not buffered on
+                raise _BadEvent(f"an SSE event longer than {_MAX_EVENT_BYTES} bytes")
             self._tail = data
             return b""
         head, self._tail = data[: cut + 2], data[cut + 2:]
@@ -187,6 +215,11 @@ def prompt_key(body: dict, kind: str) -> bytes:
         return prompt.encode("utf-8", "surrogatepass")
     return json.dumps(prompt, ensure_ascii=False, separators=(",", ":")).encode(
         "utf-8", "surrogatepass")
+
+
+def reply_id(out) -> str:
+    """The client's request id of an answer (for logs)."""
+    return out.headers.get("X-Request-Id", "?")
 
 
 class RequestFlow:
@@ -304,8 +337,10 @@ class RequestFlow:
                 async with self.router.session.post(inst.url + path, data=data,
                                                     headers=headers, timeout=timeout) as resp:
                     status = resp.status
-                    raw = await resp.read()
                     ctype = resp.content_type
+                    raw, whole = await _read_upto(
+                        resp.content,
+                        _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
                 self._upstream_error(inst, error_kind(exc), exc)
                 continue
@@ -315,7 +350,11 @@ class RequestFlow:
                 self._upstream_error(inst, "http_5xx", f"status {status}")
                 continue
             if status >= 400:
-                raise UpstreamReply(status, raw[:_ERROR_BODY_LIMIT], ctype)
+                raise UpstreamReply(status, raw, ctype)
+            if not whole:
+                self._upstream_error(inst, "too_large", f"prefill answer over "
+                                                        f"{config.max_prefill_bytes} bytes")
+                continue
             doc = _json_object(raw)
             if doc is None:
                 self._upstream_error(inst, "protocol", "prefill answer is not a JSON object")
@@ -384,12 +423,12 @@ class RequestFlow:
                 raise self._decode_failure(inst, error_kind(exc), exc) from None
             try:
                 if resp.status >= 400:
-                    raw = await resp.content.read(_ERROR_BODY_LIMIT)
+                    raw, _ = await _read_upto(resp.content, _ERROR_BODY_LIMIT)
                     if resp.status >= 500:
                         raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
                 if not stream:
-                    return await self._whole(resp, inst, decision, reply, web), "completed"
+                    return await self._whole(request, resp, inst, decision, reply, web)
                 return await self._relay(request, resp, inst, decision, reply, web)
             finally:
                 resp.close()  # an unfinished upstream request is aborted, not pooled
@@ -404,19 +443,54 @@ class RequestFlow:
         self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
         self.pool.record_failure(inst, kind, str(detail) or type(detail).__name__)
 
-    async def _whole(self, resp, inst: Instance, decision: Decision, reply: dict, web):
+    async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
+                     web):
+        """Buffer the decoder's JSON answer (retryable to its end), then send it whole."""
+        limit = self.config.max_response_bytes
         try:
-            raw = await resp.read()
+            raw, whole = await _read_upto(resp.content, limit)
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
+        if not whole:  # another decoder would answer as much: not retried
+            self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name,
+                                             kind="too_large")
+            raise ProxyError(502, f"the decoder's answer is larger than {limit} bytes "
+                                  f"(--max-response-bytes); stream it instead",
+                             code="upstream_too_large")
         doc = _json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
         if doc is None:
             raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
         if fix_usage(doc.get("usage"), decision.prompt_tokens):
             raw = json.dumps(doc).encode()
         self.pool.record_success(inst)
-        return web.Response(body=raw, status=resp.status, headers=reply,
-                            content_type="application/json")
+        out = web.StreamResponse(status=resp.status, headers=reply)
+        out.content_type = "application/json"
+        out.content_length = len(raw)
+        await out.prepare(request)
+        # the decode is over either way: a client that does not read only loses its answer
+        if await self._deliver(request, out, raw):
+            await self._deliver(request, out, None)
+        return out, "completed"
+
+    async def _deliver(self, request, out, data: bytes | None) -> bool:
+        """Write ``data`` to the client (None: end the answer) within ``write_timeout``.
+
+        A client that leaves the answer unread that long is dropped (its connection
+        aborted, which frees what was buffered for it) and False is returned: without this,
+        each such client pins a decoder slot, and its unsent answer, for as long as it
+        keeps the connection open.
+        """
+        try:
+            await _within(out.write(data) if data is not None else out.write_eof(),
+                          self.config.write_timeout)
+            return True
+        except asyncio.TimeoutError:
+            self.metrics.slow_clients.inc()
+            log.warning("client of %s left its answer unread for %.1f s: dropped",
+                        reply_id(out), self.config.write_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+            return False
 
     async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
@@ -440,7 +514,8 @@ class RequestFlow:
         outcome: Outcome = "completed"
         try:
             await out.prepare(request)
-            await out.write(first)
+            if not await self._deliver(request, out, first):
+                return out, "cancelled"
             while True:
                 try:
                     chunk = await resp.content.readany()
@@ -450,12 +525,13 @@ class RequestFlow:
                     self._upstream_error(inst, kind, exc)
                     msg = f"decoder {inst.name} failed mid-stream: {kind}"
                     outcome = "failed"
-                    await out.write(usage.flush() + b"data: " + error_body(502, msg) + b"\n\n")
-                    break
-                await out.write(data)
+                    data = usage.flush() + b"data: " + error_body(502, msg) + b"\n\n"
+                    chunk = b""
+                if not await self._deliver(request, out, data):
+                    return out, "cancelled"  # the decode is aborted with the upstream close
                 if not chunk:
                     break
-            await out.write_eof()
+            await self._deliver(request, out, None)
         except ConnectionResetError:  # the client left: stop reading (closes upstream)
             self.metrics.client_disconnects.inc()
             outcome = "cancelled"

@@ -264,6 +264,10 @@ class RouterMetrics:
             ("role", "instance", "kind"))
         self.client_disconnects = reg.counter(
             "eldr_client_disconnects_total", "Clients that left before their answer ended.")
+        self.slow_clients = reg.counter(
+            "eldr_slow_clients_total",
+            "Clients dropped for leaving an answer unread past the write timeout (their "
+            "decode aborted).")
         self.reloads = reg.counter(
             "eldr_artifact_reloads_total", "Routing artifact reloads by result.", ("result",))
         reg.gauge("eldr_decoder_in_flight", "Requests of this router at each decoder.",
