@@ -558,3 +558,45 @@ def test_buffered_answers_over_their_cap_are_refused_not_buffered():
     assert served == [(200, "prefill-1")] * 2  # the oversized one is skipped
     assert _metric(router, "upstream_errors", role="prefill", instance="prefill-0",
                    kind="too_large") >= 1
+
+
+def test_byte_budget_waits_in_order_and_survives_cancellation():
+    from eldr.proxy.flow import ByteBudget
+
+    async def go():
+        b = ByteBudget(10)
+        await b.acquire(6)
+        second = asyncio.ensure_future(b.acquire(6))
+        third = asyncio.ensure_future(b.acquire(1))  # fits, but waits its turn (FIFO)
+        await asyncio.sleep(0.01)
+        states = [second.done(), third.done()]
+        second.cancel()
+        await asyncio.sleep(0.01)  # the cancelled head no longer blocks the queue
+        states.append(third.done())
+        b.release(6)
+        b.release(1)
+        return states, b.used
+
+    assert run(go()) == ([False, False, True], 0)
+
+
+def test_buffered_answers_share_one_budget_while_clients_do_not_read():
+    async def go():
+        async with cluster(write_timeout=0.5, max_response_bytes=12 << 20,
+                           max_buffered_bytes=12 << 20) as (router, client, _, decoders):
+            # ~8 MiB answers (more than the sockets buffer): one fits the budget at a time
+            decoders[0].mode, decoders[0].big_bytes = "big", 4 << 20
+            socks = [await _open_and_never_read(client, CODE) for _ in range(2)]
+            budget, peak = router.flow.budget, 0
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                peak = max(peak, budget.used)
+                if router.metrics.slow_clients.get() == 2 and budget.used == 0:
+                    break
+            for s in socks:
+                s.close()
+            return router, budget, peak
+
+    router, budget, peak = run(go())
+    assert router.metrics.slow_clients.get() == 2
+    assert 0 < peak <= budget.total and budget.used == 0

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest prefill answer read (its expert payload included)")
     p.add_argument("--max-response-bytes", type=int, default=64 * 1024 * 1024,
                    help="largest non-streaming decode answer buffered")
+    p.add_argument("--max-buffered-bytes", type=int, default=512 * 1024 * 1024,
+                   help="all non-streaming answers buffered at once; more wait their turn")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--scrape-interval", type=float, default=0.0, metavar="S",
                    help="read engines' /metrics for their load every S seconds (0: off)")
@@ -74,6 +76,7 @@ def config_from_args(args: argparse.Namespace):
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
         decode_read_timeout=args.decode_timeout, write_timeout=args.write_timeout,
         max_prefill_bytes=args.max_prefill_bytes, max_response_bytes=args.max_response_bytes,
+        max_buffered_bytes=args.max_buffered_bytes,
         health_interval=args.health_interval,
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
         max_attempts=args.max_attempts)

@@ -59,6 +59,7 @@ class ServeConfig:
     write_timeout: float = 30.0  # seconds a client may leave a write unread before it is dropped
     max_prefill_bytes: int = 64 * 1024 * 1024  # a prefill answer (payload included) above: error
     max_response_bytes: int = 64 * 1024 * 1024  # a buffered (non-streaming) decode answer
+    max_buffered_bytes: int = 512 * 1024 * 1024  # all buffered answers at once (they wait)
     health_interval: float = 2.0  # seconds between health checks of each instance
     health_timeout: float = 2.0  # seconds a health check may take
     unhealthy_after: int = 2  # consecutive failed checks that take an instance out
@@ -105,13 +106,17 @@ class ServeConfig:
         object.__setattr__(self, "models", tuple(self.models))
         positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
                     "decode_read_timeout", "write_timeout", "max_prefill_bytes",
-                    "max_response_bytes", "health_interval", "health_timeout",
+                    "max_response_bytes", "max_buffered_bytes", "health_interval",
+                    "health_timeout",
                     "unhealthy_after", "max_attempts", "affinity_block_chars",
                     "affinity_max_blocks", "affinity_capacity")
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.max_buffered_bytes < self.max_response_bytes:
+            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least "
+                             f"max_response_bytes ({self.max_response_bytes})")
         for name in ("scrape_interval", "affinity_spill"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -30,6 +30,7 @@ footprint.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -49,7 +50,7 @@ from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.upstream import Instance, error_kind
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
-__all__ = ["RequestFlow", "fix_usage"]
+__all__ = ["ByteBudget", "RequestFlow", "fix_usage"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -97,6 +98,40 @@ def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
 _MAX_EVENT_BYTES = 4 * 1024 * 1024  # an SSE event held whole (to fix its usage) above: error
 
 
+class ByteBudget:
+    """Bytes of buffered answers the router may hold at once, handed out first come, first
+    served: a reservation that does not fit waits (the decoder's answer then waits in its
+    socket: TCP backpressure) instead of growing the router without bound."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    async def acquire(self, n: int) -> None:
+        if not self._waiters and self.used + n <= self.total:
+            self.used += n
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as it was cancelled
+            else:
+                self._waiters.remove((n, fut))
+                self.release(0)  # the next waiter may fit now
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self._waiters and self.used + self._waiters[0][0] <= self.total:
+            size, fut = self._waiters.popleft()
+            self.used += size
+            fut.set_result(None)
+
+
 async def _read_upto(stream, limit: int) -> tuple[bytes, bool]:
     """(at most ``limit`` bytes of ``stream``, whether it ended within them).
 
@@ -107,8 +142,9 @@ async def _read_upto(stream, limit: int) -> tuple[bytes, bool]:
     async for chunk in stream.iter_any():
         buf += chunk
         if len(buf) > limit:
-            return bytes(buf[:limit]), False
-    return bytes(buf), True
+            del buf[limit:]
+            return buf, False
+    return buf, True  # a bytearray: no second copy of a large answer
 
 
 async def _within(awaitable, seconds: float):
@@ -231,6 +267,7 @@ class RequestFlow:
         self.pool = router.pool
         self.metrics = router.metrics
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
+        self.budget = ByteBudget(self.config.max_buffered_bytes)  # of non-streaming answers
         self._id_count = itertools.count()
 
     def _new_id(self) -> str:
@@ -445,23 +482,50 @@ class RequestFlow:
 
     async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
-        """Buffer the decoder's JSON answer (retryable to its end), then send it whole."""
+        """Buffer the decoder's JSON answer (retryable to its end), then send it whole.
+
+        The answer's bytes are reserved in the router's buffer budget before it is read
+        and given back once the client has it (or was dropped): memory stays bounded by
+        ``max_buffered_bytes`` (times about two: the answer, and the socket buffer holding
+        its unsent part) however many clients wait for large answers.
+        """
+        limit = self.config.max_response_bytes
+        size = resp.content_length
+        if size is not None and size > limit:
+            raise self._too_large(inst, limit)
+        need = limit if size is None else size
+        try:
+            await _within(self.budget.acquire(need), self.config.decode_read_timeout)
+        except asyncio.TimeoutError:
+            raise ProxyError(503, "the router's answer buffer stayed full; retry later",
+                             code="router_busy") from None
+        try:
+            return await self._whole_within_budget(request, resp, inst, decision, reply, web)
+        finally:
+            self.budget.release(need)
+
+    def _too_large(self, inst: Instance, limit: int) -> ProxyError:
+        # another decoder would answer as much: not retried
+        self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind="too_large")
+        return ProxyError(502, f"the decoder's answer is larger than {limit} bytes "
+                               f"(--max-response-bytes); stream it instead",
+                          code="upstream_too_large")
+
+    async def _whole_within_budget(self, request, resp, inst: Instance, decision: Decision,
+                                   reply: dict, web):
         limit = self.config.max_response_bytes
         try:
             raw, whole = await _read_upto(resp.content, limit)
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
-        if not whole:  # another decoder would answer as much: not retried
-            self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name,
-                                             kind="too_large")
-            raise ProxyError(502, f"the decoder's answer is larger than {limit} bytes "
-                                  f"(--max-response-bytes); stream it instead",
-                             code="upstream_too_large")
+        if not whole:
+            raise self._too_large(inst, limit)
         doc = _json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
         if doc is None:
             raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
         if fix_usage(doc.get("usage"), decision.prompt_tokens):
             raw = json.dumps(doc).encode()
+        del doc  # only the bytes are sent: the parsed copy must not wait with them
         self.pool.record_success(inst)
         out = web.StreamResponse(status=resp.status, headers=reply)
         out.content_type = "application/json"
