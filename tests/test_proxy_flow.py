@@ -333,6 +333,7 @@ def test_every_dispatch_is_released_once_whatever_happens():
     the cost policy's footprint is back to exactly zero and each attempt released once."""
     async def go():
         async with cluster(policy="eldr_cost", decode_read_timeout=0.5, unhealthy_after=99,
+                           breaker_failures=99,
                            engine_kw={"tokens": 50}) as (router, client, _, decoders):
             policy = router.state.policy
             events = _spy_events(policy)
@@ -600,3 +601,53 @@ def test_buffered_answers_share_one_budget_while_clients_do_not_read():
     router, budget, peak = run(go())
     assert router.metrics.slow_clients.get() == 2
     assert 0 < peak <= budget.total and budget.used == 0
+
+
+# -- issue 12: a decoder that passes health checks but fails requests is held off ----------
+def test_a_flapping_decoder_is_held_off_by_its_breaker_then_probed():
+    async def go():
+        async with cluster(breaker_failures=3, breaker_backoff=0.5,
+                           breaker_max_backoff=4.0) as (router, client, _, decoders):
+            decoders[0].mode = "500"  # /health stays 200: health checks re-admit it
+            statuses = []
+            for _ in range(8):
+                r = await client.post("/v1/completions", json=CODE)
+                statuses.append(r.status)
+                await asyncio.sleep(0.06)  # a health round re-admits it each time
+            tried_while_open = len(decoders[0].requests)
+            state = router.pool.decode[0].breaker.state
+            await asyncio.sleep(0.6)  # back-off over: one probe, which fails
+            r = await client.post("/v1/completions", json=CODE)
+            statuses.append(r.status)
+            after_probe = (len(decoders[0].requests), router.pool.decode[0].breaker.backoff)
+            decoders[0].mode = "ok"
+            await asyncio.sleep(1.1)
+            r = await client.post("/v1/completions", json=CODE)  # the probe succeeds
+            statuses.append(r.status)
+            return router, statuses, tried_while_open, state, after_probe, \
+                r.headers["X-Eldr-Decoder"]
+
+    router, statuses, tried, state, (after_probe, backoff), last = run(go())
+    assert statuses == [200] * 10  # every request served (retried on the other decoder)
+    assert tried == 3 and state == "open"  # 3 failures opened it; then nothing went there
+    assert after_probe == 4 and backoff == 1.0  # one probe, failed: back-off doubled
+    assert last == "w-code" and router.pool.decode[0].breaker.state == "closed"
+    assert router.metrics.retries.get() == 4
+
+
+def test_transient_failures_do_not_open_the_breaker():
+    async def go():
+        async with cluster(breaker_failures=3) as (router, client, _, decoders):
+            statuses, decoders_used = [], []
+            for i in range(12):
+                decoders[0].mode = "500" if i % 3 == 0 else "ok"  # one failure in three
+                r = await client.post("/v1/completions", json=CODE)
+                statuses.append(r.status)
+                decoders_used.append(r.headers["X-Eldr-Decoder"])
+                await asyncio.sleep(0.06)  # the health check re-admits after a failure
+            return router, statuses, decoders_used
+
+    router, statuses, used = run(go())
+    assert statuses == [200] * 12
+    assert router.pool.decode[0].breaker.num_opened == 0
+    assert used.count("w-code") == 8  # the two requests in three it served itself

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read engines' /metrics for their load every S seconds (0: off)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="prefill+decode attempts per request (default 3)")
+    p.add_argument("--breaker-failures", type=int, default=3,
+                   help="consecutive failed requests that open a decoder's circuit breaker")
+    p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
+                   help="seconds an open breaker holds a decoder off before one probe; "
+                        "doubled after each failed probe (up to 120 s)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
@@ -79,7 +84,9 @@ def config_from_args(args: argparse.Namespace):
         max_buffered_bytes=args.max_buffered_bytes,
         health_interval=args.health_interval,
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
-        max_attempts=args.max_attempts)
+        max_attempts=args.max_attempts, breaker_failures=args.breaker_failures,
+        breaker_backoff=args.breaker_backoff,
+        breaker_max_backoff=max(120.0, args.breaker_backoff))
 
 
 async def serve(router, *, ready=None) -> None:

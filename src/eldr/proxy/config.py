@@ -65,6 +65,9 @@ class ServeConfig:
     unhealthy_after: int = 2  # consecutive failed checks that take an instance out
     scrape_interval: float = 0.0  # seconds between engine /metrics scrapes; 0: off
     max_attempts: int = 3  # prefill+decode attempts per request (retries = attempts - 1)
+    breaker_failures: int = 3  # consecutive failed requests that open a decoder's breaker
+    breaker_backoff: float = 5.0  # seconds it stays open first; doubled per failed probe
+    breaker_max_backoff: float = 120.0  # the longest it stays open
     affinity_block_chars: int = 128  # prompt bytes per block of the prefill affinity hash
     affinity_max_blocks: int = 512  # only the first blocks·chars bytes of a prompt count
     affinity_capacity: int = 100_000  # remembered block → prefill entries (LRU)
@@ -108,12 +111,16 @@ class ServeConfig:
                     "decode_read_timeout", "write_timeout", "max_prefill_bytes",
                     "max_response_bytes", "max_buffered_bytes", "health_interval",
                     "health_timeout",
-                    "unhealthy_after", "max_attempts", "affinity_block_chars",
+                    "unhealthy_after", "max_attempts", "breaker_failures", "breaker_backoff",
+                    "breaker_max_backoff", "affinity_block_chars",
                     "affinity_max_blocks", "affinity_capacity")
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.breaker_backoff > self.breaker_max_backoff:
+            raise ValueError(f"breaker_backoff ({self.breaker_backoff}) must not exceed "
+                             f"breaker_max_backoff ({self.breaker_max_backoff})")
         if self.max_buffered_bytes < self.max_response_bytes:
             raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least "
                              f"max_response_bytes ({self.max_response_bytes})")

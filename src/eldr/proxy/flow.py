@@ -310,6 +310,7 @@ class RequestFlow:
             log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
                       attempt + 1, attempt_id, prefill.name, decoder.name)
             state.policy.on_dispatch(decision.request, decision.worker)
+            decoder.breaker.on_dispatch()
             outcome: Outcome = "failed"
             try:
                 resp, outcome = await self._decode(request, kind, body, raw, decoder,
@@ -328,13 +329,14 @@ class RequestFlow:
                             "retrying" if attempt + 1 < config.max_attempts else "giving up")
             finally:
                 state.policy.on_release(attempt_id, outcome)
+                decoder.breaker.on_abandon()  # no-op unless a probe ended with no verdict
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
 
     def _check_decoders(self) -> None:
         """503 before the prefill when no decoder can take the request: a prefill whose KV
         no decoder will read is compute thrown away (and KV pinned until it times out)."""
-        if not self.pool.tracker.healthy.any():
+        if not self.pool.decode_available().any():
             raise ProxyError(503, "no healthy decode instance", code="no_decoder")
 
     # -- prefill ---------------------------------------------------------------------------
@@ -417,7 +419,7 @@ class RequestFlow:
             if reading.problem is None and _is_partial(payload, pt):
                 metrics.partial.inc()
         tracker = self.pool.tracker
-        healthy = tracker.healthy
+        healthy = self.pool.decode_available()
         if excluded:
             mask = healthy.copy()
             mask[excluded] = False
@@ -478,7 +480,7 @@ class RequestFlow:
 
     def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
         self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
-        self.pool.record_failure(inst, kind, str(detail) or type(detail).__name__)
+        self.pool.request_failed(inst, kind, str(detail) or type(detail).__name__)
 
     async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
@@ -526,7 +528,7 @@ class RequestFlow:
         if fix_usage(doc.get("usage"), decision.prompt_tokens):
             raw = json.dumps(doc).encode()
         del doc  # only the bytes are sent: the parsed copy must not wait with them
-        self.pool.record_success(inst)
+        self.pool.request_succeeded(inst)
         out = web.StreamResponse(status=resp.status, headers=reply)
         out.content_type = "application/json"
         out.content_length = len(raw)
@@ -573,7 +575,7 @@ class RequestFlow:
             first = usage.feed(raw_first)
         except _BadEvent as exc:
             raise self._decode_failure(inst, "protocol", exc) from None
-        self.pool.record_success(inst)
+        self.pool.request_succeeded(inst)
         out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
         outcome: Outcome = "completed"
         try:

@@ -229,6 +229,9 @@ def parse_samples(text: str, names: Sequence[str]) -> dict[str, float]:
     return out
 
 
+_BREAKER_VALUE = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
+
+
 class RouterMetrics:
     """The router's metric families (names are the public contract; docs/serve.md)."""
 
@@ -276,6 +279,13 @@ class RouterMetrics:
                   "engine's running + waiting when scraped).", ("decoder",),
                   collect=lambda: {(i.name,): float(pool.tracker.loads[i.index])
                                    for i in pool.decode})
+        reg.gauge("eldr_decoder_breaker_open", "1 while the decoder's circuit breaker holds "
+                  "requests off (open), 0.5 half-open (one probe allowed), 0 closed.",
+                  ("decoder",), collect=lambda: {(i.name,): _BREAKER_VALUE[i.breaker.state]
+                                                 for i in pool.decode})
+        reg.gauge("eldr_decoder_breaker_opens", "Times the decoder's breaker opened.",
+                  ("decoder",), collect=lambda: {(i.name,): float(i.breaker.num_opened)
+                                                 for i in pool.decode})
         reg.gauge("eldr_prefill_in_flight", "Requests of this router at each prefill instance.",
                   ("instance",), collect=lambda: {(i.name,): i.in_flight for i in pool.prefill})
         reg.gauge("eldr_upstream_healthy", "1 if the instance is taking requests, else 0.",

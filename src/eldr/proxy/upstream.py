@@ -7,6 +7,10 @@ it out at once (a refused connection is definitive), and other request failures 
 like failed checks. Nothing is ever removed for good: a restarted engine is taken back by
 the next successful check.
 
+Request outcomes also drive a circuit breaker per decoder (:mod:`eldr.proxy.breaker`):
+health checks re-admit an instance, but a decoder whose breaker is open gets no request
+until its back-off ends and a real request (the probe) succeeds there.
+
 Load. The decode loads the routing policy sees live in one
 :class:`eldr.routing.loads.LoadTracker`: +1 when the router dispatches a decode, −1 when it
 ends. With ``scrape_interval > 0`` each decoder's own ``/metrics`` is also read and
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
 from eldr.routing.loads import LoadTracker
@@ -49,11 +54,15 @@ class Instance:
     last_error: str | None = None  # the most recent failure, for /health
     engine_load: float | None = None  # running + waiting from the engine's /metrics, if scraped
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
+    breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
 
     def describe(self) -> dict:
-        return {"name": self.name, "url": self.url, "healthy": self.healthy,
-                "in_flight": self.in_flight, "failures": self.failures,
-                "engine_load": self.engine_load, "last_error": self.last_error}
+        doc = {"name": self.name, "url": self.url, "healthy": self.healthy,
+               "in_flight": self.in_flight, "failures": self.failures,
+               "engine_load": self.engine_load, "last_error": self.last_error}
+        if self.breaker is not None:
+            doc["breaker"] = self.breaker.state
+        return doc
 
 
 def error_kind(exc: BaseException) -> str:
@@ -79,7 +88,9 @@ class UpstreamPool:
         self.config = config
         self.prefill = [Instance("prefill", i, u, f"prefill-{i}")
                         for i, u in enumerate(config.prefill_urls)]
-        self.decode = [Instance("decode", k, u, decode_names[k])
+        self.decode = [Instance("decode", k, u, decode_names[k], breaker=CircuitBreaker(
+                           failures=config.breaker_failures, backoff=config.breaker_backoff,
+                           max_backoff=config.breaker_max_backoff))
                        for k, u in enumerate(config.decode_urls)]
         self.tracker = LoadTracker(len(self.decode))  # decode loads + health, for policies
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
@@ -113,6 +124,26 @@ class UpstreamPool:
         inst.last_error = f"{kind}: {detail}"
         if kind == "connect" or inst.failures >= self.config.unhealthy_after:
             self._set_healthy(inst, False)
+
+    def request_succeeded(self, inst: Instance) -> None:
+        """A request answered: healthy, and its breaker closes (health checks never do)."""
+        self.record_success(inst)
+        if inst.breaker is not None:
+            inst.breaker.on_success()
+
+    def request_failed(self, inst: Instance, kind: str, detail: str) -> None:
+        """A request failed at ``inst``: like a failed check, and its breaker counts it."""
+        self.record_failure(inst, kind, detail)
+        if inst.breaker is not None:
+            inst.breaker.on_failure()
+
+    def decode_available(self) -> np.ndarray:
+        """(K,) bool: decoders that are healthy and whose breaker lets a request through."""
+        mask = self.tracker.healthy.copy()
+        for inst in self.decode:
+            if mask[inst.index] and not inst.breaker.allows():
+                mask[inst.index] = False
+        return mask
 
     def begin(self, inst: Instance) -> None:
         """A request of this router starts at ``inst``."""
