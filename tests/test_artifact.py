@@ -194,3 +194,75 @@ def test_fit_command_writes_a_loadable_artifact(tmp_path, capsys):
     assert art.worker_ids == ("x", "y") and art.tau == 0.2
     rc = main(["fit", str(path), "--decoders", "0", "-o", str(tmp_path / "bad")])
     assert rc == 2 and "--decoders must be >= 1" in capsys.readouterr().err
+
+
+# -- issue 12: odd files are refused in one line, never block, never inflate ----------------
+def _npy_header(shape, descr="<f4"):
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False,
+                                               "shape": tuple(shape)})
+    return buf.getvalue()
+
+
+def _rezip(path, members):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+
+
+@pytest.mark.parametrize("name, damage, match", [
+    ("deep json", lambda p: (p / "artifact.json").write_text('{"a":' + "[" * 50_000
+                                                               + "]" * 50_000 + "}"),
+     "nested too deeply"),
+    ("rho_curve", lambda p: _corrupt_json(p, lambda d: d["signature"].update(
+        rho_curve=[[1, {"x": 1}]])), "rho_curve must be"),
+    ("rho_curve str", lambda p: _corrupt_json(p, lambda d: d["signature"].update(
+        rho_curve="abc")), "rho_curve must be"),
+    ("not npy", lambda p: _rezip(p / "arrays.npz", {"idf.npy": b"junk", "centroids.npy": b""}),
+     "'idf' is not a .npy array"),
+    ("txt member", lambda p: _rezip(p / "arrays.npz", {"idf.txt": b"junk"}),
+     "'idf.txt' is not a .npy array"),
+    ("huge shape", lambda p: _rezip(p / "arrays.npz", {
+        "idf.npy": _npy_header((10**6, 10**6), "<f8"), "centroids.npy": b""}),
+     r"idf has shape \(1000000, 1000000\)"),
+    ("bomb", lambda p: _rezip(p / "arrays.npz", {
+        "idf.npy": _npy_header((1 << 25,), "<f8") + bytes(1 << 28),
+        "centroids.npy": _npy_header((2, 4))}), r"idf has shape \(33554432,\)"),
+    ("fingerprint", lambda p: _corrupt_json(p, lambda d: d["model"].update(
+        num_layers=10**9, num_experts=10**9)), "k > E|implausibly large|fingerprint"),
+])
+def test_odd_artifact_files_are_refused_in_one_line(fitted, tmp_path, name, damage, match):
+    out = artifact.save(fitted, tmp_path / "art")
+    damage(out)
+    with pytest.raises(ValueError, match=match) as info:
+        artifact.load(out)
+    assert "\n" not in str(info.value)
+
+
+def test_a_fifo_artifact_json_is_refused_without_blocking(fitted, tmp_path):
+    import os
+    import threading
+
+    out = artifact.save(fitted, tmp_path / "art")
+    (out / "artifact.json").unlink()
+    os.mkfifo(out / "artifact.json")
+    result = {}
+
+    def go():
+        try:
+            artifact.load(out)
+        except ValueError as exc:
+            result["error"] = str(exc)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(5)
+    if th.is_alive():
+        with open(os.open(out / "artifact.json", os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        pytest.fail("load() blocked on a FIFO")
+    assert "not a regular file" in result["error"]
