@@ -90,6 +90,7 @@ class FakeEngine:
         self.headers: list[dict] = []  # headers of those requests
         self.aborted = 0  # decodes whose client (the router) went away mid-answer
         self.big_bytes = 1 << 20  # size of a "big" answer
+        self.api_key: str | None = None  # like vllm --api-key: /v1/* needs this bearer key
         self.server: TestServer | None = None
 
     @property
@@ -113,7 +114,13 @@ class FakeEngine:
     async def _health(self, request):
         return web.Response(status=200 if self.healthy else 503)
 
+    def _refused(self, request) -> bool:
+        return self.api_key is not None and \
+            request.headers.get("Authorization") != f"Bearer {self.api_key}"
+
     async def _models(self, request):
+        if self._refused(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
         return web.json_response({"object": "list", "data": [{"id": MODEL}]})
 
     async def _metrics(self, request):
@@ -121,6 +128,8 @@ class FakeEngine:
                                  'vllm:num_requests_waiting{model_name="tiny"} 2.0\n')
 
     async def _complete(self, request):
+        if self._refused(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         self.requests.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id", ""))

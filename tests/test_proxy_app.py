@@ -284,3 +284,63 @@ def test_a_reload_failing_in_any_way_is_a_json_error_and_counted(monkeypatch, ex
     assert (status, ctype) == (500, "application/json")
     assert doc["error"]["code"] == "reload_failed"
     assert router.metrics.reloads.get(result="error") == 1
+
+
+# -- issue 12: engines' API keys, admin token guessing, /health internals --------------------
+@pytest.mark.parametrize("with_key", [True, False])
+def test_engines_that_require_an_api_key(with_key):
+    async def go():
+        kw = {"upstream_api_key": "engine-key"} if with_key else {}
+        async with cluster(**kw) as (router, client, prefills, decoders):
+            for e in (*prefills, *decoders):
+                e.api_key = "engine-key"
+            for inst in (*router.pool.prefill, *router.pool.decode):
+                inst.models = ()  # learned again, now with the key required
+            await router.pool.check_all()
+            models = await client.get("/v1/models")
+            r = await client.post("/v1/completions", json={"prompt": "write code now"},
+                                  headers={"Authorization": "Bearer client-key"})
+            return models.status, r.status
+
+    assert run(go()) == ((200, 200) if with_key else (503, 401))
+
+
+def test_wrong_admin_tokens_are_rate_limited_per_address(monkeypatch):
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            monkeypatch.setattr(app_mod, "build_state", lambda config: router.state)
+            wrong = {"Authorization": "Bearer wrong-guess"}
+            statuses = [(await client.post("/admin/reload", headers=wrong)).status
+                        for _ in range(6)]
+            right = await client.post("/admin/reload",
+                                      headers={"Authorization": f"Bearer {TOKEN}"})
+            router._failed_tokens.window = 0.0  # the minute has passed
+            again = await client.post("/admin/reload",
+                                      headers={"Authorization": f"Bearer {TOKEN}"})
+            return statuses, right.status, (await right.json())["error"]["code"], again.status
+
+    statuses, right, code, again = run(go())
+    assert statuses == [401] * 5 + [429]
+    assert (right, code) == (429, "rate_limited")  # even the right token waits
+    assert again == 200
+
+
+def test_health_shows_internals_only_to_the_admin_token():
+    async def go():
+        async with cluster(admin_token=TOKEN) as (_, client, _p, _d):
+            public = await (await client.get("/health")).json()
+            wrong = await (await client.get(
+                "/health", headers={"Authorization": "Bearer nope-nope"})).json()
+            admin = await (await client.get(
+                "/health", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+            return public, wrong, admin
+
+    public, wrong, admin = run(go())
+    for doc in (public, wrong):
+        assert "artifact" not in doc and "tau" not in doc
+        assert set(doc["decode"][0]) == {"name", "healthy", "in_flight", "engine_load",
+                                         "breaker", "load"}
+        assert "url" not in doc["prefill"][0] and "last_error" not in doc["prefill"][0]
+    assert public["status"] == "ok" and public["decode"][0]["name"] == "w-code"
+    assert "artifact" in admin and admin["decode"][0]["url"].startswith("http://")
+    assert "last_error" in admin["prefill"][0]

@@ -111,3 +111,26 @@ def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm(policy, wit
     assert "eldr_routing_fallbacks_total{" not in metrics  # eldr_cost bound before deciding
     assert rc == 0, err
     assert "listening on http://127.0.0.1" in err
+
+
+def test_admin_token_from_a_file_or_the_environment_never_the_command_line(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    base = ("--prefill", "http://p:1", "--decode", "http://d:1", "--policy", "jsq")
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file-123\n")
+    assert config_from_args(_args(*base, "--admin-token-file", str(token_file))).admin_token \
+        == "from-the-file-123"
+    monkeypatch.setenv("ELDR_ADMIN_TOKEN", "from-the-env-456")
+    monkeypatch.setenv("ELDR_UPSTREAM_API_KEY", "engine-key")
+    cfg = config_from_args(_args(*base))
+    assert cfg.admin_token == "from-the-env-456" and cfg.upstream_api_key == "engine-key"
+    assert "from-the-env" not in repr(cfg) and "engine-key" not in repr(cfg)
+    monkeypatch.delenv("ELDR_ADMIN_TOKEN")
+    assert config_from_args(_args(*base, "--admin-token", "on-the-command-line")).admin_token \
+        == "on-the-command-line"
+    assert "visible in the process list" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        config_from_args(_args(*base, "--admin-token-file", str(empty)))

@@ -12,6 +12,8 @@ import sys
 HELP = "Route an OpenAI API over vLLM prefill/decode instances, decode by expert locality."
 
 _TOKEN_ENV = "ELDR_ADMIN_TOKEN"
+_UPSTREAM_KEY_ENV = "ELDR_UPSTREAM_API_KEY"
+_MAX_TOKEN_FILE_BYTES = 4096
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,9 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="locality band width (default: the artifact's)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    p.add_argument("--admin-token", default=None,
-                   help=f"bearer token for /admin/* (or env {_TOKEN_ENV}); without one the "
-                        f"admin endpoints refuse every request")
+    p.add_argument("--admin-token-file", default=None, metavar="PATH",
+                   help=f"file holding the bearer token of /admin/* and of /health's details "
+                        f"(or env {_TOKEN_ENV}); without one the admin endpoints refuse every "
+                        f"request")
+    p.add_argument("--admin-token", default=None, help=argparse.SUPPRESS)  # ps shows it
+    p.add_argument("--upstream-api-key-env", default=_UPSTREAM_KEY_ENV, metavar="NAME",
+                   help=f"environment variable holding the API key the engines require "
+                        f"(vllm --api-key); default {_UPSTREAM_KEY_ENV}, read if set")
     p.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="accepted model name (repeatable; default: what the engines list)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
@@ -76,7 +83,8 @@ def config_from_args(args: argparse.Namespace):
         prefill_urls=tuple(args.prefill), decode_urls=tuple(u for _, u in specs),
         decode_ids=None if ids[0] is None else tuple(ids), artifact=args.artifact,
         policy=args.policy, tau=args.tau, host=args.host, port=args.port,
-        admin_token=args.admin_token or os.environ.get(_TOKEN_ENV) or None,
+        admin_token=_admin_token(args),
+        upstream_api_key=os.environ.get(args.upstream_api_key_env) or None,
         models=tuple(args.model), max_body_bytes=args.max_body_bytes,
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
         decode_read_timeout=args.decode_timeout, write_timeout=args.write_timeout,
@@ -87,6 +95,34 @@ def config_from_args(args: argparse.Namespace):
         max_attempts=args.max_attempts, breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,
         breaker_max_backoff=max(120.0, args.breaker_backoff))
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from --admin-token-file, else the environment, else --admin-token.
+
+    A token on the command line is visible to every user of the machine (``ps``): it still
+    works, with a warning, but the file or the environment is the way.
+    """
+    if args.admin_token_file is not None:
+        from eldr.fileio import open_regular
+
+        with open_regular(args.admin_token_file, max_bytes=_MAX_TOKEN_FILE_BYTES,
+                          what="an admin token file") as fh:
+            try:
+                token = fh.read().decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"{args.admin_token_file}: the admin token is not UTF-8 "
+                                 f"text") from None
+        if not token:
+            raise ValueError(f"{args.admin_token_file}: the admin token file is empty")
+        return token
+    if os.environ.get(_TOKEN_ENV):
+        return os.environ[_TOKEN_ENV]
+    if args.admin_token:
+        print(f"eldr serve: warning: --admin-token is visible in the process list; use "
+              f"--admin-token-file or {_TOKEN_ENV}", file=sys.stderr)
+        return args.admin_token
+    return None
 
 
 async def serve(router, *, ready=None) -> None:

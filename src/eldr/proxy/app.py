@@ -6,6 +6,7 @@ Routes::
     POST /v1/chat/completions    the same for chat
     GET  /v1/models              the upstream model list
     GET  /health                 200 while >= 1 prefill and >= 1 decode instance are healthy
+                                 (URLs, artifact path, last errors: admin token only)
     GET  /metrics                Prometheus text (eldr.proxy.metrics.RouterMetrics)
     POST /admin/reload           re-read the routing artifact (bearer token required)
 
@@ -20,10 +21,12 @@ with it the upstream requests (the engines see the connection close and abort).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
 import time
+from collections import OrderedDict
 
 from eldr.proxy.affinity import PrefixAffinity
 from eldr.proxy.config import ServeConfig
@@ -62,6 +65,7 @@ class Router:
         self.flow = RequestFlow(self)
         self.session = None
         self._reload_lock = asyncio.Lock()
+        self._failed_tokens = FailedAttempts()  # wrong admin tokens per client address
         # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
         self.engine_shape: tuple[int, int] | None = None
 
@@ -175,17 +179,32 @@ class Router:
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request):
+        """Status and per-instance health; internals only for the admin token.
+
+        The public answer names instances by worker id and says whether each takes
+        requests and how busy it is; upstream URLs, the artifact's path and the last
+        errors (which can carry hostnames and engine messages) need the admin token.
+        """
         from aiohttp import web
 
         pool, state = self.pool, self.state
         ok = any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode)
         degraded = not all(i.healthy for i in (*pool.prefill, *pool.decode))
+        admin = "Authorization" in request.headers and self._is_admin(request)
+        public = ("name", "healthy", "in_flight", "engine_load", "breaker")
+
+        def show(inst, **extra) -> dict:
+            doc = inst.describe()
+            return {**(doc if admin else {k: doc[k] for k in public if k in doc}), **extra}
+
         doc = {"status": "ok" if ok and not degraded else ("degraded" if ok else "unavailable"),
-               "policy": state.policy.name, "tau": state.tau, "artifact": state.artifact,
-               "artifact_loaded_at": state.loaded_at,
-               "prefill": [i.describe() for i in pool.prefill],
-               "decode": [{**i.describe(), "load": float(pool.tracker.loads[i.index])}
+               "policy": state.policy.name,
+               "prefill": [show(i) for i in pool.prefill],
+               "decode": [show(i, load=float(pool.tracker.loads[i.index]))
                           for i in pool.decode]}
+        if admin:
+            doc.update(tau=state.tau, artifact=state.artifact,
+                       artifact_loaded_at=state.loaded_at)
         return web.json_response(doc, status=200 if ok else 503)
 
     async def metrics_page(self, request):
@@ -215,16 +234,33 @@ class Router:
                                   "decoders": list(state.worker_names)})
 
     def _authorize(self, request) -> None:
-        token = self.config.admin_token
-        if token is None:
+        """Raise unless the request carries the admin token (403 disabled, 401 wrong, 429
+        after too many wrong tokens from its address)."""
+        if self.config.admin_token is None:
             raise ProxyError(403, "admin endpoints are disabled: start eldr serve with "
-                                  "--admin-token", code="admin_disabled")
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                                  token.encode()):
+                                  "ELDR_ADMIN_TOKEN or --admin-token-file",
+                             code="admin_disabled")
+        peer = request.remote or "?"
+        if self._failed_tokens.is_limited(peer):
+            raise ProxyError(429, "too many wrong admin tokens from this address; wait a "
+                                  "minute", code="rate_limited")
+        if not self._token_matches(request):
+            self._failed_tokens.record(peer)
             raise ProxyError(401, "missing or wrong admin token (Authorization: Bearer ...)",
                              code="unauthorized")
+
+    def _is_admin(self, request) -> bool:
+        try:
+            self._authorize(request)
+        except ProxyError:
+            return False
+        return True
+
+    def _token_matches(self, request) -> bool:
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode(), self.config.admin_token.encode())
 
     def _check_fingerprint(self, new: RoutingState) -> None:
         """Refuse an artifact fitted for another model than the one being served.
@@ -277,6 +313,44 @@ class Router:
             self.metrics.reloads.inc(result="ok")
             log.info("routing artifact reloaded from %s", state.artifact)
             return state
+
+
+class FailedAttempts:
+    """Wrong admin tokens per client address in a sliding window, to slow guessing down.
+
+    ``max_failures`` within ``window`` seconds limit an address until the oldest ages
+    out. At most ``max_peers`` addresses are remembered (the oldest forgotten first), so a
+    flood of addresses cannot grow memory.
+    """
+
+    def __init__(self, *, max_failures: int = 5, window: float = 60.0,
+                 max_peers: int = 4096, clock=time.monotonic) -> None:
+        self.max_failures = max_failures
+        self.window = window
+        self.max_peers = max_peers
+        self.clock = clock
+        self._seen: OrderedDict[str, collections.deque] = OrderedDict()
+
+    def _recent(self, peer: str) -> collections.deque | None:
+        times = self._seen.get(peer)
+        if times is not None:
+            cutoff = self.clock() - self.window
+            while times and times[0] < cutoff:
+                times.popleft()
+        return times
+
+    def is_limited(self, peer: str) -> bool:
+        times = self._recent(peer)
+        return times is not None and len(times) >= self.max_failures
+
+    def record(self, peer: str) -> None:
+        times = self._recent(peer)
+        if times is None:
+            times = self._seen[peer] = collections.deque(maxlen=self.max_failures)
+        times.append(self.clock())
+        self._seen.move_to_end(peer)
+        while len(self._seen) > self.max_peers:
+            self._seen.popitem(last=False)
 
 
 class ReloadRefused(ValueError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["EVALUATION_ONLY_POLICIES", "ServeConfig", "parse_decode_spec"]
@@ -39,7 +39,7 @@ def parse_decode_spec(spec: str) -> tuple[str | None, str]:
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig:  # repr=False on secrets below: a logged config must not leak them
     """Everything ``eldr serve`` needs; validated on construction, never mutated."""
 
     prefill_urls: tuple[str, ...]  # base URLs of the prefill instances (no trailing /)
@@ -50,7 +50,10 @@ class ServeConfig:
     tau: float | None = None  # locality band width; None: the artifact's τ
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0: any free port)
-    admin_token: str | None = None  # bearer token of /admin/*; None: admin endpoints refuse all
+    # bearer token of /admin/* and /health's details; None: admin endpoints refuse all
+    admin_token: str | None = field(default=None, repr=False)
+    # bearer key the engines require (vllm --api-key); None: the client's is forwarded
+    upstream_api_key: str | None = field(default=None, repr=False)
     models: tuple[str, ...] = ()  # accepted model names; (): learned from upstream /v1/models
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     connect_timeout: float = 3.0  # seconds to open a connection to an instance
@@ -106,6 +109,9 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("admin token must be at least 8 characters")
+        if self.upstream_api_key is not None and (
+                not self.upstream_api_key or any(c in self.upstream_api_key for c in "\r\n")):
+            raise ValueError("the upstream API key must be non-empty, on one line")
         object.__setattr__(self, "models", tuple(self.models))
         positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
                     "decode_read_timeout", "write_timeout", "max_prefill_bytes",

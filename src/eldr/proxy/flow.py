@@ -294,6 +294,7 @@ class RequestFlow:
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        headers.update(self.pool.auth_headers())  # the engines' key replaces the client's
         excluded: list[int] = []
         last: _RetryDecode | None = None
         for attempt in range(config.max_attempts):

@@ -161,6 +161,11 @@ class UpstreamPool:
         else:
             self.prefill_loads[inst.index] -= 1
 
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` for the engines when they require a key (vllm --api-key)."""
+        key = self.config.upstream_api_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
     def models(self) -> tuple[str, ...]:
         """Accepted model names: the configured ones, else all upstream instances report."""
         if self.config.models:
@@ -207,13 +212,16 @@ class UpstreamPool:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        headers = self.auth_headers()
         try:
-            async with self._session.get(f"{inst.url}/health", timeout=timeout) as resp:
+            async with self._session.get(f"{inst.url}/health", timeout=timeout,
+                                         headers=headers) as resp:
                 await resp.read()
                 if resp.status != 200:
                     raise ValueError(f"/health answered {resp.status}")
             if not inst.models:
-                async with self._session.get(f"{inst.url}/v1/models", timeout=timeout) as resp:
+                async with self._session.get(f"{inst.url}/v1/models", timeout=timeout,
+                                             headers=headers) as resp:
                     if resp.status == 200:
                         doc = await resp.json(content_type=None)
                         inst.models = tuple(str(m["id"]) for m in doc.get("data", [])
@@ -233,7 +241,8 @@ class UpstreamPool:
 
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
-            async with self._session.get(f"{inst.url}/metrics", timeout=timeout) as resp:
+            async with self._session.get(f"{inst.url}/metrics", timeout=timeout,
+                                         headers=self.auth_headers()) as resp:
                 if resp.status != 200:
                     return
                 text = await resp.text()
