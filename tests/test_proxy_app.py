@@ -344,3 +344,95 @@ def test_health_shows_internals_only_to_the_admin_token():
     assert public["status"] == "ok" and public["decode"][0]["name"] == "w-code"
     assert "artifact" in admin and admin["decode"][0]["url"].startswith("http://")
     assert "last_error" in admin["prefill"][0]
+
+
+# -- issue 12: a property-based fuzz of request bodies ---------------------------------------
+FUZZ_TALLY: dict[int, int] = {}  # status → count, over every example of the fuzz test
+
+
+@pytest.fixture(scope="module")
+def live_cluster():
+    """One router + fake engines on an event loop in a thread, for many examples."""
+    import logging
+    import threading
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box = {}
+
+    async def main():
+        async with cluster(health_interval=60) as (router, client, _p, _d):
+            box.update(router=router, client=client, stop=asyncio.Event())
+            ready.set()
+            await box["stop"].wait()
+
+    th = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    th.start()
+    assert ready.wait(30)
+
+    class Errors(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    errors = Errors()
+    logging.getLogger("eldr.serve").addHandler(errors)
+    yield loop, box["client"], errors
+    logging.getLogger("eldr.serve").removeHandler(errors)
+    loop.call_soon_threadsafe(box["stop"].set)
+    th.join(30)
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+               | st.text(max_size=20))
+    return st.recursive(scalars, lambda c: st.lists(c, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
+
+
+def _bodies():
+    from hypothesis import strategies as st
+
+    field = st.sampled_from(["prompt", "messages", "model", "stream", "max_tokens",
+                             "max_completion_tokens", "stream_options", "kv_transfer_params",
+                             "n", "min_tokens"])
+    shaped = st.dictionaries(field, _json_values() | st.sampled_from(
+        ["tiny", "write code", True, 1, 5, [{"role": "user", "content": "hi"}]]), max_size=6)
+    as_json = (shaped | _json_values()).map(lambda v: json.dumps(v).encode())
+    encodings = st.tuples(shaped, st.sampled_from(["utf-16", "utf-32", "utf-8-sig"])).map(
+        lambda t: json.dumps(t[0], ensure_ascii=False).encode(t[1]))
+    nested = st.integers(1, 3000).map(lambda n: b'{"prompt":"x","a":' + b"[" * n + b"]" * n
+                                      + b"}")
+    return as_json | st.binary(max_size=64) | encodings | nested
+
+
+def test_fuzzed_bodies_get_a_4xx_json_or_an_answer_never_a_500(live_cluster):
+    from hypothesis import HealthCheck, given, settings
+
+    loop, client, errors = live_cluster
+
+    async def post(path, raw):
+        r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        return r.status, r.content_type, await r.read()
+
+    @settings(max_examples=400, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(raw=_bodies(), chat=__import__("hypothesis").strategies.booleans())
+    def check(raw, chat):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, ctype, body = asyncio.run_coroutine_threadsafe(post(path, raw), loop).result(30)
+        FUZZ_TALLY[status] = FUZZ_TALLY.get(status, 0) + 1
+        assert status != 500, body  # 500 is only ever the router's own failure
+        if status >= 400 and ctype != "text/event-stream":
+            doc = json.loads(body)
+            assert set(doc["error"]) >= {"message", "type"}, doc
+        assert b"Traceback" not in body
+
+    check()
+    assert not [r for r in errors.records if r.exc_info], errors.records[0].getMessage()
+    assert FUZZ_TALLY.get(200, 0) > 0 and FUZZ_TALLY.get(400, 0) > 0
