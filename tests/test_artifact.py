@@ -266,3 +266,32 @@ def test_a_fifo_artifact_json_is_refused_without_blocking(fitted, tmp_path):
             pass
         pytest.fail("load() blocked on a FIFO")
     assert "not a regular file" in result["error"]
+
+
+def test_fuzzed_artifact_documents_load_or_fail_with_one_value_error(fitted, tmp_path_factory):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    out = artifact.save(fitted, tmp_path_factory.mktemp("fuzz") / "art")
+    doc = json.loads((out / "artifact.json").read_text())
+    paths = [(a, b) for a, v in doc.items() if isinstance(v, dict) for b in v]
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats()
+                          | st.text(max_size=5),
+                          lambda c: st.lists(c, max_size=3)
+                          | st.dictionaries(st.text(max_size=3), c, max_size=3),
+                          max_leaves=8)
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(edits=st.lists(st.tuples(st.sampled_from(paths), values), min_size=1, max_size=3))
+    def check(edits):
+        mutated = json.loads(json.dumps(doc))
+        for (a, b), value in edits:
+            mutated[a][b] = value
+        (out / "artifact.json").write_text(json.dumps(mutated))
+        try:
+            artifact.load(out)
+        except ValueError as exc:
+            assert "\n" not in str(exc)
+
+    check()

@@ -302,3 +302,30 @@ def test_odd_trace_files_fail_in_one_line_with_exit_2(tmp_path, toy_trace, capsy
             assert main(["score", str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("eldr score: error:"), err
+
+
+def test_fuzzed_trace_files_load_or_fail_with_one_value_error(tmp_path_factory, toy_trace):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    good = save(toy_trace.subset(range(6)), tmp_path_factory.mktemp("fuzz") / "t.npz")
+    data = good.read_bytes()
+    out = good.with_name("mutated.npz")
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(flips=st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)),
+                          max_size=4),
+           cut=st.integers(0, len(data)))
+    def check(flips, cut):
+        mutated = bytearray(data[:cut] if cut > 2 else data)
+        for pos, value in flips:
+            if pos < len(mutated):
+                mutated[pos] = value
+        out.write_bytes(bytes(mutated))
+        try:
+            load(out)
+        except ValueError as exc:
+            assert "\n" not in str(exc)
+
+    check()

@@ -22,6 +22,7 @@ import os
 import stat
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, BinaryIO
@@ -175,7 +176,7 @@ class NpzReader:
                 if got != size or member.read(1):
                     raise ValueError(f"{self.where}: {name!r} holds other than the "
                                      f"{size} bytes its header declares")
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:  # CRC, truncated, bad zlib
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:  # CRC, truncated
             raise ValueError(f"{self.where}: member {name!r} is damaged ({exc})") from None
         return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
 
