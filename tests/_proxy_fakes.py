@@ -26,6 +26,7 @@ from eldr.routing import make_policy
 
 L, E, TOP_K = 2, 8, 4  # fingerprint of the fake model (domain_counts: 4 experts a token)
 MODEL = "tiny"
+MAX_MODEL_LEN = 128  # context length the fake engines report in /v1/models
 # a JSON document with usage, nested deeper than json.loads can recurse (RecursionError)
 _DEEP_DOC = (b'{"usage": {"prompt_tokens": 1}, "x": ' + b"[" * 100_000 + b"]" * 100_000
              + b"}")
@@ -121,7 +122,8 @@ class FakeEngine:
     async def _models(self, request):
         if self._refused(request):
             return web.json_response({"error": "Unauthorized"}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+        return web.json_response({"object": "list",
+                                  "data": [{"id": MODEL, "max_model_len": MAX_MODEL_LEN}]})
 
     async def _metrics(self, request):
         return web.Response(text='vllm:num_requests_running{model_name="tiny"} 5.0\n'

@@ -436,3 +436,22 @@ def test_fuzzed_bodies_get_a_4xx_json_or_an_answer_never_a_500(live_cluster):
     check()
     assert not [r for r in errors.records if r.exc_info], errors.records[0].getMessage()
     assert FUZZ_TALLY.get(200, 0) > 0 and FUZZ_TALLY.get(400, 0) > 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "write code", "max_tokens": 128}, "max_tokens"),
+    ({"prompt": list(range(100)), "max_tokens": 29}, "max_tokens"),
+    ({"prompt": list(range(128))}, "prompt"),
+])
+def test_what_the_decoder_would_refuse_is_refused_before_the_prefill(body, param):
+    async def go():
+        async with cluster() as (_, client, prefills, _d):
+            r = await client.post("/v1/completions", json={"model": "tiny", **body})
+            ok = await client.post("/v1/completions",
+                                   json={"prompt": list(range(100)), "max_tokens": 28})
+            return r.status, await r.json(), ok.status, prefills
+
+    status, doc, ok, prefills = run(go())
+    assert (status, doc["error"]["param"], doc["error"]["code"]) == \
+        (400, param, "context_exceeded")
+    assert ok == 200 and len(prefills[0].requests) == 1  # only the valid one was prefilled

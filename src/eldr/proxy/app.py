@@ -154,7 +154,29 @@ class Router:
         raw = await request.read()
         body = parse_body(raw, kind)
         self._check_model(body)
+        self._check_context(body, kind)
         return await self.flow.run(request, body, kind, raw)
+
+    def _check_context(self, body: dict, kind: str) -> None:
+        """400 before the prefill for what the decoder is sure to refuse after it: more
+        tokens than the context holds (a prompt of token ids is counted exactly; any
+        prompt has at least one token)."""
+        limit = self.pool.max_model_len()
+        if limit is None:
+            return
+        prompt = body.get("prompt") if kind == "completions" else None
+        is_ids = isinstance(prompt, list) and bool(prompt) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        prompt_tokens = len(prompt) if is_ids else 1
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if isinstance(value, int) and prompt_tokens + value > limit:
+                raise ProxyError(400, f"'{key}' is {value}, but the model's context holds "
+                                      f"{limit} tokens and the prompt takes at least "
+                                      f"{prompt_tokens}", param=key, code="context_exceeded")
+        if is_ids and prompt_tokens >= limit:
+            raise ProxyError(400, f"the prompt has {prompt_tokens} tokens, the model's context "
+                                  f"holds {limit}", param="prompt", code="context_exceeded")
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")

@@ -54,6 +54,7 @@ class Instance:
     last_error: str | None = None  # the most recent failure, for /health
     engine_load: float | None = None  # running + waiting from the engine's /metrics, if scraped
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
+    max_model_len: int | None = None  # context length its /v1/models reports, if any
     breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
 
     def describe(self) -> dict:
@@ -166,6 +167,12 @@ class UpstreamPool:
         key = self.config.upstream_api_key
         return {} if key is None else {"Authorization": f"Bearer {key}"}
 
+    def max_model_len(self) -> int | None:
+        """The smallest context length any engine reported (None: none reported)."""
+        lens = [i.max_model_len for i in (*self.prefill, *self.decode)
+                if i.max_model_len is not None]
+        return min(lens) if lens else None
+
     def models(self) -> tuple[str, ...]:
         """Accepted model names: the configured ones, else all upstream instances report."""
         if self.config.models:
@@ -224,8 +231,12 @@ class UpstreamPool:
                                              headers=headers) as resp:
                     if resp.status == 200:
                         doc = await resp.json(content_type=None)
-                        inst.models = tuple(str(m["id"]) for m in doc.get("data", [])
-                                            if isinstance(m, dict) and "id" in m)
+                        data = [m for m in doc.get("data", []) if isinstance(m, dict)]
+                        inst.models = tuple(str(m["id"]) for m in data if "id" in m)
+                        lens = [m["max_model_len"] for m in data
+                                if isinstance(m.get("max_model_len"), int)
+                                and m["max_model_len"] > 0]
+                        inst.max_model_len = min(lens) if lens else None
         except Exception as exc:  # any failure is "unhealthy"
             self.record_failure(inst, error_kind(exc), str(exc) or type(exc).__name__)
             return False
