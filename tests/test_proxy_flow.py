@@ -651,3 +651,34 @@ def test_transient_failures_do_not_open_the_breaker():
     assert statuses == [200] * 12
     assert router.pool.decode[0].breaker.num_opened == 0
     assert used.count("w-code") == 8  # the two requests in three it served itself
+
+
+def test_a_decoder_that_cannot_be_reached_costs_no_second_prefill():
+    async def go():
+        async with cluster(health_interval=60) as (router, client, prefills, decoders):
+            await decoders[0].close()  # refused: no byte of the decode reaches it
+            r = await client.post("/v1/completions", json=CODE)
+            return router, r, await r.json(), prefills, decoders
+
+    router, r, doc, prefills, decoders = run(go())
+    assert r.status == 200 and r.headers["X-Eldr-Attempts"] == "2"
+    assert doc["choices"][0]["text"] == "tok0tok1tok2"
+    assert len(prefills[0].requests) == 1  # prefills wasted: 0
+    assert decoders[1].request_ids == prefills[0].request_ids  # the same prefill, read once
+    assert router.metrics.abandoned.values == {}
+
+
+def test_abandoned_prefills_are_counted_by_reason():
+    async def go():
+        async with cluster(unhealthy_after=99, breaker_failures=99) as (router, client, p,
+                                                                         decoders):
+            decoders[0].mode = "400"
+            await client.post("/v1/completions", json=CODE)
+            decoders[0].mode = decoders[1].mode = "500"
+            await client.post("/v1/completions", json=CODE)
+            return router, p
+
+    router, prefills = run(go())
+    assert _metric(router, "abandoned", reason="decoder_4xx") == 1
+    assert _metric(router, "abandoned", reason="decode_failed") == 3  # 3 attempts, 3 prefills
+    assert len(prefills[0].requests) == 4

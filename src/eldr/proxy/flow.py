@@ -13,9 +13,12 @@ Per attempt (design.md §6; vLLM's PD proxy protocol):
    verbatim, minus the eldr payload) goes to that decoder; its answer is streamed back.
 
 A decode that fails before the first byte reaches the client (connection refused or lost,
-timeout, 5xx) starts a new attempt: a FRESH prefill and a decoder not tried yet. The
-consumed ``kv_transfer_params`` are never sent again (vLLM would answer 200 with output
-computed from freed KV blocks). A non-streaming answer is buffered, so it is retryable to
+timeout, 5xx) starts a new attempt on a decoder not tried yet. When the connection to the
+decoder could not even be opened, no byte of the request reached it and the prefill's KV
+is unread: the same ``kv_transfer_params`` go to the next decoder (no prefill wasted).
+Otherwise the attempt starts with a FRESH prefill: ``kv_transfer_params`` a decoder may
+have consumed are never sent again (vLLM would answer 200 with output computed from freed
+KV blocks). A non-streaming answer is buffered, so it is retryable to
 its end; a stream that breaks after its first byte ends with an SSE error event. An
 engine's 4xx is the client's problem: relayed as is, never retried.
 
@@ -297,14 +300,23 @@ class RequestFlow:
         headers.update(self.pool.auth_headers())  # the engines' key replaces the client's
         excluded: list[int] = []
         last: _RetryDecode | None = None
+        unread = None  # (prefill, answer, id) of a prefill no decoder could have read
         for attempt in range(config.max_attempts):
-            # Engines key requests by this id: a client's id may be shared or replayed, so
-            # each attempt gets one of ours (the client's id stays in the answer and logs).
-            attempt_id = self._new_id()
-            headers["X-Request-Id"] = attempt_id
-            self._check_decoders()
-            prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
-            decision = self._decide(state, attempt_id, doc, excluded)
+            if unread is None:
+                # Engines key requests by this id: a client's id may be shared or replayed,
+                # so each prefill gets one of ours (the client's stays in answers and logs).
+                attempt_id = self._new_id()
+                headers["X-Request-Id"] = attempt_id
+                self._check_decoders()
+                prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
+            else:  # the last decoder was never reached: its KV is still there to read
+                (prefill, doc, attempt_id), unread = unread, None
+                headers["X-Request-Id"] = attempt_id
+            try:
+                decision = self._decide(state, attempt_id, doc, excluded)
+            except ProxyError:
+                self.metrics.abandoned.inc(reason="no_decoder")
+                raise
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
@@ -320,9 +332,16 @@ class RequestFlow:
             except asyncio.CancelledError:  # the client left (handler cancellation)
                 outcome = "cancelled"
                 raise
+            except UpstreamReply:
+                self.metrics.abandoned.inc(reason="decoder_4xx")
+                raise
             except _RetryDecode as exc:
                 last = exc
                 excluded.append(decision.worker)
+                if exc.kind == "connect":  # no byte reached the decoder: reuse the prefill
+                    unread = (prefill, doc, attempt_id)
+                else:
+                    self.metrics.abandoned.inc(reason="decode_failed")
                 if attempt + 1 < config.max_attempts:
                     self.metrics.retries.inc()
                 log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", rid,
@@ -331,6 +350,8 @@ class RequestFlow:
             finally:
                 state.policy.on_release(attempt_id, outcome)
                 decoder.breaker.on_abandon()  # no-op unless a probe ended with no verdict
+        if unread is not None:
+            self.metrics.abandoned.inc(reason="decode_failed")
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
 

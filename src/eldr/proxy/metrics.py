@@ -262,6 +262,10 @@ class RouterMetrics:
             "Signature decode + encode + policy decision, per request.")
         self.retries = reg.counter(
             "eldr_retries_total", "Fresh prefill + another decoder after a decode failure.")
+        self.abandoned = reg.counter(
+            "eldr_prefills_abandoned_total",
+            "Prefills whose decode did not complete (their KV may stay held on the prefill "
+            "instance until its connector's timeout), by reason.", ("reason",))
         self.upstream_errors = reg.counter(
             "eldr_upstream_errors_total", "Failures talking to engines, by role and kind.",
             ("role", "instance", "kind"))
