@@ -682,3 +682,24 @@ def test_abandoned_prefills_are_counted_by_reason():
     assert _metric(router, "abandoned", reason="decoder_4xx") == 1
     assert _metric(router, "abandoned", reason="decode_failed") == 3  # 3 attempts, 3 prefills
     assert len(prefills[0].requests) == 4
+
+
+def test_a_refused_decode_reads_the_prefills_kv_with_a_one_token_decode():
+    async def go():
+        async with cluster() as (router, client, prefills, decoders):
+            decoders[0].mode = "400"
+            r = await client.post("/v1/completions", json={**CODE, "max_tokens": 7,
+                                                           "logit_bias": {"1": 100}})
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if router.metrics.kv_releases.get(result="ok"):
+                    break
+            return router, r.status, prefills, decoders
+
+    router, status, prefills, decoders = run(go())
+    assert status == 400
+    refused, release = decoders[0].requests
+    assert release == {"model": "tiny", "prompt": "write code now", "max_tokens": 1,
+                       "stream": False, "kv_transfer_params": refused["kv_transfer_params"]}
+    assert decoders[0].request_ids == [prefills[0].request_ids[0]] * 2
+    assert router.metrics.kv_releases.get(result="ok") == 1

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read engines' /metrics for their load every S seconds (0: off)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="prefill+decode attempts per request (default 3)")
+    p.add_argument("--no-kv-release", dest="release_kv", action="store_false",
+                   help="do not send a one-token decode to free the KV of a prefill whose "
+                        "decoder refused the request (it then waits for the connector's "
+                        "timeout)")
     p.add_argument("--breaker-failures", type=int, default=3,
                    help="consecutive failed requests that open a decoder's circuit breaker")
     p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
@@ -92,7 +96,8 @@ def config_from_args(args: argparse.Namespace):
         max_buffered_bytes=args.max_buffered_bytes,
         health_interval=args.health_interval,
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
-        max_attempts=args.max_attempts, breaker_failures=args.breaker_failures,
+        max_attempts=args.max_attempts, release_kv=args.release_kv,
+        breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,
         breaker_max_backoff=max(120.0, args.breaker_backoff))
 

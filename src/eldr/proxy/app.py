@@ -105,6 +105,7 @@ class Router:
         await self.pool.start(self.session)
 
     async def _cleanup(self, app) -> None:
+        await self.flow.stop()
         await self.pool.stop()
         if self.session is not None:
             await self.session.close()

@@ -68,6 +68,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     unhealthy_after: int = 2  # consecutive failed checks that take an instance out
     scrape_interval: float = 0.0  # seconds between engine /metrics scrapes; 0: off
     max_attempts: int = 3  # prefill+decode attempts per request (retries = attempts - 1)
+    release_kv: bool = True  # after a decoder's 4xx, read the prefill's KV (1-token decode)
     breaker_failures: int = 3  # consecutive failed requests that open a decoder's breaker
     breaker_backoff: float = 5.0  # seconds it stays open first; doubled per failed probe
     breaker_max_backoff: float = 120.0  # the longest it stays open

@@ -271,6 +271,7 @@ class RequestFlow:
         self.metrics = router.metrics
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
         self.budget = ByteBudget(self.config.max_buffered_bytes)  # of non-streaming answers
+        self._background: set[asyncio.Task] = set()  # KV releases in flight
         self._id_count = itertools.count()
 
     def _new_id(self) -> str:
@@ -334,6 +335,8 @@ class RequestFlow:
                 raise
             except UpstreamReply:
                 self.metrics.abandoned.inc(reason="decoder_4xx")
+                if decision.kv_params is not None and config.release_kv:
+                    self._release_kv(body, kind, decoder, decision, dict(headers))
                 raise
             except _RetryDecode as exc:
                 last = exc
@@ -360,6 +363,49 @@ class RequestFlow:
         no decoder will read is compute thrown away (and KV pinned until it times out)."""
         if not self.pool.decode_available().any():
             raise ProxyError(503, "no healthy decode instance", code="no_decoder")
+
+    def _release_kv(self, body: dict, kind: str, inst: Instance, decision: Decision,
+                    headers: dict) -> None:
+        """Let the decoder read the prefill's KV with a one-token decode, in the background.
+
+        A decoder that refuses a request (4xx: a parameter it rejects) never reads the KV
+        the prefill holds for it, and vLLM's connectors free held blocks only after a
+        timeout (NIXL: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, minutes). A proxy cannot abort
+        a finished prefill; what it can do is read the KV: the prompt alone, one token, the
+        same ``kv_transfer_params``. The answer is discarded. If the prompt itself was what
+        the decoder refused, this is refused too, at no cost.
+        """
+        keep = ("model", "messages") if kind == "chat" else ("model", "prompt")
+        release = {k: body[k] for k in keep if k in body}
+        release.update(max_tokens=1, stream=False, kv_transfer_params=decision.kv_params)
+        if kind == "chat":
+            release["max_completion_tokens"] = 1
+        task = asyncio.ensure_future(self._post_release(inst, kind, release, headers))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post_release(self, inst: Instance, kind: str, release: dict,
+                            headers: dict) -> None:
+        import aiohttp
+
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=self.config.decode_read_timeout,
+                                        sock_connect=self.config.connect_timeout)
+        try:
+            async with self.router.session.post(inst.url + path, json=release,
+                                                headers=headers, timeout=timeout) as resp:
+                await _read_upto(resp.content, _ERROR_BODY_LIMIT)
+                result = "ok" if resp.status < 400 else "refused"
+        except Exception as exc:  # background work: logged, never raised
+            log.debug("KV release at %s failed: %s", inst.name, exc)
+            result = "failed"
+        self.metrics.kv_releases.inc(result=result)
+
+    async def stop(self) -> None:
+        """Cancel background work (KV releases) when the router stops."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     # -- prefill ---------------------------------------------------------------------------
     def _prefill_body(self, body: dict, kind: str) -> bytes:

@@ -266,6 +266,10 @@ class RouterMetrics:
             "eldr_prefills_abandoned_total",
             "Prefills whose decode did not complete (their KV may stay held on the prefill "
             "instance until its connector's timeout), by reason.", ("reason",))
+        self.kv_releases = reg.counter(
+            "eldr_kv_releases_total",
+            "One-token decodes sent to read (and so free) the KV of a prefill whose decoder "
+            "refused the request, by result.", ("result",))
         self.upstream_errors = reg.counter(
             "eldr_upstream_errors_total", "Failures talking to engines, by role and kind.",
             ("role", "instance", "kind"))
