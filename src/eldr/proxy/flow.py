@@ -98,6 +98,9 @@ def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
     return True
 
 
+# an answer this small fits below the transport's 64 KiB high-water mark, so writing it
+# never waits for the client to read: at most this much can be left with a slow client
+_SMALL_ANSWER = 32 * 1024
 _MAX_EVENT_BYTES = 4 * 1024 * 1024  # an SSE event held whole (to fix its usage) above: error
 
 
@@ -135,12 +138,17 @@ class ByteBudget:
             fut.set_result(None)
 
 
-async def _read_upto(stream, limit: int) -> tuple[bytes, bool]:
-    """(at most ``limit`` bytes of ``stream``, whether it ended within them).
+async def _read_upto(resp, limit: int) -> tuple[bytes, bool]:
+    """(at most ``limit`` bytes of the body of ``resp``, whether it ended within them).
 
     Bodies from engines are read through this only, so an engine's answer never takes more
-    memory than its cap (``max_prefill_bytes``, ``max_response_bytes``, error bodies).
+    memory than its cap (``max_prefill_bytes``, ``max_response_bytes``, error bodies). A
+    declared length within the cap is read in one call (the common case, and faster).
     """
+    size = resp.content_length
+    if size is not None and size <= limit:
+        return await resp.read(), True
+    stream = resp.content
     buf = bytearray()
     async for chunk in stream.iter_any():
         buf += chunk
@@ -394,7 +402,7 @@ class RequestFlow:
         try:
             async with self.router.session.post(inst.url + path, json=release,
                                                 headers=headers, timeout=timeout) as resp:
-                await _read_upto(resp.content, _ERROR_BODY_LIMIT)
+                await _read_upto(resp, _ERROR_BODY_LIMIT)
                 result = "ok" if resp.status < 400 else "refused"
         except Exception as exc:  # background work: logged, never raised
             log.debug("KV release at %s failed: %s", inst.name, exc)
@@ -446,8 +454,7 @@ class RequestFlow:
                     status = resp.status
                     ctype = resp.content_type
                     raw, whole = await _read_upto(
-                        resp.content,
-                        _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
+                        resp, _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
                 self._upstream_error(inst, error_kind(exc), exc)
                 continue
@@ -530,7 +537,7 @@ class RequestFlow:
                 raise self._decode_failure(inst, error_kind(exc), exc) from None
             try:
                 if resp.status >= 400:
-                    raw, _ = await _read_upto(resp.content, _ERROR_BODY_LIMIT)
+                    raw, _ = await _read_upto(resp, _ERROR_BODY_LIMIT)
                     if resp.status >= 500:
                         raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
@@ -585,7 +592,7 @@ class RequestFlow:
                                    reply: dict, web):
         limit = self.config.max_response_bytes
         try:
-            raw, whole = await _read_upto(resp.content, limit)
+            raw, whole = await _read_upto(resp, limit)
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
         if not whole:
@@ -597,6 +604,9 @@ class RequestFlow:
             raw = json.dumps(doc).encode()
         del doc  # only the bytes are sent: the parsed copy must not wait with them
         self.pool.request_succeeded(inst)
+        if len(raw) <= _SMALL_ANSWER:  # never waits on the client (below the write limit)
+            return web.Response(body=raw, status=resp.status, headers=reply,
+                                content_type="application/json"), "completed"
         out = web.StreamResponse(status=resp.status, headers=reply)
         out.content_type = "application/json"
         out.content_length = len(raw)
