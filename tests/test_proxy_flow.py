@@ -703,3 +703,27 @@ def test_a_refused_decode_reads_the_prefills_kv_with_a_one_token_decode():
                        "stream": False, "kv_transfer_params": refused["kv_transfer_params"]}
     assert decoders[0].request_ids == [prefills[0].request_ids[0]] * 2
     assert router.metrics.kv_releases.get(result="ok") == 1
+
+
+def test_a_client_leaving_during_a_large_answer_is_no_error(caplog):
+    async def go():
+        async with cluster(write_timeout=5) as (router, client, _, decoders):
+            decoders[0].mode, decoders[0].big_bytes = "big", 4 << 20
+            socks = [await _open_and_never_read(client, CODE) for _ in range(3)]
+            for _ in range(300):
+                await asyncio.sleep(0.01)
+                if router.flow.budget.used:
+                    break
+            await asyncio.sleep(0.2)  # the answers are being written
+            for s in socks:
+                s.close()
+            for _ in range(300):
+                await asyncio.sleep(0.02)
+                if router.pool.decode[0].in_flight == 0 and router.flow.budget.used == 0:
+                    break
+            return router
+
+    router = run(go())
+    assert router.pool.decode[0].in_flight == 0 and router.flow.budget.used == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert router.metrics.requests.get(endpoint="completions", status="500") == 0

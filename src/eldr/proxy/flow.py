@@ -610,10 +610,13 @@ class RequestFlow:
         out = web.StreamResponse(status=resp.status, headers=reply)
         out.content_type = "application/json"
         out.content_length = len(raw)
-        await out.prepare(request)
         # the decode is over either way: a client that does not read only loses its answer
-        if await self._deliver(request, out, raw):
-            await self._deliver(request, out, None)
+        try:
+            await out.prepare(request)
+            if await self._deliver(request, out, raw):
+                await self._deliver(request, out, None)
+        except ConnectionResetError:  # the client left while its answer was being sent
+            self.metrics.client_disconnects.inc()
         return out, "completed"
 
     async def _deliver(self, request, out, data: bytes | None) -> bool:
