@@ -4,7 +4,7 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, make_state, run
-from eldr.proxy.flow import RequestFlow, _SSEUsage, decode_body, fix_usage, prompt_key
+from eldr.proxy.flow import RequestFlow, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -15,44 +15,10 @@ def _metric(router, name, **labels):
 
 
 # -- pure helpers -------------------------------------------------------------------------
-def test_fix_usage():
-    u = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-    assert fix_usage(u, 7) and u == {"prompt_tokens": 7, "completion_tokens": 3,
-                                     "total_tokens": 10}
-    assert not fix_usage(u, 7)
-    assert not fix_usage(None, 7) and not fix_usage(u, None)
-
-
-def test_sse_usage_rewrites_events_split_across_chunks():
-    ev1 = b'data: {"choices": [{"text": "a"}]}\n\n'
-    ev2 = b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}\n\n'
-    stream = ev1 + ev2 + b"data: [DONE]\n\n"
-    fixer = _SSEUsage(5)
-    out = b"".join(fixer.feed(stream[i:i + 7]) for i in range(0, len(stream), 7))
-    out += fixer.flush()
-    events = out.split(b"\n\n")
-    assert events[0] + b"\n\n" == ev1 and events[2] == b"data: [DONE]"
-    assert json.loads(events[1][6:])["usage"] == {"prompt_tokens": 5, "completion_tokens": 2,
-                                                  "total_tokens": 7}
-    assert _SSEUsage(None).feed(b"x") == b"x"
-
-
 def test_prompt_key():
     assert prompt_key({"prompt": "héllo"}, "completions") == "héllo".encode()
     assert prompt_key({"messages": [{"role": "user", "content": "hi"}]}, "chat") == \
         b'[{"role":"user","content":"hi"}]'
-
-
-@pytest.mark.parametrize("raw", [b'{"prompt": "x", "n": 1} \n', b'{"prompt":"x","n":1}'])
-def test_decode_body_splices_or_reserialises(raw):
-    body = json.loads(raw)
-    kvp = {"remote_engine_id": "e", "remote_block_ids": [1]}
-    assert json.loads(decode_body(body, raw, kvp)) == {**body, "kv_transfer_params": kvp}
-    assert decode_body(body, raw, None) == raw
-    old = {**body, "kv_transfer_params": {"stale": True}}
-    assert json.loads(decode_body(old, json.dumps(old).encode(), kvp)) == \
-        {**body, "kv_transfer_params": kvp}
-    assert json.loads(decode_body(old, None, None)) == body
 
 
 def test_prefill_body():
@@ -559,26 +525,6 @@ def test_buffered_answers_over_their_cap_are_refused_not_buffered():
     assert served == [(200, "prefill-1")] * 2  # the oversized one is skipped
     assert _metric(router, "upstream_errors", role="prefill", instance="prefill-0",
                    kind="too_large") >= 1
-
-
-def test_byte_budget_waits_in_order_and_survives_cancellation():
-    from eldr.proxy.flow import ByteBudget
-
-    async def go():
-        b = ByteBudget(10)
-        await b.acquire(6)
-        second = asyncio.ensure_future(b.acquire(6))
-        third = asyncio.ensure_future(b.acquire(1))  # fits, but waits its turn (FIFO)
-        await asyncio.sleep(0.01)
-        states = [second.done(), third.done()]
-        second.cancel()
-        await asyncio.sleep(0.01)  # the cancelled head no longer blocks the queue
-        states.append(third.done())
-        b.release(6)
-        b.release(1)
-        return states, b.used
-
-    assert run(go()) == ([False, False, True], 0)
 
 
 def test_buffered_answers_share_one_budget_while_clients_do_not_read():

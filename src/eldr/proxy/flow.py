@@ -33,15 +33,24 @@ footprint.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import json
 import logging
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 
+from eldr.proxy.bodies import (
+    SMALL_ANSWER,
+    BadEvent,
+    ByteBudget,
+    SSEUsage,
+    decode_body,
+    fix_usage,
+    json_object,
+    read_upto,
+    within,
+)
 from eldr.proxy.decision import (
     Reading,
     RoutingState,
@@ -53,7 +62,7 @@ from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.upstream import Instance, error_kind
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
-__all__ = ["ByteBudget", "RequestFlow", "fix_usage"]
+__all__ = ["RequestFlow", "prompt_key"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -79,168 +88,6 @@ class Decision:
     reading: Reading  # what the prefill response carried
     kv_params: dict | None  # kv_transfer_params to relay to the decoder
     prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
-
-
-def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
-    """Make ``usage`` count the whole prompt; True if it changed (in place).
-
-    The decoder receives the whole prompt and counts it, so this rarely changes anything;
-    it guards against connectors that report only the tokens they computed.
-    """
-    if prompt_tokens is None or not isinstance(usage, dict):
-        return False
-    pt = usage.get("prompt_tokens")
-    if isinstance(pt, int) and pt >= prompt_tokens:
-        return False
-    completion = usage.get("completion_tokens")
-    usage["prompt_tokens"] = prompt_tokens
-    usage["total_tokens"] = prompt_tokens + (completion if isinstance(completion, int) else 0)
-    return True
-
-
-# an answer this small fits below the transport's 64 KiB high-water mark, so writing it
-# never waits for the client to read: at most this much can be left with a slow client
-_SMALL_ANSWER = 32 * 1024
-_MAX_EVENT_BYTES = 4 * 1024 * 1024  # an SSE event held whole (to fix its usage) above: error
-
-
-class ByteBudget:
-    """Bytes of buffered answers the router may hold at once, handed out first come, first
-    served: a reservation that does not fit waits (the decoder's answer then waits in its
-    socket: TCP backpressure) instead of growing the router without bound."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.used = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-
-    async def acquire(self, n: int) -> None:
-        if not self._waiters and self.used + n <= self.total:
-            self.used += n
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((n, fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release(n)  # granted just as it was cancelled
-            else:
-                self._waiters.remove((n, fut))
-                self.release(0)  # the next waiter may fit now
-            raise
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        while self._waiters and self.used + self._waiters[0][0] <= self.total:
-            size, fut = self._waiters.popleft()
-            self.used += size
-            fut.set_result(None)
-
-
-async def _read_upto(resp, limit: int) -> tuple[bytes, bool]:
-    """(at most ``limit`` bytes of the body of ``resp``, whether it ended within them).
-
-    Bodies from engines are read through this only, so an engine's answer never takes more
-    memory than its cap (``max_prefill_bytes``, ``max_response_bytes``, error bodies). A
-    declared length within the cap is read in one call (the common case, and faster).
-    """
-    size = resp.content_length
-    if size is not None and size <= limit:
-        return await resp.read(), True
-    stream = resp.content
-    buf = bytearray()
-    async for chunk in stream.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            del buf[limit:]
-            return buf, False
-    return buf, True  # a bytearray: no second copy of a large answer
-
-
-async def _within(awaitable, seconds: float):
-    """``await awaitable`` with a deadline (``asyncio.TimeoutError`` past it)."""
-    if sys.version_info >= (3, 11):  # a timer, not a task per call
-        async with asyncio.timeout(seconds):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)
-
-
-class _BadEvent(ValueError):
-    """An SSE event the router must read (usage) does not parse: an upstream protocol error."""
-
-
-def _json_object(raw: bytes) -> dict | None:
-    """``raw`` parsed as a JSON object, or None (invalid, nested too deep, not an object).
-
-    Upstream answers are parsed here only: ``json.loads`` raises ``RecursionError`` (not a
-    ``ValueError``) on deep nesting, and an engine's answer must never turn into a 500.
-    """
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-class _SSEUsage:
-    """Rewrites the usage of SSE events in a byte stream; other events pass untouched.
-
-    ``feed`` raises :class:`_BadEvent` when a usage event does not parse.
-    """
-
-    def __init__(self, prompt_tokens: int | None) -> None:
-        self.prompt_tokens = prompt_tokens
-        self._tail = b""  # an incomplete event held until its blank line arrives
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self.prompt_tokens is None:
-            return chunk
-        data = self._tail + chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            if len(data) > _MAX_EVENT_BYTES:  # never a blank line: bounded, not buffered on
-                raise _BadEvent(f"an SSE event longer than {_MAX_EVENT_BYTES} bytes")
-            self._tail = data
-            return b""
-        head, self._tail = data[: cut + 2], data[cut + 2:]
-        if b'"prompt_tokens"' not in head:
-            return head
-        return b"".join(self._fix(ev) for ev in head.split(b"\n\n")[:-1])
-
-    def flush(self) -> bytes:
-        tail, self._tail = self._tail, b""
-        return tail
-
-    def _fix(self, event: bytes) -> bytes:
-        if b'"prompt_tokens"' in event and event.startswith(b"data: "):
-            doc = _json_object(event[6:])
-            if doc is None:
-                raise _BadEvent("an SSE usage event is not a JSON object")
-            if isinstance(doc, dict) and fix_usage(doc.get("usage"), self.prompt_tokens):
-                return b"data: " + json.dumps(doc).encode() + b"\n\n"
-        return event + b"\n\n"
-
-
-def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
-    """The decode request: the client's body plus the relayed ``kv_transfer_params``.
-
-    When the client's JSON (``raw``, already parsed into ``body``) has no
-    ``kv_transfer_params`` key, the field is spliced in before its closing brace instead of
-    re-serialising the whole body: a long prompt is then never encoded twice.
-    """
-    if raw is not None and "kv_transfer_params" not in body and body:
-        if kv_params is None:
-            return raw
-        end = raw.rstrip()
-        if end.endswith(b"}"):
-            return end[:-1] + b', "kv_transfer_params": ' + json.dumps(kv_params).encode() + b"}"
-    dec = dict(body)
-    if kv_params is None:
-        dec.pop("kv_transfer_params", None)
-    else:
-        dec["kv_transfer_params"] = kv_params
-    return json.dumps(dec).encode()
 
 
 def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
@@ -402,7 +249,7 @@ class RequestFlow:
         try:
             async with self.router.session.post(inst.url + path, json=release,
                                                 headers=headers, timeout=timeout) as resp:
-                await _read_upto(resp, _ERROR_BODY_LIMIT)
+                await read_upto(resp, _ERROR_BODY_LIMIT)
                 result = "ok" if resp.status < 400 else "refused"
         except Exception as exc:  # background work: logged, never raised
             log.debug("KV release at %s failed: %s", inst.name, exc)
@@ -453,7 +300,7 @@ class RequestFlow:
                                                     headers=headers, timeout=timeout) as resp:
                     status = resp.status
                     ctype = resp.content_type
-                    raw, whole = await _read_upto(
+                    raw, whole = await read_upto(
                         resp, _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
                 self._upstream_error(inst, error_kind(exc), exc)
@@ -469,7 +316,7 @@ class RequestFlow:
                 self._upstream_error(inst, "too_large", f"prefill answer over "
                                                         f"{config.max_prefill_bytes} bytes")
                 continue
-            doc = _json_object(raw)
+            doc = json_object(raw)
             if doc is None:
                 self._upstream_error(inst, "protocol", "prefill answer is not a JSON object")
                 continue
@@ -537,7 +384,7 @@ class RequestFlow:
                 raise self._decode_failure(inst, error_kind(exc), exc) from None
             try:
                 if resp.status >= 400:
-                    raw, _ = await _read_upto(resp, _ERROR_BODY_LIMIT)
+                    raw, _ = await read_upto(resp, _ERROR_BODY_LIMIT)
                     if resp.status >= 500:
                         raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
@@ -572,7 +419,7 @@ class RequestFlow:
             raise self._too_large(inst, limit)
         need = limit if size is None else size
         try:
-            await _within(self.budget.acquire(need), self.config.decode_read_timeout)
+            await within(self.budget.acquire(need), self.config.decode_read_timeout)
         except asyncio.TimeoutError:
             raise ProxyError(503, "the router's answer buffer stayed full; retry later",
                              code="router_busy") from None
@@ -592,19 +439,19 @@ class RequestFlow:
                                    reply: dict, web):
         limit = self.config.max_response_bytes
         try:
-            raw, whole = await _read_upto(resp, limit)
+            raw, whole = await read_upto(resp, limit)
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
         if not whole:
             raise self._too_large(inst, limit)
-        doc = _json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
+        doc = json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
         if doc is None:
             raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
         if fix_usage(doc.get("usage"), decision.prompt_tokens):
             raw = json.dumps(doc).encode()
         del doc  # only the bytes are sent: the parsed copy must not wait with them
         self.pool.request_succeeded(inst)
-        if len(raw) <= _SMALL_ANSWER:  # never waits on the client (below the write limit)
+        if len(raw) <= SMALL_ANSWER:  # never waits on the client (below the write limit)
             return web.Response(body=raw, status=resp.status, headers=reply,
                                 content_type="application/json"), "completed"
         out = web.StreamResponse(status=resp.status, headers=reply)
@@ -628,7 +475,7 @@ class RequestFlow:
         keeps the connection open.
         """
         try:
-            await _within(out.write(data) if data is not None else out.write_eof(),
+            await within(out.write(data) if data is not None else out.write_eof(),
                           self.config.write_timeout)
             return True
         except asyncio.TimeoutError:
@@ -645,7 +492,7 @@ class RequestFlow:
         if resp.content_type != "text/event-stream":  # not a stream: nothing sent, retry
             raise self._decode_failure(inst, "protocol",
                                        f"stream answered as {resp.content_type!r}")
-        usage = _SSEUsage(decision.prompt_tokens)
+        usage = SSEUsage(decision.prompt_tokens)
         try:
             raw_first = await resp.content.readany()
         except Exception as exc:  # nothing was sent yet: retryable
@@ -654,7 +501,7 @@ class RequestFlow:
             raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
         try:
             first = usage.feed(raw_first)
-        except _BadEvent as exc:
+        except BadEvent as exc:
             raise self._decode_failure(inst, "protocol", exc) from None
         self.pool.request_succeeded(inst)
         out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
@@ -668,7 +515,7 @@ class RequestFlow:
                     chunk = await resp.content.readany()
                     data = usage.feed(chunk) if chunk else usage.flush()
                 except Exception as exc:  # too late to retry: tell the client
-                    kind = "protocol" if isinstance(exc, _BadEvent) else error_kind(exc)
+                    kind = "protocol" if isinstance(exc, BadEvent) else error_kind(exc)
                     self._upstream_error(inst, kind, exc)
                     msg = f"decoder {inst.name} failed mid-stream: {kind}"
                     outcome = "failed"
