@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.proxy.bodies import json_object, read_upto
 from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
@@ -38,6 +39,10 @@ __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
 log = logging.getLogger("eldr.serve")
 
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# bytes read of an engine's answers to the router's own calls (never the whole of a runaway)
+_HEALTH_BODY_LIMIT = 64 * 1024
+_MODELS_BODY_LIMIT = 1024 * 1024
+_METRICS_BODY_LIMIT = 16 * 1024 * 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -223,25 +228,31 @@ class UpstreamPool:
         try:
             async with self._session.get(f"{inst.url}/health", timeout=timeout,
                                          headers=headers) as resp:
-                await resp.read()
+                await read_upto(resp, _HEALTH_BODY_LIMIT)
                 if resp.status != 200:
                     raise ValueError(f"/health answered {resp.status}")
             if not inst.models:
                 async with self._session.get(f"{inst.url}/v1/models", timeout=timeout,
                                              headers=headers) as resp:
-                    if resp.status == 200:
-                        doc = await resp.json(content_type=None)
-                        data = [m for m in doc.get("data", []) if isinstance(m, dict)]
-                        inst.models = tuple(str(m["id"]) for m in data if "id" in m)
-                        lens = [m["max_model_len"] for m in data
-                                if isinstance(m.get("max_model_len"), int)
-                                and m["max_model_len"] > 0]
-                        inst.max_model_len = min(lens) if lens else None
+                    raw, whole = await read_upto(resp, _MODELS_BODY_LIMIT)
+                    doc = json_object(raw) if resp.status == 200 and whole else None
+                    if doc is not None:  # an odd list is no reason to take an engine out
+                        self._learn_models(inst, doc)
         except Exception as exc:  # any failure is "unhealthy"
             self.record_failure(inst, error_kind(exc), str(exc) or type(exc).__name__)
             return False
         self.record_success(inst)
         return True
+
+    @staticmethod
+    def _learn_models(inst: Instance, doc: dict) -> None:
+        data = doc.get("data")
+        data = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        inst.models = tuple(str(m["id"]) for m in data if isinstance(m.get("id"), str))
+        lens = [m["max_model_len"] for m in data
+                if isinstance(m.get("max_model_len"), int)
+                and not isinstance(m["max_model_len"], bool) and m["max_model_len"] > 0]
+        inst.max_model_len = min(lens) if lens else None
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(i) for i in self.decode if i.healthy))
@@ -256,7 +267,10 @@ class UpstreamPool:
                                          headers=self.auth_headers()) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text()
+                raw, whole = await read_upto(resp, _METRICS_BODY_LIMIT)
+                if not whole:
+                    return
+                text = raw.decode("utf-8", "replace")
         except Exception as exc:  # health checks decide about health
             log.debug("scrape of %s failed: %s", inst.url, exc)
             return
