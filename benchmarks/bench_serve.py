@@ -208,9 +208,10 @@ def _router_main(ports: list[int], policy: str, core: int | None, conn) -> None:
         "idf": rng.uniform(0.1, 2.0, (L, E))})
     cent = rng.random((2, MASK * E)).astype(np.float32)
     cent /= np.linalg.norm(cent, axis=1, keepdims=True)
-    state = RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1),
+    state = RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
+                                            num_layers=L, num_experts=E),
                          worker_names=("d0", "d1"), encoder=enc, num_layers=L, num_experts=E,
-                         tau=0.1, artifact=None, loaded_at=time.time())
+                         tau=0.1, artifact=None, loaded_at=time.time(), top_k=8)
     router = Router(config, state=state)
     try:
         import uvloop
@@ -280,7 +281,8 @@ async def _main(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", default="eldr", choices=("eldr", "jsq", "p2c", "round_robin"))
+    p.add_argument("--policy", default="eldr",
+                   choices=("eldr", "eldr_cost", "jsq", "p2c", "round_robin"))
     p.add_argument("--requests", type=int, default=2000, help="sequential requests per path")
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run per path")
     p.add_argument("--concurrency", type=int, default=32)

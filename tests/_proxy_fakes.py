@@ -24,8 +24,12 @@ from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import RoutingState
 from eldr.routing import make_policy
 
-L, E = 2, 8  # fingerprint of the fake model
+L, E, TOP_K = 2, 8, 4  # fingerprint of the fake model (domain_counts: 4 experts a token)
 MODEL = "tiny"
+MAX_MODEL_LEN = 128  # context length the fake engines report in /v1/models
+# a JSON document with usage, nested deeper than json.loads can recurse (RecursionError)
+_DEEP_DOC = (b'{"usage": {"prompt_tokens": 1}, "x": ' + b"[" * 100_000 + b"]" * 100_000
+             + b"}")
 
 
 def domain_counts(prompt: str) -> np.ndarray:
@@ -51,10 +55,11 @@ def fake_centroids() -> np.ndarray:
 def make_state(config: ServeConfig, *, tau: float = 0.0, names=("w-code", "w-other"),
                encoder=None) -> RoutingState:
     policy = make_policy(config.policy, num_workers=len(config.decode_urls),
-                         centroids=fake_centroids(), tau=tau, random_state=0)
+                         centroids=fake_centroids(), tau=tau, num_layers=L, num_experts=E,
+                         random_state=0)
     return RoutingState(policy=policy, worker_names=tuple(names),
                         encoder=encoder or fake_encoder(), num_layers=L, num_experts=E,
-                        tau=tau, artifact=None, loaded_at=0.0)
+                        top_k=TOP_K, tau=tau, artifact=None, loaded_at=0.0)
 
 
 def _prompt_of(body: dict) -> str:
@@ -64,7 +69,13 @@ def _prompt_of(body: dict) -> str:
 
 
 class FakeEngine:
-    """One fake vLLM instance. ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow."""
+    """One fake vLLM instance.
+
+    ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow | deep (answers, and the
+    SSE usage event, nested 100,000 deep) | notjson (a 200 that is not JSON / not SSE) |
+    flood (streams 64 KiB events until its client goes away) | big (a JSON answer of
+    ``big_bytes``; as a prefill too).
+    """
 
     def __init__(self, name: str, *, tokens: int = 3, payload: str = "counts",
                  report_prompt_tokens: int | None = None) -> None:
@@ -79,6 +90,8 @@ class FakeEngine:
         self.request_ids: list[str] = []
         self.headers: list[dict] = []  # headers of those requests
         self.aborted = 0  # decodes whose client (the router) went away mid-answer
+        self.big_bytes = 1 << 20  # size of a "big" answer
+        self.api_key: str | None = None  # like vllm --api-key: /v1/* needs this bearer key
         self.server: TestServer | None = None
 
     @property
@@ -102,14 +115,23 @@ class FakeEngine:
     async def _health(self, request):
         return web.Response(status=200 if self.healthy else 503)
 
+    def _refused(self, request) -> bool:
+        return self.api_key is not None and \
+            request.headers.get("Authorization") != f"Bearer {self.api_key}"
+
     async def _models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+        if self._refused(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"object": "list",
+                                  "data": [{"id": MODEL, "max_model_len": MAX_MODEL_LEN}]})
 
     async def _metrics(self, request):
         return web.Response(text='vllm:num_requests_running{model_name="tiny"} 5.0\n'
                                  'vllm:num_requests_waiting{model_name="tiny"} 2.0\n')
 
     async def _complete(self, request):
+        if self._refused(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         self.requests.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
@@ -117,13 +139,26 @@ class FakeEngine:
         mode = self.mode
         if mode == "500":
             return web.json_response({"error": "boom"}, status=500)
-        if mode == "400":
+        if mode == "400" and not (body.get("max_tokens") == 1 and set(body) <= {
+                "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
+                "kv_transfer_params"}):  # a one-token KV release passes
             return web.json_response({"error": {"message": "bad param"}}, status=400)
         if mode == "hang":
             await asyncio.sleep(3600)
         if mode == "drop":
             request.transport.close()
             return web.Response()
+        if mode == "notjson":
+            return web.Response(status=200, body=b"<html>gateway page</html>",
+                                content_type="text/html")
+        if mode == "big":
+            pad = "x" * self.big_bytes
+            return web.json_response({"id": "x", "choices": [{"index": 0, "text": pad}],
+                                      "kv_transfer_params": {"pad": pad}})
+        if mode == "flood":
+            return await self._flood(request)
+        if mode == "deep" and not body.get("stream"):
+            return web.Response(status=200, body=_DEEP_DOC, content_type="application/json")
         if mode == "empty":  # 200, then the stream ends before any byte
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -168,6 +203,17 @@ class FakeEngine:
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": 1,
                           "total_tokens": n_prompt + 1}}
 
+    async def _flood(self, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = b'data: {"choices": [{"index": 0, "text": "' + b"y" * 65536 + b'"}]}\n\n'
+        try:
+            while True:
+                await resp.write(event)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+
     async def _stream(self, request, body: dict, n_prompt: int):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -183,6 +229,8 @@ class FakeEngine:
                 if self.mode == "slow":
                     await asyncio.sleep(0.05)
             opts = body.get("stream_options") or {}
+            if self.mode == "deep":
+                await resp.write(b"data: " + _DEEP_DOC + b"\n\n")
             if opts.get("include_usage"):
                 pt = self.report_prompt_tokens if self.report_prompt_tokens is not None \
                     else n_prompt

@@ -150,11 +150,11 @@ def _corrupt_arrays(path, **changes):
     ("field", lambda p: _corrupt_json(p, lambda d: d["model"].pop("top_k")), "model.top_k"),
     ("cost alpha", lambda p: _corrupt_json(p, lambda d: d["cost"].update(alpha=2.0)),
      "alpha must be in"),
-    ("cost missing", lambda p: _corrupt_json(p, lambda d: d.pop("cost")), "cost.alpha"),
+    ("cost missing", lambda p: _corrupt_json(p, lambda d: d.pop("cost")), "holds"),
     ("positive log", lambda p: _corrupt_arrays(
         p, decoder_profiles=np.ones((2, L, E), np.float32)), "decoder_profiles must be"),
     ("profile shape", lambda p: _corrupt_arrays(
-        p, profile_mean=np.zeros((1, E), np.float32)), "profile_mean must be"),
+        p, profile_mean=np.zeros((1, E), np.float32)), "profile_mean has shape"),
     ("half the cost parts", lambda p: _corrupt_arrays(p, profile_mean=None), "holds"),
     ("type", lambda p: _corrupt_json(p, lambda d: d["model"].update(num_layers="3")),
      "must be an integer"),
@@ -225,3 +225,106 @@ def test_fit_command_writes_a_loadable_artifact(tmp_path, capsys):
     assert art.worker_ids == ("x", "y") and art.tau == 0.2
     rc = main(["fit", str(path), "--decoders", "0", "-o", str(tmp_path / "bad")])
     assert rc == 2 and "--decoders must be >= 1" in capsys.readouterr().err
+
+
+# -- issue 12: odd files are refused in one line, never block, never inflate ----------------
+def _npy_header(shape, descr="<f4"):
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False,
+                                               "shape": tuple(shape)})
+    return buf.getvalue()
+
+
+def _rezip(path, members):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+
+
+@pytest.mark.parametrize("name, damage, match", [
+    ("deep json", lambda p: (p / "artifact.json").write_text('{"a":' + "[" * 50_000
+                                                               + "]" * 50_000 + "}"),
+     "nested too deeply"),
+    ("rho_curve", lambda p: _corrupt_json(p, lambda d: d["signature"].update(
+        rho_curve=[[1, {"x": 1}]])), "rho_curve must be"),
+    ("rho_curve str", lambda p: _corrupt_json(p, lambda d: d["signature"].update(
+        rho_curve="abc")), "rho_curve must be"),
+    ("not npy", lambda p: _rezip(p / "arrays.npz", {"idf.npy": b"junk", "centroids.npy": b""}),
+     "'idf' is not a .npy array"),
+    ("txt member", lambda p: _rezip(p / "arrays.npz", {"idf.txt": b"junk"}),
+     "'idf.txt' is not a .npy array"),
+    ("huge shape", lambda p: _rezip(p / "arrays.npz", {
+        "idf.npy": _npy_header((10**6, 10**6), "<f8"), "centroids.npy": b""}),
+     r"idf has shape \(1000000, 1000000\)"),
+    ("bomb", lambda p: _rezip(p / "arrays.npz", {
+        "idf.npy": _npy_header((1 << 25,), "<f8") + bytes(1 << 28),
+        "centroids.npy": _npy_header((2, 4))}), r"idf has shape \(33554432,\)"),
+    ("fingerprint", lambda p: _corrupt_json(p, lambda d: d["model"].update(
+        num_layers=10**9, num_experts=10**9)), "k > E|implausibly large|fingerprint"),
+])
+def test_odd_artifact_files_are_refused_in_one_line(fitted, tmp_path, name, damage, match):
+    out = artifact.save(fitted, tmp_path / "art")
+    if name in ("not npy", "huge shape", "bomb"):  # members of a version 1 artifact
+        _corrupt_json(out, lambda d: d.pop("cost"))
+    damage(out)
+    with pytest.raises(ValueError, match=match) as info:
+        artifact.load(out)
+    assert "\n" not in str(info.value)
+
+
+def test_a_fifo_artifact_json_is_refused_without_blocking(fitted, tmp_path):
+    import os
+    import threading
+
+    out = artifact.save(fitted, tmp_path / "art")
+    (out / "artifact.json").unlink()
+    os.mkfifo(out / "artifact.json")
+    result = {}
+
+    def go():
+        try:
+            artifact.load(out)
+        except ValueError as exc:
+            result["error"] = str(exc)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(5)
+    if th.is_alive():
+        with open(os.open(out / "artifact.json", os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        pytest.fail("load() blocked on a FIFO")
+    assert "not a regular file" in result["error"]
+
+
+def test_fuzzed_artifact_documents_load_or_fail_with_one_value_error(fitted, tmp_path_factory):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    out = artifact.save(fitted, tmp_path_factory.mktemp("fuzz") / "art")
+    doc = json.loads((out / "artifact.json").read_text())
+    paths = [(a, b) for a, v in doc.items() if isinstance(v, dict) for b in v]
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats()
+                          | st.text(max_size=5),
+                          lambda c: st.lists(c, max_size=3)
+                          | st.dictionaries(st.text(max_size=3), c, max_size=3),
+                          max_leaves=8)
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(edits=st.lists(st.tuples(st.sampled_from(paths), values), min_size=1, max_size=3))
+    def check(edits):
+        mutated = json.loads(json.dumps(doc))
+        for (a, b), value in edits:
+            mutated[a][b] = value
+        (out / "artifact.json").write_text(json.dumps(mutated))
+        try:
+            artifact.load(out)
+        except ValueError as exc:
+            assert "\n" not in str(exc)
+
+    check()

@@ -12,11 +12,16 @@ from eldr.routing import make_policy
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 TOKEN = "s3cret-token"
+DEEP_974 = b'{"prompt":"x","x":' + b"[" * 974 + b"]" * 974 + b"}"
+DEEP_50K = b'{"prompt":"x","x":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
 
 
 @pytest.mark.parametrize("raw, kind, status, match", [
     (b"{not json", "completions", 400, "not valid JSON"),
-    (b"\xff\xfe", "completions", 400, "not valid JSON"),
+    (b"\xff\xfe", "completions", 400, "not UTF-8"),
+    ('{"prompt": "x"}'.encode("utf-16"), "completions", 400, "only UTF-8"),
+    ('{"prompt": "x"}'.encode("utf-32-le"), "completions", 400, "only UTF-8"),
+    (DEEP_974, "completions", 400, "nested too deeply"),
     (b"[1, 2]", "completions", 400, "JSON object"),
     (b'{"model": "m"}', "completions", 400, "'prompt' is required"),
     (b'{"prompt": "x", "stream": "yes"}', "completions", 400, "'stream'"),
@@ -180,3 +185,273 @@ def test_reload_does_not_drop_requests_in_flight(monkeypatch):
     events = [e for e in text.decode().split("\n\n") if e]
     assert len(events) == 21 and events[-1] == "data: [DONE]"
     assert json.loads(events[19][6:])["choices"][0]["text"] == "tok19"
+
+
+# -- issue 12: no 5xx and no traceback on any input -----------------------------------------
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-32-le"])
+def test_non_utf8_bodies_are_refused_before_any_prefill(encoding):
+    async def go():
+        async with cluster() as (_, client, prefills, _d):
+            data = json.dumps({**CODE, "prompt": "héllo wörld"}).encode(encoding)
+            r = await client.post("/v1/completions", data=data)
+            return r.status, await r.json(), prefills
+
+    status, doc, prefills = run(go())
+    assert status == 400 and "only UTF-8" in doc["error"]["message"]
+    assert prefills[0].requests == []
+
+
+@pytest.mark.parametrize("raw", [DEEP_974, DEEP_50K])
+def test_deeply_nested_bodies_are_a_400_before_any_prefill(raw):
+    async def go():
+        async with cluster() as (router, client, prefills, _):
+            r = await client.post("/v1/completions", data=raw)
+            return router, r.status, r.content_type, await r.json(), prefills
+
+    _router, status, ctype, doc, prefills = run(go())
+    assert (status, ctype) == (400, "application/json")
+    assert doc["error"]["code"] == "invalid_json"
+    assert prefills[0].requests == []
+
+
+def test_an_unexpected_error_is_a_json_500_naming_no_internals(monkeypatch, caplog):
+    async def go():
+        async with cluster() as (router, client, _p, _d):
+            async def boom(*args, **kwargs):
+                raise RuntimeError("/secret/path internals")
+
+            monkeypatch.setattr(router.flow, "run", boom)
+            r = await client.post("/v1/completions", json=CODE)
+            return router, r.status, r.content_type, await r.text()
+
+    router, status, ctype, text = run(go())
+    assert (status, ctype) == (500, "application/json")
+    doc = json.loads(text)
+    assert doc["error"]["code"] == "internal_error" and "secret" not in text
+    assert "RuntimeError" not in text and "Traceback" not in text
+    assert router.metrics.requests.get(endpoint="completions", status="500") == 1
+    assert any("secret" in r.getMessage() or r.exc_info for r in caplog.records
+               if r.levelname == "ERROR")
+
+
+def _other_model_state(router, **fingerprint):
+    return dataclasses.replace(router.state, **fingerprint)
+
+
+@pytest.mark.parametrize("fingerprint, traffic, match", [
+    ({"num_layers": 6}, True, "L=6 E=8 k=4.*engines' prefill payloads have L=2 E=8"),
+    ({"num_experts": 16}, False, "L=2 E=16 k=4.*running artifact is for L=2 E=8 k=4"),
+    ({"top_k": 2}, True, "L=2 E=8 k=2.*running artifact is for L=2 E=8 k=4"),
+])
+def test_reload_refuses_an_artifact_for_another_model(monkeypatch, fingerprint, traffic,
+                                                      match):
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            if traffic:  # the engines' payloads tell the model's (L, E)
+                assert (await client.post("/v1/completions", json=CODE)).status == 200
+            old = router.state
+            monkeypatch.setattr(app_mod, "build_state",
+                                lambda config: _other_model_state(router, **fingerprint))
+            r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
+            after = await client.post("/v1/completions", json=CODE)
+            return router, old, r.status, await r.json(), after.status
+
+    router, old, status, doc, after = run(go())
+    assert status == 409 and doc["error"]["code"] == "artifact_model_mismatch"
+    assert re_search(match, doc["error"]["message"])
+    assert router.state is old and after == 200
+    assert router.metrics.reloads.get(result="error") == 1
+
+
+def re_search(pattern, text):
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+@pytest.mark.parametrize("exc", [RecursionError("deep"), TypeError("rho_curve")])
+def test_a_reload_failing_in_any_way_is_a_json_error_and_counted(monkeypatch, exc):
+    def broken(config):
+        raise exc
+
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            monkeypatch.setattr(app_mod, "build_state", broken)
+            r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
+            return router, r.status, r.content_type, await r.json()
+
+    router, status, ctype, doc = run(go())
+    assert (status, ctype) == (500, "application/json")
+    assert doc["error"]["code"] == "reload_failed"
+    assert router.metrics.reloads.get(result="error") == 1
+
+
+# -- issue 12: engines' API keys, admin token guessing, /health internals --------------------
+@pytest.mark.parametrize("with_key", [True, False])
+def test_engines_that_require_an_api_key(with_key):
+    async def go():
+        kw = {"upstream_api_key": "engine-key"} if with_key else {}
+        async with cluster(**kw) as (router, client, prefills, decoders):
+            for e in (*prefills, *decoders):
+                e.api_key = "engine-key"
+            for inst in (*router.pool.prefill, *router.pool.decode):
+                inst.models = ()  # learned again, now with the key required
+            await router.pool.check_all()
+            models = await client.get("/v1/models")
+            r = await client.post("/v1/completions", json={"prompt": "write code now"},
+                                  headers={"Authorization": "Bearer client-key"})
+            return models.status, r.status
+
+    assert run(go()) == ((200, 200) if with_key else (503, 401))
+
+
+def test_wrong_admin_tokens_are_rate_limited_per_address(monkeypatch):
+    async def go():
+        async with cluster(admin_token=TOKEN) as (router, client, _, _d):
+            monkeypatch.setattr(app_mod, "build_state", lambda config: router.state)
+            wrong = {"Authorization": "Bearer wrong-guess"}
+            statuses = [(await client.post("/admin/reload", headers=wrong)).status
+                        for _ in range(6)]
+            right = await client.post("/admin/reload",
+                                      headers={"Authorization": f"Bearer {TOKEN}"})
+            router._failed_tokens.window = 0.0  # the minute has passed
+            again = await client.post("/admin/reload",
+                                      headers={"Authorization": f"Bearer {TOKEN}"})
+            return statuses, right.status, (await right.json())["error"]["code"], again.status
+
+    statuses, right, code, again = run(go())
+    assert statuses == [401] * 5 + [429]
+    assert (right, code) == (429, "rate_limited")  # even the right token waits
+    assert again == 200
+
+
+def test_health_shows_internals_only_to_the_admin_token():
+    async def go():
+        async with cluster(admin_token=TOKEN) as (_, client, _p, _d):
+            public = await (await client.get("/health")).json()
+            wrong = await (await client.get(
+                "/health", headers={"Authorization": "Bearer nope-nope"})).json()
+            admin = await (await client.get(
+                "/health", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+            return public, wrong, admin
+
+    public, wrong, admin = run(go())
+    for doc in (public, wrong):
+        assert "artifact" not in doc and "tau" not in doc
+        assert set(doc["decode"][0]) == {"name", "healthy", "in_flight", "engine_load",
+                                         "breaker", "load"}
+        assert "url" not in doc["prefill"][0] and "last_error" not in doc["prefill"][0]
+    assert public["status"] == "ok" and public["decode"][0]["name"] == "w-code"
+    assert "artifact" in admin and admin["decode"][0]["url"].startswith("http://")
+    assert "last_error" in admin["prefill"][0]
+
+
+# -- issue 12: a property-based fuzz of request bodies ---------------------------------------
+FUZZ_TALLY: dict[int, int] = {}  # status → count, over every example of the fuzz test
+
+
+@pytest.fixture(scope="module")
+def live_cluster():
+    """One router + fake engines on an event loop in a thread, for many examples."""
+    import logging
+    import threading
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box = {}
+
+    async def main():
+        async with cluster(health_interval=60) as (router, client, _p, _d):
+            box.update(router=router, client=client, stop=asyncio.Event())
+            ready.set()
+            await box["stop"].wait()
+
+    th = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    th.start()
+    assert ready.wait(30)
+
+    class Errors(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    errors = Errors()
+    logging.getLogger("eldr.serve").addHandler(errors)
+    yield loop, box["client"], errors
+    logging.getLogger("eldr.serve").removeHandler(errors)
+    loop.call_soon_threadsafe(box["stop"].set)
+    th.join(30)
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+               | st.text(max_size=20))
+    return st.recursive(scalars, lambda c: st.lists(c, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
+
+
+def _bodies():
+    from hypothesis import strategies as st
+
+    field = st.sampled_from(["prompt", "messages", "model", "stream", "max_tokens",
+                             "max_completion_tokens", "stream_options", "kv_transfer_params",
+                             "n", "min_tokens"])
+    shaped = st.dictionaries(field, _json_values() | st.sampled_from(
+        ["tiny", "write code", True, 1, 5, [{"role": "user", "content": "hi"}]]), max_size=6)
+    as_json = (shaped | _json_values()).map(lambda v: json.dumps(v).encode())
+    encodings = st.tuples(shaped, st.sampled_from(["utf-16", "utf-32", "utf-8-sig"])).map(
+        lambda t: json.dumps(t[0], ensure_ascii=False).encode(t[1]))
+    nested = st.integers(1, 3000).map(lambda n: b'{"prompt":"x","a":' + b"[" * n + b"]" * n
+                                      + b"}")
+    return as_json | st.binary(max_size=64) | encodings | nested
+
+
+def test_fuzzed_bodies_get_a_4xx_json_or_an_answer_never_a_500(live_cluster):
+    from hypothesis import HealthCheck, given, settings
+
+    loop, client, errors = live_cluster
+
+    async def post(path, raw):
+        r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        return r.status, r.content_type, await r.read()
+
+    @settings(max_examples=400, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(raw=_bodies(), chat=__import__("hypothesis").strategies.booleans())
+    def check(raw, chat):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, ctype, body = asyncio.run_coroutine_threadsafe(post(path, raw), loop).result(30)
+        FUZZ_TALLY[status] = FUZZ_TALLY.get(status, 0) + 1
+        assert status != 500, body  # 500 is only ever the router's own failure
+        if status >= 400 and ctype != "text/event-stream":
+            doc = json.loads(body)
+            assert set(doc["error"]) >= {"message", "type"}, doc
+        assert b"Traceback" not in body
+
+    check()
+    assert not [r for r in errors.records if r.exc_info], errors.records[0].getMessage()
+    assert FUZZ_TALLY.get(200, 0) > 0 and FUZZ_TALLY.get(400, 0) > 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "write code", "max_tokens": 128}, "max_tokens"),
+    ({"prompt": list(range(100)), "max_tokens": 29}, "max_tokens"),
+    ({"prompt": list(range(128))}, "prompt"),
+])
+def test_what_the_decoder_would_refuse_is_refused_before_the_prefill(body, param):
+    async def go():
+        async with cluster() as (_, client, prefills, _d):
+            r = await client.post("/v1/completions", json={"model": "tiny", **body})
+            ok = await client.post("/v1/completions",
+                                   json={"prompt": list(range(100)), "max_tokens": 28})
+            return r.status, await r.json(), ok.status, prefills
+
+    status, doc, ok, prefills = run(go())
+    assert (status, doc["error"]["param"], doc["error"]["code"]) == \
+        (400, param, "context_exceeded")
+    assert ok == 200 and len(prefills[0].requests) == 1  # only the valid one was prefilled

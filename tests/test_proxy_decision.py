@@ -9,8 +9,14 @@ from _proxy_fakes import E, L, domain_counts, fake_centroids, fake_encoder, make
 from eldr.capture.payload import encode_counts
 from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.decision import build_state, read_signature, split_kv_params
-from eldr.routing import RouteRequest
+from eldr.proxy.decision import (
+    LazyCostPolicy,
+    build_state,
+    read_inputs,
+    read_signature,
+    split_kv_params,
+)
+from eldr.routing import Decision, RouteRequest
 
 CFG = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),
                   policy="eldr")
@@ -96,12 +102,48 @@ def test_split_kv_params_strips_the_payload_only():
     assert split_kv_params({"kv_transfer_params": {"eldr": 1}}) == (None, 1)
 
 
-def test_band_size():
-    state = make_state(CFG, tau=0.0)
-    s = fake_encoder().transform(domain_counts("code"))
-    assert state.band_size(s, None) == 1
-    assert make_state(CFG, tau=2.0).band_size(s, None) == 2
-    assert state.band_size(s, np.array([False, True])) == 1
+def test_inputs_follow_the_policys_declaration():
+    counts = domain_counts("code")
+    eldr = read_inputs({}, encode_counts(counts), make_state(CFG), 3)
+    assert eldr.signature is not None and eldr.profile is None and eldr.context_tokens == 3
+    cost_cfg = dataclasses.replace(CFG, policy="eldr_cost")
+    cost = read_inputs({}, {**encode_counts(counts), "tokens": 2}, make_state(cost_cfg), 5)
+    assert cost.signature is None and cost.context_tokens == 5
+    np.testing.assert_allclose(cost.profile, np.minimum(counts / 2, 1.0))  # over counted
+    jsq = read_inputs({}, encode_counts(counts), make_state(dataclasses.replace(
+        CFG, policy="jsq")), None)
+    assert jsq.problem == "not_used" and jsq.signature is None and jsq.profile is None
+
+
+def test_profile_tokens_fall_back_to_row_sum_over_top_k():
+    counts = domain_counts("code")  # every layer: 4 experts x 2 = 8 selections = 2 tokens
+    cost = read_inputs({}, encode_counts(counts), make_state(dataclasses.replace(
+        CFG, policy="eldr_cost")), None)
+    assert cost.context_tokens == 2
+    np.testing.assert_allclose(cost.profile, counts / 2)
+
+
+def test_lazy_cost_policy_binds_to_the_first_valid_payload():
+    cfg = dataclasses.replace(CFG, policy="eldr_cost")
+    state = build_state(cfg)
+    policy = state.policy
+    assert isinstance(policy, LazyCostPolicy) and state.shape is None
+    assert policy.decide(RouteRequest("a"), np.array([1.0, 0.0])) == Decision(1, fallback=True)
+    policy.on_dispatch(RouteRequest("a"), 1)  # before binding: dropped
+    bad = read_inputs({}, {"v": 1, "shape": [L, E], "dtype": "uint16", "data": "!!"},
+                      state, 3)
+    assert bad.profile is None and policy.inner is None and bad.problem == "malformed"
+    good = read_inputs({}, {**encode_counts(domain_counts("code")), "tokens": 2}, state, 3)
+    assert state.shape == (L, E) and good.profile.shape == (L, E)
+    d = policy.decide(RouteRequest("b", profile=good.profile), np.zeros(2))
+    assert not d.fallback and d.cost is not None and policy.num_fallbacks == 1
+    policy.on_dispatch(RouteRequest("b", profile=good.profile), d.worker)
+    assert len(policy.footprint) == 1
+    policy.on_release("a", "completed")  # never held: a no-op
+    policy.on_release("b", "completed")
+    assert len(policy.footprint) == 0
+    other = read_inputs({}, encode_counts(np.ones((L + 1, E), dtype=np.int64)), state, 3)
+    assert other.problem == "mismatch" and other.profile is None
 
 
 def test_build_state_without_artifact():
@@ -112,6 +154,7 @@ def test_build_state_without_artifact():
     assert state.encoder is None and not state.needs_signature
     with pytest.raises(ValueError, match="needs a routing artifact"):
         build_state(CFG)
+    assert build_state(dataclasses.replace(cfg, policy="eldr_cost")).needs_profile
 
 
 class _FakeArtifact:
@@ -120,6 +163,7 @@ class _FakeArtifact:
         self.centroids = fake_centroids()
         self.worker_ids = worker_ids
         self.tau = 0.25
+        self.num_layers, self.num_experts, self.top_k = L, E, 4
 
 
 @pytest.fixture
@@ -166,3 +210,12 @@ def test_build_state_refuses_a_decoder_mismatch(fake_artifact_module, kw, match)
             "artifact": "A", "policy": "eldr"}
     with pytest.raises(ValueError, match=match):
         build_state(ServeConfig(**{**base, **kw}))
+
+
+def test_eldr_cost_takes_the_models_shape_from_the_artifact(fake_artifact_module):
+    state = build_state(ServeConfig(prefill_urls=("http://p:1",),
+                                    decode_urls=("http://d:1", "http://d:2"), artifact="A",
+                                    policy="eldr_cost"))
+    assert state.policy.name == "eldr_cost" and not isinstance(state.policy, LazyCostPolicy)
+    assert state.policy.shape == (L, E) == state.shape and state.top_k == 4
+    assert state.tau is None and state.worker_names == ("w-code", "w-other")

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from _proxy_fakes import cluster, run
-from eldr.proxy.flow import RequestFlow, _SSEUsage, decode_body, fix_usage, prompt_key
+from _proxy_fakes import cluster, make_state, run
+from eldr.proxy.flow import RequestFlow, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -15,44 +15,10 @@ def _metric(router, name, **labels):
 
 
 # -- pure helpers -------------------------------------------------------------------------
-def test_fix_usage():
-    u = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-    assert fix_usage(u, 7) and u == {"prompt_tokens": 7, "completion_tokens": 3,
-                                     "total_tokens": 10}
-    assert not fix_usage(u, 7)
-    assert not fix_usage(None, 7) and not fix_usage(u, None)
-
-
-def test_sse_usage_rewrites_events_split_across_chunks():
-    ev1 = b'data: {"choices": [{"text": "a"}]}\n\n'
-    ev2 = b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}\n\n'
-    stream = ev1 + ev2 + b"data: [DONE]\n\n"
-    fixer = _SSEUsage(5)
-    out = b"".join(fixer.feed(stream[i:i + 7]) for i in range(0, len(stream), 7))
-    out += fixer.flush()
-    events = out.split(b"\n\n")
-    assert events[0] + b"\n\n" == ev1 and events[2] == b"data: [DONE]"
-    assert json.loads(events[1][6:])["usage"] == {"prompt_tokens": 5, "completion_tokens": 2,
-                                                  "total_tokens": 7}
-    assert _SSEUsage(None).feed(b"x") == b"x"
-
-
 def test_prompt_key():
     assert prompt_key({"prompt": "héllo"}, "completions") == "héllo".encode()
     assert prompt_key({"messages": [{"role": "user", "content": "hi"}]}, "chat") == \
         b'[{"role":"user","content":"hi"}]'
-
-
-@pytest.mark.parametrize("raw", [b'{"prompt": "x", "n": 1} \n', b'{"prompt":"x","n":1}'])
-def test_decode_body_splices_or_reserialises(raw):
-    body = json.loads(raw)
-    kvp = {"remote_engine_id": "e", "remote_block_ids": [1]}
-    assert json.loads(decode_body(body, raw, kvp)) == {**body, "kv_transfer_params": kvp}
-    assert decode_body(body, raw, None) == raw
-    old = {**body, "kv_transfer_params": {"stale": True}}
-    assert json.loads(decode_body(old, json.dumps(old).encode(), kvp)) == \
-        {**body, "kv_transfer_params": kvp}
-    assert json.loads(decode_body(old, None, None)) == body
 
 
 def test_prefill_body():
@@ -86,7 +52,7 @@ def test_domains_reach_their_decoders_with_relayed_kv_params():
     assert sent["prompt"] == "write code now" and "max_tokens" not in sent
     assert sent["kv_transfer_params"]["remote_engine_id"] == "p0"
     assert "eldr" not in sent["kv_transfer_params"]
-    assert prefills[0].request_ids[0] == decoders[0].request_ids[0] == "req-1"
+    assert prefills[0].request_ids[0] == decoders[0].request_ids[0] != "req-1"
     assert _metric(router, "decisions", policy="eldr", decoder="w-code") == 1
     assert _metric(router, "decisions", policy="eldr", decoder="w-other") == 1
     assert _metric(router, "signatures", source="payload") == 2
@@ -154,8 +120,9 @@ def test_decode_failure_retries_with_a_fresh_prefill_on_another_decoder(mode):
     assert r.status == 200 and r.headers["X-Eldr-Decoder"] == "w-other"
     assert r.headers["X-Eldr-Attempts"] == "2"
     assert "tok0" in text
-    assert prefills[0].request_ids == ["r", "r-retry1"]  # a fresh prefill, own id
-    assert decoders[1].request_ids == ["r-retry1"]
+    first, second = prefills[0].request_ids  # a fresh prefill, own id
+    assert first != second and decoders[1].request_ids == [second]
+    assert r.headers["X-Request-Id"] == "r"
     assert _metric(router, "retries") == 1
     kinds = {"500": "http_5xx", "drop": "disconnect", "hang": "timeout", "empty": "disconnect"}
     assert _metric(router, "upstream_errors", role="decode", instance="w-code",
@@ -275,3 +242,434 @@ def test_client_disconnect_aborts_the_upstream_stream():
     assert decoders[0].aborted == 1
     assert router.pool.decode[0].in_flight == 0 and router.pool.tracker.loads[0] == 0
     assert _metric(router, "client_disconnects") == 1
+
+
+# -- the stateful policy contract (dispatch / release) ---------------------------------------
+def _spy_events(policy):
+    """Record (event, request id, worker or outcome) of ``policy`` (wrapping its methods)."""
+    events = []
+    dispatch, release = policy.on_dispatch, policy.on_release
+
+    def on_dispatch(request, worker):
+        events.append(("dispatch", request.request_id, worker))
+        dispatch(request, worker)
+
+    def on_release(request_id, outcome):
+        events.append(("release", request_id, outcome))
+        release(request_id, outcome)
+
+    policy.on_dispatch, policy.on_release = on_dispatch, on_release
+    return events
+
+
+def _assert_empty_footprint(policy):
+    fp = policy.footprint
+    assert len(fp) == 0
+    assert not fp.count.any() and not fp.log_miss.any() and not fp.context.any()
+
+
+def test_eldr_cost_routes_end_to_end_and_packs_by_experts():
+    async def go():
+        async with cluster(policy="eldr_cost") as (router, client, _, decoders):
+            policy = router.state.policy
+            events = _spy_events(policy)
+            decoders[0].mode = decoders[1].mode = "slow"
+            # two concurrent code streams, then a law one: the law prompt's experts are
+            # disjoint, so it adds fewer distinct experts to the empty-of-law decoder
+            r1 = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r1.content.readany()
+            held = len(policy.footprint)
+            r2 = await client.post("/v1/completions", json={**LAW, "stream": True})
+            await r2.content.readany()
+            placed = (r1.headers["X-Eldr-Decoder"], r2.headers["X-Eldr-Decoder"])
+            await r1.text(), await r2.text()
+            return router, policy, events, held, placed
+
+    router, policy, events, held, placed = run(go())
+    assert held == 1 and placed == ("w-code", "w-other")
+    assert [e[0] for e in events] == ["dispatch", "dispatch", "release", "release"]
+    assert {e[2] for e in events if e[0] == "release"} == {"completed"}
+    assert _metric(router, "decisions", policy="eldr_cost", decoder="w-code") == 1
+    assert router.metrics.fallbacks.values == {}
+    _assert_empty_footprint(policy)
+
+
+def test_every_dispatch_is_released_once_whatever_happens():
+    """Completed, engine 4xx, retried, failed for good, broken mid-stream, client gone:
+    the cost policy's footprint is back to exactly zero and each attempt released once."""
+    async def go():
+        async with cluster(policy="eldr_cost", decode_read_timeout=0.5, unhealthy_after=99,
+                           breaker_failures=99,
+                           engine_kw={"tokens": 50}) as (router, client, _, decoders):
+            policy = router.state.policy
+            events = _spy_events(policy)
+            statuses = []
+            for _ in range(3):  # completed, JSON and streamed
+                statuses.append((await client.post("/v1/completions", json=CODE)).status)
+                r = await client.post("/v1/completions", json={**LAW, "stream": True})
+                await r.text()
+                statuses.append(r.status)
+            decoders[0].mode = "400"  # relayed 4xx
+            statuses.append((await client.post("/v1/completions", json=CODE)).status)
+            decoders[0].mode = "500"  # retried on the other decoder
+            statuses.append((await client.post("/v1/completions", json=CODE)).status)
+            decoders[1].mode = "hang"  # both fail: 502 after a timeout
+            statuses.append((await client.post("/v1/completions", json=CODE)).status)
+            decoders[0].mode = "break"  # mid-stream break
+            decoders[1].mode = "ok"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.text()
+            statuses.append(r.status)
+            decoders[0].mode = decoders[1].mode = "slow"  # the client leaves mid-stream
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.content.readany()
+            r.close()
+            decoders[0].mode = decoders[1].mode = "hang"  # the client leaves before a byte
+            task = asyncio.ensure_future(client.post("/v1/completions", json=CODE))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if len(policy.footprint):
+                    break
+            task.cancel()
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if len(policy.footprint) == 0 and not router.pool.tracker.loads.any():
+                    break
+            return policy, events, statuses
+
+    policy, events, statuses = run(go())
+    assert statuses == [200] * 6 + [400, 200, 502, 200]
+    dispatched = [e[1] for e in events if e[0] == "dispatch"]
+    released = [e[1] for e in events if e[0] == "release"]
+    assert sorted(dispatched) == sorted(released) and len(set(dispatched)) == len(dispatched)
+    outcomes = [e[2] for e in events if e[0] == "release"]
+    assert outcomes.count("cancelled") == 2
+    # 4xx; 500 then retried; 500, hang, 500 (three attempts); the mid-stream break
+    assert outcomes.count("failed") == 6
+    _assert_empty_footprint(policy)
+
+
+def test_releases_go_to_the_policy_that_got_the_dispatch_across_a_reload():
+    async def go():
+        async with cluster(policy="eldr_cost") as (router, client, _, decoders):
+            old = router.state.policy
+            decoders[0].mode = decoders[1].mode = "slow"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.content.readany()
+            held = len(old.footprint)
+            router.state = make_state(router.config)  # what a reload does
+            await r.text()
+            return old, router.state.policy, held
+
+    old, new, held = run(go())
+    assert held == 1
+    _assert_empty_footprint(old)
+    _assert_empty_footprint(new)
+
+
+# -- issue 12: upstream answers that do not parse are protocol errors -----------------------
+def test_a_prefill_answer_nested_too_deep_is_a_protocol_error_of_that_instance():
+    async def go():
+        async with cluster(num_prefill=2, unhealthy_after=99) as (router, client, prefills, _):
+            prefills[0].mode = "deep"
+            statuses = [(await client.post("/v1/completions", json=CODE)).status
+                        for _ in range(2)]
+            return router, statuses
+
+    router, statuses = run(go())
+    assert statuses == [200, 200]
+    assert _metric(router, "upstream_errors", role="prefill", instance="prefill-0",
+                   kind="protocol") >= 1
+
+
+@pytest.mark.parametrize("mode", ["deep", "notjson"])
+def test_an_unparsable_decoder_answer_is_retried_elsewhere(mode):
+    async def go():
+        async with cluster() as (router, client, _p, decoders):
+            decoders[0].mode = mode
+            r = await client.post("/v1/completions", json=CODE)
+            return router, r.status, r.headers.get("X-Eldr-Decoder"), r.content_type, \
+                await r.text()
+
+    router, status, decoder, ctype, text = run(go())
+    assert (status, decoder, ctype) == (200, "w-other", "application/json")
+    assert json.loads(text)["choices"][0]["text"] == "tok0tok1tok2"
+    assert _metric(router, "upstream_errors", role="decode", instance="w-code",
+                   kind="protocol") == 1
+
+
+def test_a_stream_that_is_not_sse_is_retried_elsewhere():
+    async def go():
+        async with cluster() as (_router, client, _p, decoders):
+            decoders[0].mode = "notjson"
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            return r.status, r.headers.get("X-Eldr-Decoder"), await r.text()
+
+    status, decoder, text = run(go())
+    assert (status, decoder) == (200, "w-other") and text.endswith("data: [DONE]\n\n")
+
+
+def test_an_sse_usage_event_nested_too_deep_ends_the_stream_with_an_error_event():
+    async def go():
+        async with cluster() as (router, client, _p, decoders):
+            decoders[0].mode = "deep"
+            body = {**CODE, "stream": True, "stream_options": {"include_usage": True}}
+            r = await client.post("/v1/completions", json=body)
+            return router, r.status, await r.text()
+
+    router, status, text = run(go())
+    events = [e for e in text.split("\n\n") if e]
+    assert status == 200 and json.loads(events[0][6:])["choices"][0]["text"] == "tok0"
+    assert json.loads(events[-1][6:])["error"]["type"] == "upstream_error"
+    assert _metric(router, "upstream_errors", role="decode", instance="w-code",
+                   kind="protocol") == 1
+
+
+# -- issue 12: no prefill is spent for a request that cannot be decoded ---------------------
+def test_no_prefill_is_spent_when_every_decoder_is_down():
+    async def go():
+        async with cluster() as (router, client, prefills, decoders):
+            for d in decoders:
+                d.healthy = False
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if not router.pool.tracker.healthy.any():
+                    break
+            rs = [await client.post("/v1/completions", json=CODE) for _ in range(5)]
+            return [(r.status, (await r.json())["error"]["code"]) for r in rs], prefills
+
+    out, prefills = run(go())
+    assert out == [(503, "no_decoder")] * 5
+    assert len(prefills[0].requests) == 0  # prefills wasted per refused request: 0
+
+
+def test_upstream_request_ids_are_unique_per_attempt_whatever_the_client_sends():
+    async def go():
+        async with cluster() as (_, client, prefills, decoders):
+            rs = await asyncio.gather(*(client.post("/v1/completions", json=CODE,
+                                                    headers={"X-Request-Id": "same"})
+                                        for _ in range(20)))
+            return [(r.status, r.headers["X-Request-Id"]) for r in rs], prefills, decoders
+
+    out, prefills, decoders = run(go())
+    assert out == [(200, "same")] * 20  # the client's id comes back
+    sent = prefills[0].request_ids
+    assert len(set(sent)) == 20 and "same" not in sent
+    decoded = decoders[0].request_ids + decoders[1].request_ids
+    assert sorted(decoded) == sorted(sent)  # prefill and decode of an attempt share it
+
+
+# -- issue 12: bounded memory and no pinned decoder under clients that never read ----------
+async def _open_and_never_read(client, body: dict):
+    """Send a request on a raw socket with a tiny receive buffer, then never read."""
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (client.host, client.port))
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    await asyncio.get_running_loop().sock_sendall(sock, head + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_never_reads_is_dropped_and_the_decode_aborted(stream):
+    async def go():
+        async with cluster(write_timeout=0.5) as (router, client, _, decoders):
+            decoders[0].mode = "flood" if stream else "big"
+            decoders[0].big_bytes = 8 << 20
+            socks = [await _open_and_never_read(client, {**CODE, "stream": stream})
+                     for _ in range(3)]
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if router.metrics.slow_clients.get() == 3 and \
+                        router.pool.decode[0].in_flight == 0:
+                    break
+            for s in socks:
+                s.close()
+            await asyncio.sleep(0.1)
+            return router, decoders
+
+    router, decoders = run(go())
+    assert router.metrics.slow_clients.get() == 3
+    assert router.pool.decode[0].in_flight == 0 and router.pool.tracker.loads[0] == 0
+    if stream:
+        assert decoders[0].aborted == 3  # the decoder stopped generating for them
+    _assert_empty_footprint_if_any(router)
+
+
+def _assert_empty_footprint_if_any(router):
+    fp = getattr(router.state.policy, "footprint", None)
+    assert fp is None or len(fp) == 0
+
+
+def test_buffered_answers_over_their_cap_are_refused_not_buffered():
+    async def go():
+        async with cluster(max_response_bytes=1 << 20, max_prefill_bytes=1 << 20,
+                           num_prefill=2, unhealthy_after=99) as (router, client, prefills,
+                                                                  decoders):
+            decoders[0].mode = decoders[1].mode = "big"
+            decoders[0].big_bytes = decoders[1].big_bytes = 2 << 20
+            r1 = await client.post("/v1/completions", json=CODE)
+            decoders[0].mode = decoders[1].mode = "ok"
+            prefills[0].mode, prefills[0].big_bytes = "big", 2 << 20
+            rs = [await client.post("/v1/completions", json=CODE) for _ in range(2)]
+            return router, (r1.status, await r1.json()), \
+                [(r.status, r.headers["X-Eldr-Prefill"]) for r in rs], prefills
+
+    router, (s1, doc1), served, _prefills = run(go())
+    assert s1 == 502 and doc1["error"]["code"] == "upstream_too_large"
+    assert served == [(200, "prefill-1")] * 2  # the oversized one is skipped
+    assert _metric(router, "upstream_errors", role="prefill", instance="prefill-0",
+                   kind="too_large") >= 1
+
+
+def test_buffered_answers_share_one_budget_while_clients_do_not_read():
+    async def go():
+        async with cluster(write_timeout=0.5, max_response_bytes=12 << 20,
+                           max_buffered_bytes=12 << 20) as (router, client, _, decoders):
+            # ~8 MiB answers (more than the sockets buffer): one fits the budget at a time
+            decoders[0].mode, decoders[0].big_bytes = "big", 4 << 20
+            socks = [await _open_and_never_read(client, CODE) for _ in range(2)]
+            budget, peak = router.flow.budget, 0
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                peak = max(peak, budget.used)
+                if router.metrics.slow_clients.get() == 2 and budget.used == 0:
+                    break
+            for s in socks:
+                s.close()
+            return router, budget, peak
+
+    router, budget, peak = run(go())
+    assert router.metrics.slow_clients.get() == 2
+    assert 0 < peak <= budget.total and budget.used == 0
+
+
+# -- issue 12: a decoder that passes health checks but fails requests is held off ----------
+def test_a_flapping_decoder_is_held_off_by_its_breaker_then_probed():
+    async def go():
+        async with cluster(breaker_failures=3, breaker_backoff=0.5,
+                           breaker_max_backoff=4.0) as (router, client, _, decoders):
+            decoders[0].mode = "500"  # /health stays 200: health checks re-admit it
+            statuses = []
+            for _ in range(8):
+                r = await client.post("/v1/completions", json=CODE)
+                statuses.append(r.status)
+                await asyncio.sleep(0.06)  # a health round re-admits it each time
+            tried_while_open = len(decoders[0].requests)
+            state = router.pool.decode[0].breaker.state
+            await asyncio.sleep(0.6)  # back-off over: one probe, which fails
+            r = await client.post("/v1/completions", json=CODE)
+            statuses.append(r.status)
+            after_probe = (len(decoders[0].requests), router.pool.decode[0].breaker.backoff)
+            decoders[0].mode = "ok"
+            await asyncio.sleep(1.1)
+            r = await client.post("/v1/completions", json=CODE)  # the probe succeeds
+            statuses.append(r.status)
+            return router, statuses, tried_while_open, state, after_probe, \
+                r.headers["X-Eldr-Decoder"]
+
+    router, statuses, tried, state, (after_probe, backoff), last = run(go())
+    assert statuses == [200] * 10  # every request served (retried on the other decoder)
+    assert tried == 3 and state == "open"  # 3 failures opened it; then nothing went there
+    assert after_probe == 4 and backoff == 1.0  # one probe, failed: back-off doubled
+    assert last == "w-code" and router.pool.decode[0].breaker.state == "closed"
+    assert router.metrics.retries.get() == 4
+
+
+def test_transient_failures_do_not_open_the_breaker():
+    async def go():
+        async with cluster(breaker_failures=3) as (router, client, _, decoders):
+            statuses, decoders_used = [], []
+            for i in range(12):
+                decoders[0].mode = "500" if i % 3 == 0 else "ok"  # one failure in three
+                r = await client.post("/v1/completions", json=CODE)
+                statuses.append(r.status)
+                decoders_used.append(r.headers["X-Eldr-Decoder"])
+                await asyncio.sleep(0.06)  # the health check re-admits after a failure
+            return router, statuses, decoders_used
+
+    router, statuses, used = run(go())
+    assert statuses == [200] * 12
+    assert router.pool.decode[0].breaker.num_opened == 0
+    assert used.count("w-code") == 8  # the two requests in three it served itself
+
+
+def test_a_decoder_that_cannot_be_reached_costs_no_second_prefill():
+    async def go():
+        async with cluster(health_interval=60) as (router, client, prefills, decoders):
+            await decoders[0].close()  # refused: no byte of the decode reaches it
+            r = await client.post("/v1/completions", json=CODE)
+            return router, r, await r.json(), prefills, decoders
+
+    router, r, doc, prefills, decoders = run(go())
+    assert r.status == 200 and r.headers["X-Eldr-Attempts"] == "2"
+    assert doc["choices"][0]["text"] == "tok0tok1tok2"
+    assert len(prefills[0].requests) == 1  # prefills wasted: 0
+    assert decoders[1].request_ids == prefills[0].request_ids  # the same prefill, read once
+    assert router.metrics.abandoned.values == {}
+
+
+def test_abandoned_prefills_are_counted_by_reason():
+    async def go():
+        async with cluster(unhealthy_after=99, breaker_failures=99) as (router, client, p,
+                                                                         decoders):
+            decoders[0].mode = "400"
+            await client.post("/v1/completions", json=CODE)
+            decoders[0].mode = decoders[1].mode = "500"
+            await client.post("/v1/completions", json=CODE)
+            return router, p
+
+    router, prefills = run(go())
+    assert _metric(router, "abandoned", reason="decoder_4xx") == 1
+    assert _metric(router, "abandoned", reason="decode_failed") == 3  # 3 attempts, 3 prefills
+    assert len(prefills[0].requests) == 4
+
+
+def test_a_refused_decode_reads_the_prefills_kv_with_a_one_token_decode():
+    async def go():
+        async with cluster() as (router, client, prefills, decoders):
+            decoders[0].mode = "400"
+            r = await client.post("/v1/completions", json={**CODE, "max_tokens": 7,
+                                                           "logit_bias": {"1": 100}})
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if router.metrics.kv_releases.get(result="ok"):
+                    break
+            return router, r.status, prefills, decoders
+
+    router, status, prefills, decoders = run(go())
+    assert status == 400
+    refused, release = decoders[0].requests
+    assert release == {"model": "tiny", "prompt": "write code now", "max_tokens": 1,
+                       "stream": False, "kv_transfer_params": refused["kv_transfer_params"]}
+    assert decoders[0].request_ids == [prefills[0].request_ids[0]] * 2
+    assert router.metrics.kv_releases.get(result="ok") == 1
+
+
+def test_a_client_leaving_during_a_large_answer_is_no_error(caplog):
+    async def go():
+        async with cluster(write_timeout=5) as (router, client, _, decoders):
+            decoders[0].mode, decoders[0].big_bytes = "big", 4 << 20
+            socks = [await _open_and_never_read(client, CODE) for _ in range(3)]
+            for _ in range(300):
+                await asyncio.sleep(0.01)
+                if router.flow.budget.used:
+                    break
+            await asyncio.sleep(0.2)  # the answers are being written
+            for s in socks:
+                s.close()
+            for _ in range(300):
+                await asyncio.sleep(0.02)
+                if router.pool.decode[0].in_flight == 0 and router.flow.budget.used == 0:
+                    break
+            return router
+
+    router = run(go())
+    assert router.pool.decode[0].in_flight == 0 and router.flow.budget.used == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert router.metrics.requests.get(endpoint="completions", status="500") == 0

@@ -98,3 +98,18 @@ def test_check_of_a_dead_instance():
     ok, pool = run(go())
     assert not ok and not pool.prefill[0].healthy
     assert pool.prefill[0].last_error.startswith("connect")
+
+
+def test_an_odd_model_list_does_not_take_an_engine_out():
+    from eldr.proxy.config import ServeConfig
+    from eldr.proxy.upstream import Instance, UpstreamPool
+
+    pool = UpstreamPool(ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                                    policy="jsq"), ["d"])
+    inst = Instance("decode", 0, "http://d:1", "d")
+    for doc, models, length in [
+            ({"data": [{"id": "m", "max_model_len": 512}, {"id": 3}, "x"]}, ("m",), 512),
+            ({"data": "oops"}, (), None), ({"data": [{"id": "m", "max_model_len": True}]},
+                                           ("m",), None)]:
+        pool._learn_models(inst, doc)
+        assert (inst.models, inst.max_model_len) == (models, length)

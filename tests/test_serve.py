@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from _proxy_fakes import FakeEngine
+from _proxy_fakes import E, FakeEngine, L
 from eldr.cli import main
 from eldr.commands.serve import config_from_args
 
@@ -48,13 +48,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm():
+def _artifact_for_the_fake_engine(path) -> list[str]:
+    """A real artifact of the fake engines' model (L=2, E=8) for one decoder ``e``."""
+    from conftest import make_trace
+    from eldr.fit.artifact import fit_artifact, save
+
+    trace = make_trace(num_requests=8, num_layers=L, num_experts=E, top_k=2)
+    save(fit_artifact(trace, worker_ids=["e"], n_init=1), path)
+    return ["--artifact", str(path)]
+
+
+@pytest.mark.parametrize("policy, with_artifact", [
+    ("jsq", False), ("eldr_cost", False), ("eldr_cost", True)])
+def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm(policy, with_artifact,
+                                                                     tmp_path):
+    extra = _artifact_for_the_fake_engine(tmp_path / "art") if with_artifact else []
+
     async def go():
         eng = await FakeEngine("e").start()
         port = _free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "eldr", "serve", "--prefill", eng.url, "--decode", eng.url,
-             "--policy", "jsq", "--port", str(port), "--health-interval", "0.2"],
+             "--policy", policy, "--port", str(port), "--health-interval", "0.2", *extra],
             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         base = f"http://127.0.0.1:{port}"
         try:
@@ -91,5 +106,31 @@ def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm():
     assert status == 200
     assert doc["choices"][0]["text"] == "tok0tok1tok2"
     assert 'eldr_artifact_reloads_total{result="ok"} 1' in metrics
+    decoder = "e" if with_artifact else "decode-0"
+    assert f'eldr_routing_decisions_total{{policy="{policy}",decoder="{decoder}"}} 1' in metrics
+    assert "eldr_routing_fallbacks_total{" not in metrics  # eldr_cost bound before deciding
     assert rc == 0, err
     assert "listening on http://127.0.0.1" in err
+
+
+def test_admin_token_from_a_file_or_the_environment_never_the_command_line(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    base = ("--prefill", "http://p:1", "--decode", "http://d:1", "--policy", "jsq")
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file-123\n")
+    assert config_from_args(_args(*base, "--admin-token-file", str(token_file))).admin_token \
+        == "from-the-file-123"
+    monkeypatch.setenv("ELDR_ADMIN_TOKEN", "from-the-env-456")
+    monkeypatch.setenv("ELDR_UPSTREAM_API_KEY", "engine-key")
+    cfg = config_from_args(_args(*base))
+    assert cfg.admin_token == "from-the-env-456" and cfg.upstream_api_key == "engine-key"
+    assert "from-the-env" not in repr(cfg) and "engine-key" not in repr(cfg)
+    monkeypatch.delenv("ELDR_ADMIN_TOKEN")
+    assert config_from_args(_args(*base, "--admin-token", "on-the-command-line")).admin_token \
+        == "on-the-command-line"
+    assert "visible in the process list" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        config_from_args(_args(*base, "--admin-token-file", str(empty)))

@@ -105,7 +105,7 @@ def test_pickled_object_array_is_refused(tmp_path, toy_trace):
     arrays["domains"] = np.array([object()] * len(toy_trace), dtype=object)
     bad = tmp_path / "bad.npz"
     np.savez(bad, **arrays)
-    with pytest.raises(ValueError, match="pickled object"):
+    with pytest.raises(ValueError, match=r"object array \(needs pickle\), refused"):
         load(bad)
 
 
@@ -181,3 +181,151 @@ def test_concat_merges_domains_by_name():
 def test_concat_refuses_other_models():
     with pytest.raises(ValueError, match="concat: trace 1 is for L=3"):
         concat([make_trace(5), make_trace(5, num_layers=3)])
+
+
+# -- issue 12: odd files are refused in one line, never block, never inflate ----------------
+def _arrays(path):
+    with np.load(path) as npz:
+        return dict(npz)
+
+
+def _npy_bytes(header_shape, dtype="<i4", payload=b""):
+    """A .npy member whose header declares ``header_shape`` (the data need not match)."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False,
+                                               "shape": tuple(header_shape)})
+    return buf.getvalue() + payload
+
+
+def _rewrite(path, out, replace_members=None, extra_members=None):
+    import zipfile
+
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            data = (replace_members or {}).get(info.filename, src.read(info))
+            dst.writestr(info.filename, data)
+        for name, data in (extra_members or {}).items():
+            dst.writestr(name, data)
+    return out
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "t.npz"
+    os.mkfifo(fifo)
+    result = {}
+
+    def go():
+        try:
+            load(fifo)
+        except ValueError as exc:
+            result["error"] = str(exc)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(5)
+    if th.is_alive():  # unblock the reader before failing
+        with open(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        pytest.fail("load() blocked on a FIFO")
+    assert "not a regular file" in result["error"]
+
+
+def test_a_non_npy_member_is_refused(tmp_path, toy_trace):
+    path = save(toy_trace, tmp_path / "t.npz")
+    bad = _rewrite(path, tmp_path / "bad.npz", extra_members={"notes.txt": b"hello"})
+    with pytest.raises(ValueError, match=r"'notes\.txt' is not a \.npy array"):
+        load(bad)
+    fake = _rewrite(path, tmp_path / "fake.npz", replace_members={"domains.npy": b"garbage"})
+    with pytest.raises(ValueError, match=r"'domains' is not a \.npy array"):
+        load(fake)
+
+
+@pytest.mark.parametrize("member, shape", [
+    ("prefill_counts.npy", (10**6, 10**6)),  # 10^12 elements: no MemoryError
+    ("prefill_counts.npy", (600_000_000,)),  # 2.4 GB declared: no "pickled" message
+])
+def test_huge_declared_shapes_are_refused_before_reading(tmp_path, toy_trace, member, shape):
+    path = save(toy_trace, tmp_path / "t.npz")
+    bad = _rewrite(path, tmp_path / "bad.npz", replace_members={member: _npy_bytes(shape)})
+    with pytest.raises(ValueError, match=r"'prefill_counts': shape \[.*\], expected \[40, 4, 16\]"):
+        load(bad)
+
+
+def test_a_decompression_bomb_is_refused_before_inflating(tmp_path, toy_trace):
+    import zipfile
+
+    path = save(toy_trace, tmp_path / "t.npz")
+    zeros = _npy_bytes((1 << 26,), "<i4") + bytes(1 << 28)  # 256 MiB of zeros, ~260 KB zipped
+    bad = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(bad, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if info.filename != "decode_counts.npy":
+                dst.writestr(info.filename, src.read(info))
+        dst.writestr("decode_counts.npy", zeros)
+    del zeros
+    assert bad.stat().st_size < 1 << 20
+    with pytest.raises(ValueError, match="'decode_counts': shape"):
+        load(bad)
+    with pytest.raises(ValueError, match="limit for the whole file"):
+        load(path, max_bytes=1000)
+
+
+def test_counts_that_wrap_around_in_int64_are_refused(toy_trace):
+    counts = toy_trace.prefill_counts.astype(np.int64)
+    counts[0, 0, 0] += 1 << 62  # the sum wraps back to k x tokens after four of them
+    counts[0, 0, 1] += 1 << 62
+    counts[0, 0, 2] += 1 << 62
+    counts[0, 0, 3] += 1 << 62
+    with pytest.raises(ValueError, match=r"'prefill_counts' \(request 0\).*exceeds"):
+        replace(toy_trace, prefill_counts=counts)
+
+
+def test_odd_trace_files_fail_in_one_line_with_exit_2(tmp_path, toy_trace, capsys):
+    import os
+    import warnings
+
+    from eldr.cli import main
+
+    empty = save(toy_trace.subset([]), tmp_path / "empty.npz")
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"PK\x03\x04 not really a zip")
+    for bad in (empty, fifo, junk, tmp_path / "missing.npz"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a RuntimeWarning would be a second line
+            assert main(["score", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("eldr score: error:"), err
+
+
+def test_fuzzed_trace_files_load_or_fail_with_one_value_error(tmp_path_factory, toy_trace):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    good = save(toy_trace.subset(range(6)), tmp_path_factory.mktemp("fuzz") / "t.npz")
+    data = good.read_bytes()
+    out = good.with_name("mutated.npz")
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(flips=st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)),
+                          max_size=4),
+           cut=st.integers(0, len(data)))
+    def check(flips, cut):
+        mutated = bytearray(data[:cut] if cut > 2 else data)
+        for pos, value in flips:
+            if pos < len(mutated):
+                mutated[pos] = value
+        out.write_bytes(bytes(mutated))
+        try:
+            load(out)
+        except ValueError as exc:
+            assert "\n" not in str(exc)
+
+    check()

@@ -480,6 +480,30 @@ def test_malformed_requests_get_4xx_while_good_ones_succeed(deployment):
     assert statuses[6:] == [400, 404, 400, 413, 400, 400]
 
 
+def test_requests_a_decoder_would_refuse_cost_no_prefill(deployment):
+    """Issue 12: nested-too-deep, UTF-16 and beyond-the-context requests are 400s from the
+    router, and the prefill engine computes no prompt token for them."""
+    from eldr.proxy.metrics import parse_samples
+
+    dep = deployment
+    url = dep.router_url("/v1/completions")
+
+    def prefilled() -> float:
+        page = _request(dep.urls["prefill"] + "/metrics")[2].decode()
+        return parse_samples(page, ("vllm:prompt_tokens_total",)).get(
+            "vllm:prompt_tokens_total", 0.0)
+
+    good = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
+    bad = [b'{"prompt":"x","x":' + b"[" * 5000 + b"]" * 5000 + b"}",
+           json.dumps(good).encode("utf-16"),
+           json.dumps({**good, "max_tokens": 1024}).encode()]  # --max-model-len 1024
+    before = prefilled()
+    statuses = [_request(url, data=data)[0] for data in bad]
+    after = prefilled()
+    assert statuses == [400, 400, 400]
+    assert after == before  # prefills wasted: 0
+
+
 def test_engine_loads_are_scraped(deployment):
     time.sleep(1.5)  # > one scrape interval
     health = json.loads(_request(deployment.router_url("/health"))[2])

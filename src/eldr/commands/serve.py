@@ -12,6 +12,8 @@ import sys
 HELP = "Route an OpenAI API over vLLM prefill/decode instances, decode by expert locality."
 
 _TOKEN_ENV = "ELDR_ADMIN_TOKEN"
+_UPSTREAM_KEY_ENV = "ELDR_UPSTREAM_API_KEY"
+_MAX_TOKEN_FILE_BYTES = 4096
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,9 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="locality band width (default: the artifact's)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    p.add_argument("--admin-token", default=None,
-                   help=f"bearer token for /admin/* (or env {_TOKEN_ENV}); without one the "
-                        f"admin endpoints refuse every request")
+    p.add_argument("--admin-token-file", default=None, metavar="PATH",
+                   help=f"file holding the bearer token of /admin/* and of /health's details "
+                        f"(or env {_TOKEN_ENV}); without one the admin endpoints refuse every "
+                        f"request")
+    p.add_argument("--admin-token", default=None, help=argparse.SUPPRESS)  # ps shows it
+    p.add_argument("--upstream-api-key-env", default=_UPSTREAM_KEY_ENV, metavar="NAME",
+                   help=f"environment variable holding the API key the engines require "
+                        f"(vllm --api-key); default {_UPSTREAM_KEY_ENV}, read if set")
     p.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="accepted model name (repeatable; default: what the engines list)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
@@ -42,11 +49,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     p.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a decoder may stay silent, first byte included")
+    p.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client may leave an answer unread before it is dropped "
+                        "and its decode aborted")
+    p.add_argument("--max-prefill-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest prefill answer read (its expert payload included)")
+    p.add_argument("--max-response-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest non-streaming decode answer buffered")
+    p.add_argument("--max-buffered-bytes", type=int, default=512 * 1024 * 1024,
+                   help="all non-streaming answers buffered at once; more wait their turn")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--scrape-interval", type=float, default=0.0, metavar="S",
                    help="read engines' /metrics for their load every S seconds (0: off)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="prefill+decode attempts per request (default 3)")
+    p.add_argument("--no-kv-release", dest="release_kv", action="store_false",
+                   help="do not send a one-token decode to free the KV of a prefill whose "
+                        "decoder refused the request (it then waits for the connector's "
+                        "timeout)")
+    p.add_argument("--breaker-failures", type=int, default=3,
+                   help="consecutive failed requests that open a decoder's circuit breaker")
+    p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
+                   help="seconds an open breaker holds a decoder off before one probe; "
+                        "doubled after each failed probe (up to 120 s)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
@@ -62,12 +87,47 @@ def config_from_args(args: argparse.Namespace):
         prefill_urls=tuple(args.prefill), decode_urls=tuple(u for _, u in specs),
         decode_ids=None if ids[0] is None else tuple(ids), artifact=args.artifact,
         policy=args.policy, tau=args.tau, host=args.host, port=args.port,
-        admin_token=args.admin_token or os.environ.get(_TOKEN_ENV) or None,
+        admin_token=_admin_token(args),
+        upstream_api_key=os.environ.get(args.upstream_api_key_env) or None,
         models=tuple(args.model), max_body_bytes=args.max_body_bytes,
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
-        decode_read_timeout=args.decode_timeout, health_interval=args.health_interval,
+        decode_read_timeout=args.decode_timeout, write_timeout=args.write_timeout,
+        max_prefill_bytes=args.max_prefill_bytes, max_response_bytes=args.max_response_bytes,
+        max_buffered_bytes=args.max_buffered_bytes,
+        health_interval=args.health_interval,
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
-        max_attempts=args.max_attempts)
+        max_attempts=args.max_attempts, release_kv=args.release_kv,
+        breaker_failures=args.breaker_failures,
+        breaker_backoff=args.breaker_backoff,
+        breaker_max_backoff=max(120.0, args.breaker_backoff))
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from --admin-token-file, else the environment, else --admin-token.
+
+    A token on the command line is visible to every user of the machine (``ps``): it still
+    works, with a warning, but the file or the environment is the way.
+    """
+    if args.admin_token_file is not None:
+        from eldr.fileio import open_regular
+
+        with open_regular(args.admin_token_file, max_bytes=_MAX_TOKEN_FILE_BYTES,
+                          what="an admin token file") as fh:
+            try:
+                token = fh.read().decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"{args.admin_token_file}: the admin token is not UTF-8 "
+                                 f"text") from None
+        if not token:
+            raise ValueError(f"{args.admin_token_file}: the admin token file is empty")
+        return token
+    if os.environ.get(_TOKEN_ENV):
+        return os.environ[_TOKEN_ENV]
+    if args.admin_token:
+        print(f"eldr serve: warning: --admin-token is visible in the process list; use "
+              f"--admin-token-file or {_TOKEN_ENV}", file=sys.stderr)
+        return args.admin_token
+    return None
 
 
 async def serve(router, *, ready=None) -> None:
@@ -99,8 +159,8 @@ async def serve(router, *, ready=None) -> None:
 async def _reload(router) -> None:
     try:
         await router.reload()
-    except (ValueError, OSError):
-        pass  # logged by reload(); the running artifact stays
+    except Exception:  # logged and counted by reload(); the running artifact stays
+        pass
 
 
 def run(args: argparse.Namespace) -> int:

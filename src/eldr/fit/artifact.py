@@ -33,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr.fileio import default_dir_mode
+from eldr.fileio import NpzReader, default_dir_mode, open_regular
 from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
 
-__all__ = ["ARTIFACT_VERSION", "RoutingArtifact", "fit_artifact", "load", "save"]
+__all__ = ["ARTIFACT_VERSION", "MAX_ARRAYS_BYTES", "MAX_JSON_BYTES", "RoutingArtifact",
+           "fit_artifact", "load", "save"]
 
 ARTIFACT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)
@@ -310,21 +311,33 @@ def _get(doc: dict, path: str, kind):
     return node
 
 
+MAX_JSON_BYTES = 16 << 20  # artifact.json larger than this is refused unread
+MAX_ARRAYS_BYTES = 1 << 30  # arrays.npz: the file, and what its arrays declare in all
+
+
 def load(directory: str | os.PathLike, *,
          expect_model: TraceMeta | Trace | None = None) -> RoutingArtifact:
     """Read and validate an artifact written by :func:`save`. Never unpickles anything.
 
     ``expect_model`` (a trace or its meta): refuse the artifact unless (L, E, k) match.
+    Defensive like the trace loader: regular files only (a FIFO is refused without
+    blocking), sizes capped before reading, ``artifact.json`` validated before
+    ``arrays.npz`` is opened, and each array's header must declare exactly the shape the
+    document implies before its data is decompressed. Every failure is one ``ValueError``.
     """
     d = Path(directory)
     if not d.is_dir():
         raise ValueError(f"{d}: no such artifact directory")
     try:
-        doc = json.loads((d / _JSON).read_text())
+        with open_regular(d / _JSON, max_bytes=MAX_JSON_BYTES, what=_JSON) as fh:
+            text = fh.read()
+        doc = json.loads(text.decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{d}: not an artifact (no {_JSON})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{d / _JSON}: not valid JSON ({exc})") from exc
+        raise ValueError(f"{d / _JSON}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{d / _JSON}: not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise ValueError(f"{d / _JSON}: not an eldr routing artifact")
     version = doc.get("version")
@@ -332,7 +345,7 @@ def load(directory: str | os.PathLike, *,
         raise ValueError(f"{d}: artifact format version {version!r} is not supported "
                          f"(this eldr reads versions {list(_READABLE_VERSIONS)})")
     try:
-        art = _from_document(doc, _read_arrays(d / _ARRAYS))
+        art = _from_document(doc, lambda shapes: _read_arrays(d / _ARRAYS, shapes))
     except ValueError as exc:
         raise ValueError(f"{d}: {exc}") from exc
     if expect_model is not None:
@@ -340,22 +353,35 @@ def load(directory: str | os.PathLike, *,
     return art
 
 
-def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+def _read_arrays(path: Path, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
+                 ) -> dict[str, np.ndarray]:
+    """The arrays named in ``shapes`` (name → (shape, dtype)), each checked on its header."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
+        fh = open_regular(path, max_bytes=MAX_ARRAYS_BYTES, what=_ARRAYS)
     except FileNotFoundError:
         raise ValueError(f"missing {_ARRAYS}") from None
-    except Exception as exc:  # zip/format errors, object arrays (they need pickle)
-        raise ValueError(f"{_ARRAYS} is not a readable array file ({exc})") from exc
-    if set(arrays) not in ({"idf", "centroids"},
-                           {"idf", "centroids", "profile_mean", "decoder_profiles"}):
-        raise ValueError(f"{_ARRAYS} holds {sorted(arrays)}, expected ['centroids', 'idf'] "
-                         "(and 'decoder_profiles', 'profile_mean')")
-    return arrays
+    with fh:
+        if fh.read(2) != b"PK":
+            raise ValueError(f"{_ARRAYS} is not a readable array file (not a zip archive)")
+        fh.seek(0)
+        with NpzReader(fh, max_bytes=MAX_ARRAYS_BYTES, where=_ARRAYS) as npz:
+            if set(npz.names) != set(shapes):
+                raise ValueError(f"{_ARRAYS} holds {sorted(npz.names)}, expected "
+                                 f"{sorted(shapes)}")
+            return {name: npz.read(name, _exactly(name, *shapes[name])) for name in shapes}
 
 
-def _from_document(doc: dict, arrays: dict[str, np.ndarray]) -> RoutingArtifact:
+def _exactly(name: str, shape: tuple[int, ...], dtype: np.dtype):
+    def check(declared, declared_dtype):
+        if tuple(declared) != shape or declared_dtype != dtype:
+            raise ValueError(f"{name} has shape {tuple(declared)} {declared_dtype}, expected "
+                             f"{shape} {dtype}")
+    return check
+
+
+def _from_document(doc: dict, read_arrays) -> RoutingArtifact:
+    """The artifact from its validated document; ``read_arrays(shapes)`` reads the arrays
+    once the document says what their shapes must be."""
     name = _get(doc, "model.name", str)
     L, E, k = (_get(doc, f"model.{f}", int) for f in ("num_layers", "num_experts", "top_k"))
     if min(L, E, k) <= 0 or k > E:
@@ -375,15 +401,29 @@ def _from_document(doc: dict, arrays: dict[str, np.ndarray]) -> RoutingArtifact:
     fit_stats = doc.get("fit", {})
     if not isinstance(fit_stats, dict):
         raise ValueError("artifact.json: fit must be an object")
+    rho_curve = doc["signature"].get("rho_curve", [])
+    if not (isinstance(rho_curve, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
+            and not isinstance(p[0], bool) and isinstance(p[1], (int, float))
+            and not isinstance(p[1], bool) for p in rho_curve)):
+        raise ValueError("artifact.json: signature.rho_curve must be a list of "
+                         "[layer, rho] pairs")
+    if L * E > 1 << 26 or len(ids) * len(layers) * E > 1 << 28:
+        raise ValueError(f"implausibly large model fingerprint L={L} E={E} for "
+                         f"{len(ids)} workers and {len(layers)} layers")
 
-    idf, centroids = arrays["idf"], arrays["centroids"]
-    if idf.shape != (L, E) or idf.dtype != np.float64:
-        raise ValueError(f"idf has shape {idf.shape} {idf.dtype}, expected ({L}, {E}) float64")
-    d = len(layers) * E
     K = len(ids)
-    if centroids.shape != (K, d) or centroids.dtype != np.float32:
-        raise ValueError(f"centroids have shape {centroids.shape} {centroids.dtype}, expected "
-                         f"({K}, {d}) float32 for {K} workers and {len(layers)} layers x {E}")
+    shapes = {"idf": ((L, E), np.dtype("<f8")),
+              "centroids": ((K, len(layers) * E), np.dtype("<f4"))}
+    alpha = None
+    if doc.get("cost") is not None:  # version 2: the cost policy's fitted parts
+        alpha = _get(doc, "cost.alpha", float)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"cost.alpha must be in [0, 1], got {alpha}")
+        shapes["profile_mean"] = ((L, E), np.dtype("<f4"))
+        shapes["decoder_profiles"] = ((K, L, E), np.dtype("<f4"))
+    arrays = read_arrays(shapes)
+    idf, centroids = arrays["idf"], arrays["centroids"]  # shapes and dtypes checked
     if not np.isfinite(centroids).all():
         raise ValueError("centroids contain NaN or Inf")
     norms = np.linalg.norm(centroids.astype(np.float64), axis=1)
@@ -392,23 +432,15 @@ def _from_document(doc: dict, arrays: dict[str, np.ndarray]) -> RoutingArtifact:
         raise ValueError(f"centroid {int(bad[0])} has norm {norms[bad[0]]:.6f}, expected a "
                          "unit row")
     state = {"representation": rep, "num_layers": L, "num_experts": E, "layers": layers,
-             "idf": idf, "rho": _get(doc, "signature.rho", float),
-             "rho_curve": doc["signature"].get("rho_curve", [])}
+             "idf": idf, "rho": _get(doc, "signature.rho", float), "rho_curve": rho_curve}
     encoder = SignatureEncoder.from_state(state)  # validates idf values and the layer mask
-    alpha = mean = profiles = None
-    if "profile_mean" in arrays:
-        alpha = _get(doc, "cost.alpha", float)
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"cost.alpha must be in [0, 1], got {alpha}")
+    mean = profiles = None
+    if alpha is not None:  # shapes and dtypes checked by the reader
         mean, profiles = arrays["profile_mean"], arrays["decoder_profiles"]
-        if mean.shape != (L, E) or mean.dtype != np.float32 or not np.isfinite(mean).all() \
-                or (mean < 0).any() or (mean > 1).any():
-            raise ValueError(f"profile_mean must be ({L}, {E}) float32 in [0, 1], got "
-                             f"{mean.shape} {mean.dtype}")
-        if profiles.shape != (K, L, E) or profiles.dtype != np.float32 or \
-                not np.isfinite(profiles).all() or (profiles > 0).any():
-            raise ValueError(f"decoder_profiles must be ({K}, {L}, {E}) float32 finite "
-                             f"log-probabilities (<= 0), got {profiles.shape} {profiles.dtype}")
+        if not np.isfinite(mean).all() or (mean < 0).any() or (mean > 1).any():
+            raise ValueError("profile_mean must hold probabilities in [0, 1]")
+        if not np.isfinite(profiles).all() or (profiles > 0).any():
+            raise ValueError("decoder_profiles must be finite log-probabilities (<= 0)")
     return RoutingArtifact(model=name, num_layers=L, num_experts=E, top_k=k, encoder=encoder,
                            centroids=centroids, worker_ids=tuple(ids), tau=tau,
                            balanced=balanced, fit_stats=fit_stats, profile_alpha=alpha,

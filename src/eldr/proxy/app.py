@@ -6,12 +6,14 @@ Routes::
     POST /v1/chat/completions    the same for chat
     GET  /v1/models              the upstream model list
     GET  /health                 200 while >= 1 prefill and >= 1 decode instance are healthy
+                                 (URLs, artifact path, last errors: admin token only)
     GET  /metrics                Prometheus text (eldr.proxy.metrics.RouterMetrics)
     POST /admin/reload           re-read the routing artifact (bearer token required)
 
 Every error is an OpenAI-style JSON document (:mod:`eldr.proxy.errors`): malformed JSON or
 a non-object body → 400, an unknown model → 404, a body over ``max_body_bytes`` → 413,
-no healthy engine → 503, engines failing on every attempt → 502. The app runs with
+no healthy engine → 503, engines failing on every attempt → 502; anything unexpected is
+logged with its traceback and answered as a JSON 500 that names no internals. The app runs with
 aiohttp's handler cancellation on, so a client that disconnects cancels its handler and
 with it the upstream requests (the engines see the connection close and abort).
 """
@@ -19,10 +21,12 @@ with it the upstream requests (the engines see the connection close and abort).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
 import time
+from collections import OrderedDict
 
 from eldr.proxy.affinity import PrefixAffinity
 from eldr.proxy.config import ServeConfig
@@ -61,6 +65,9 @@ class Router:
         self.flow = RequestFlow(self)
         self.session = None
         self._reload_lock = asyncio.Lock()
+        self._failed_tokens = FailedAttempts()  # wrong admin tokens per client address
+        # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
+        self.engine_shape: tuple[int, int] | None = None
 
     def _on_recover(self, inst) -> None:
         if inst.role == "prefill":  # a restarted engine has an empty prefix cache
@@ -98,6 +105,7 @@ class Router:
         await self.pool.start(self.session)
 
     async def _cleanup(self, app) -> None:
+        await self.flow.stop()
         await self.pool.stop()
         if self.session is not None:
             await self.session.close()
@@ -127,6 +135,11 @@ class Router:
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
             raise
+        except Exception:  # a bug of ours: logged in full, answered without internals
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            resp = web.Response(status=500, body=error_body(
+                500, "internal error of the router; it was logged", code="internal_error"),
+                content_type="application/json")
         endpoint = _ENDPOINTS.get(request.path) or (
             request.path if request.path in _OTHER_ROUTES else "other")
         self.metrics.requests.inc(endpoint=endpoint, status=str(resp.status))
@@ -142,7 +155,29 @@ class Router:
         raw = await request.read()
         body = parse_body(raw, kind)
         self._check_model(body)
+        self._check_context(body, kind)
         return await self.flow.run(request, body, kind, raw)
+
+    def _check_context(self, body: dict, kind: str) -> None:
+        """400 before the prefill for what the decoder is sure to refuse after it: more
+        tokens than the context holds (a prompt of token ids is counted exactly; any
+        prompt has at least one token)."""
+        limit = self.pool.max_model_len()
+        if limit is None:
+            return
+        prompt = body.get("prompt") if kind == "completions" else None
+        is_ids = isinstance(prompt, list) and bool(prompt) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        prompt_tokens = len(prompt) if is_ids else 1
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if isinstance(value, int) and prompt_tokens + value > limit:
+                raise ProxyError(400, f"'{key}' is {value}, but the model's context holds "
+                                      f"{limit} tokens and the prompt takes at least "
+                                      f"{prompt_tokens}", param=key, code="context_exceeded")
+        if is_ids and prompt_tokens >= limit:
+            raise ProxyError(400, f"the prompt has {prompt_tokens} tokens, the model's context "
+                                  f"holds {limit}", param="prompt", code="context_exceeded")
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -167,17 +202,32 @@ class Router:
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request):
+        """Status and per-instance health; internals only for the admin token.
+
+        The public answer names instances by worker id and says whether each takes
+        requests and how busy it is; upstream URLs, the artifact's path and the last
+        errors (which can carry hostnames and engine messages) need the admin token.
+        """
         from aiohttp import web
 
         pool, state = self.pool, self.state
         ok = any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode)
         degraded = not all(i.healthy for i in (*pool.prefill, *pool.decode))
+        admin = "Authorization" in request.headers and self._is_admin(request)
+        public = ("name", "healthy", "in_flight", "engine_load", "breaker")
+
+        def show(inst, **extra) -> dict:
+            doc = inst.describe()
+            return {**(doc if admin else {k: doc[k] for k in public if k in doc}), **extra}
+
         doc = {"status": "ok" if ok and not degraded else ("degraded" if ok else "unavailable"),
-               "policy": state.policy.name, "tau": state.tau, "artifact": state.artifact,
-               "artifact_loaded_at": state.loaded_at,
-               "prefill": [i.describe() for i in pool.prefill],
-               "decode": [{**i.describe(), "load": float(pool.tracker.loads[i.index])}
+               "policy": state.policy.name,
+               "prefill": [show(i) for i in pool.prefill],
+               "decode": [show(i, load=float(pool.tracker.loads[i.index]))
                           for i in pool.decode]}
+        if admin:
+            doc.update(tau=state.tau, artifact=state.artifact,
+                       artifact_loaded_at=state.loaded_at)
         return web.json_response(doc, status=200 if ok else 503)
 
     async def metrics_page(self, request):
@@ -193,24 +243,71 @@ class Router:
         self._authorize(request)
         try:
             state = await self.reload()
+        except ReloadRefused as exc:
+            raise ProxyError(409, f"artifact reload refused, the previous one stays in use: "
+                                  f"{exc}", code=exc.code) from None
         except (ValueError, OSError) as exc:
             raise ProxyError(500, f"artifact reload failed, the previous one stays in use: "
                                   f"{exc}", code="reload_failed") from None
+        except Exception as exc:  # reload() logged the traceback; name no internals
+            raise ProxyError(500, f"artifact reload failed ({type(exc).__name__}), the "
+                                  f"previous one stays in use", code="reload_failed") from None
         return web.json_response({"reloaded": True, "artifact": state.artifact,
                                   "policy": state.policy.name, "tau": state.tau,
                                   "decoders": list(state.worker_names)})
 
     def _authorize(self, request) -> None:
-        token = self.config.admin_token
-        if token is None:
+        """Raise unless the request carries the admin token (403 disabled, 401 wrong, 429
+        after too many wrong tokens from its address)."""
+        if self.config.admin_token is None:
             raise ProxyError(403, "admin endpoints are disabled: start eldr serve with "
-                                  "--admin-token", code="admin_disabled")
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                                  token.encode()):
+                                  "ELDR_ADMIN_TOKEN or --admin-token-file",
+                             code="admin_disabled")
+        peer = request.remote or "?"
+        if self._failed_tokens.is_limited(peer):
+            raise ProxyError(429, "too many wrong admin tokens from this address; wait a "
+                                  "minute", code="rate_limited")
+        if not self._token_matches(request):
+            self._failed_tokens.record(peer)
             raise ProxyError(401, "missing or wrong admin token (Authorization: Bearer ...)",
                              code="unauthorized")
+
+    def _is_admin(self, request) -> bool:
+        try:
+            self._authorize(request)
+        except ProxyError:
+            return False
+        return True
+
+    def _token_matches(self, request) -> bool:
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode(), self.config.admin_token.encode())
+
+    def _check_fingerprint(self, new: RoutingState) -> None:
+        """Refuse an artifact fitted for another model than the one being served.
+
+        Such an artifact loads fine and then silently routes every request by load (its
+        (L, E) never match a payload). The served model is known from the engines' payloads
+        (``engine_shape``) once a request went through; k, and everything before the first
+        request, is compared with the running artifact. A deployment that changes model
+        restarts the router.
+        """
+        if new.num_layers is None:
+            return  # no artifact: nothing model-specific to compare
+        old = self.state
+        engines = self.engine_shape
+        if engines is not None and engines != (new.num_layers, new.num_experts):
+            raise ReloadRefused(
+                f"the new artifact is for {new.fingerprint()}, the engines' prefill payloads "
+                f"have L={engines[0]} E={engines[1]}", "artifact_model_mismatch")
+        same_shape = (old.num_layers, old.num_experts) == (new.num_layers, new.num_experts)
+        if old.num_layers is not None and (engines is None or same_shape) and \
+                old.fingerprint() != new.fingerprint():
+            raise ReloadRefused(
+                f"the new artifact is for {new.fingerprint()}, the running artifact is for "
+                f"{old.fingerprint()}", "artifact_model_mismatch")
 
     async def reload(self) -> RoutingState:
         """Re-read the artifact off the event loop, check it, swap the routing snapshot.
@@ -223,11 +320,17 @@ class Router:
             try:
                 state = await loop.run_in_executor(None, build_state, self.config)
                 if state.worker_names != self.state.worker_names:
-                    raise ValueError(f"the new artifact's decoders {list(state.worker_names)} "
-                                     f"differ from the running {list(self.state.worker_names)}")
+                    raise ReloadRefused(
+                        f"the new artifact's decoders {list(state.worker_names)} differ from "
+                        f"the running {list(self.state.worker_names)}", "artifact_workers")
+                self._check_fingerprint(state)
             except (ValueError, OSError) as exc:
                 self.metrics.reloads.inc(result="error")
                 log.error("artifact reload failed (keeping the current one): %s", exc)
+                raise
+            except Exception:  # an artifact must never take the router down
+                self.metrics.reloads.inc(result="error")
+                log.exception("artifact reload failed (keeping the current one)")
                 raise
             self.state = state
             self.metrics.reloads.inc(result="ok")
@@ -235,12 +338,76 @@ class Router:
             return state
 
 
+class FailedAttempts:
+    """Wrong admin tokens per client address in a sliding window, to slow guessing down.
+
+    ``max_failures`` within ``window`` seconds limit an address until the oldest ages
+    out. At most ``max_peers`` addresses are remembered (the oldest forgotten first), so a
+    flood of addresses cannot grow memory.
+    """
+
+    def __init__(self, *, max_failures: int = 5, window: float = 60.0,
+                 max_peers: int = 4096, clock=time.monotonic) -> None:
+        self.max_failures = max_failures
+        self.window = window
+        self.max_peers = max_peers
+        self.clock = clock
+        self._seen: OrderedDict[str, collections.deque] = OrderedDict()
+
+    def _recent(self, peer: str) -> collections.deque | None:
+        times = self._seen.get(peer)
+        if times is not None:
+            cutoff = self.clock() - self.window
+            while times and times[0] < cutoff:
+                times.popleft()
+        return times
+
+    def is_limited(self, peer: str) -> bool:
+        times = self._recent(peer)
+        return times is not None and len(times) >= self.max_failures
+
+    def record(self, peer: str) -> None:
+        times = self._recent(peer)
+        if times is None:
+            times = self._seen[peer] = collections.deque(maxlen=self.max_failures)
+        times.append(self.clock())
+        self._seen.move_to_end(peer)
+        while len(self._seen) > self.max_peers:
+            self._seen.popitem(last=False)
+
+
+class ReloadRefused(ValueError):
+    """A valid artifact that does not fit the running deployment (HTTP 409)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def parse_body(raw: bytes, kind: str) -> dict:
-    """The request JSON object, or a 400 naming what is wrong with it."""
+    """The request JSON object, or a 400 naming what is wrong with it.
+
+    UTF-8 only (RFC 8259 §8.1): ``json.loads`` would also take UTF-16/32 bytes, but the
+    router splices the client's raw bytes into the decoder's body next to ASCII, and a
+    mixed-encoding body is rejected by the decoder after a prefill was spent. Nesting
+    deeper than the parser's recursion limit is a client error too (``RecursionError``
+    is not a ``ValueError``).
+    """
+    if b"\x00" in raw[:4]:  # UTF-16/32 without a BOM: JSON text starts with two ASCII chars
+        raise ProxyError(400, "request body looks UTF-16 or UTF-32 encoded: only UTF-8 is "
+                              "accepted", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProxyError(400, f"request body is not UTF-8 encoded JSON (byte {exc.start}): "
+                              f"only UTF-8 is accepted", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
         raise ProxyError(400, f"request body is not valid JSON: {exc}",
+                         code="invalid_json") from None
+    except RecursionError:
+        raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                          code="invalid_json") from None
     if not isinstance(body, dict):
         raise ProxyError(400, f"request body must be a JSON object, got {type(body).__name__}",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["EVALUATION_ONLY_POLICIES", "ServeConfig", "parse_decode_spec"]
@@ -39,7 +39,7 @@ def parse_decode_spec(spec: str) -> tuple[str | None, str]:
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig:  # repr=False on secrets below: a logged config must not leak them
     """Everything ``eldr serve`` needs; validated on construction, never mutated."""
 
     prefill_urls: tuple[str, ...]  # base URLs of the prefill instances (no trailing /)
@@ -50,17 +50,28 @@ class ServeConfig:
     tau: float | None = None  # locality band width; None: the artifact's τ
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0: any free port)
-    admin_token: str | None = None  # bearer token of /admin/*; None: admin endpoints refuse all
+    # bearer token of /admin/* and /health's details; None: admin endpoints refuse all
+    admin_token: str | None = field(default=None, repr=False)
+    # bearer key the engines require (vllm --api-key); None: the client's is forwarded
+    upstream_api_key: str | None = field(default=None, repr=False)
     models: tuple[str, ...] = ()  # accepted model names; (): learned from upstream /v1/models
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     connect_timeout: float = 3.0  # seconds to open a connection to an instance
     prefill_timeout: float = 120.0  # seconds for a whole prefill response
     decode_read_timeout: float = 120.0  # seconds without a byte from a decoder (first included)
+    write_timeout: float = 30.0  # seconds a client may leave a write unread before it is dropped
+    max_prefill_bytes: int = 64 * 1024 * 1024  # a prefill answer (payload included) above: error
+    max_response_bytes: int = 64 * 1024 * 1024  # a buffered (non-streaming) decode answer
+    max_buffered_bytes: int = 512 * 1024 * 1024  # all buffered answers at once (they wait)
     health_interval: float = 2.0  # seconds between health checks of each instance
     health_timeout: float = 2.0  # seconds a health check may take
     unhealthy_after: int = 2  # consecutive failed checks that take an instance out
     scrape_interval: float = 0.0  # seconds between engine /metrics scrapes; 0: off
     max_attempts: int = 3  # prefill+decode attempts per request (retries = attempts - 1)
+    release_kv: bool = True  # after a decoder's 4xx, read the prefill's KV (1-token decode)
+    breaker_failures: int = 3  # consecutive failed requests that open a decoder's breaker
+    breaker_backoff: float = 5.0  # seconds it stays open first; doubled per failed probe
+    breaker_max_backoff: float = 120.0  # the longest it stays open
     affinity_block_chars: int = 128  # prompt bytes per block of the prefill affinity hash
     affinity_max_blocks: int = 512  # only the first blocks·chars bytes of a prompt count
     affinity_capacity: int = 100_000  # remembered block → prefill entries (LRU)
@@ -99,15 +110,27 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("admin token must be at least 8 characters")
+        if self.upstream_api_key is not None and (
+                not self.upstream_api_key or any(c in self.upstream_api_key for c in "\r\n")):
+            raise ValueError("the upstream API key must be non-empty, on one line")
         object.__setattr__(self, "models", tuple(self.models))
         positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
-                    "decode_read_timeout", "health_interval", "health_timeout",
-                    "unhealthy_after", "max_attempts", "affinity_block_chars",
+                    "decode_read_timeout", "write_timeout", "max_prefill_bytes",
+                    "max_response_bytes", "max_buffered_bytes", "health_interval",
+                    "health_timeout",
+                    "unhealthy_after", "max_attempts", "breaker_failures", "breaker_backoff",
+                    "breaker_max_backoff", "affinity_block_chars",
                     "affinity_max_blocks", "affinity_capacity")
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.breaker_backoff > self.breaker_max_backoff:
+            raise ValueError(f"breaker_backoff ({self.breaker_backoff}) must not exceed "
+                             f"breaker_max_backoff ({self.breaker_max_backoff})")
+        if self.max_buffered_bytes < self.max_response_bytes:
+            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least "
+                             f"max_response_bytes ({self.max_response_bytes})")
         for name in ("scrape_interval", "affinity_spill"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

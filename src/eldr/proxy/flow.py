@@ -4,23 +4,35 @@ Per attempt (vLLM's PD proxy protocol; docs/method.md#request-path-with-vllm):
 
 1. prefill: the request with ``max_tokens`` 1 (and ``max_completion_tokens`` 1 for chat),
    ``stream`` false and ``kv_transfer_params = {"do_remote_decode": true, ...}`` goes to a
-   prefill instance chosen by prefix affinity with load spill, with the attempt's
-   ``X-Request-Id``;
-2. route: the signature is read off the prefill response, encoded, and the policy picks a
-   healthy decoder on the live loads;
+   prefill instance chosen by prefix affinity with load spill, with the attempt's own
+   ``X-Request-Id`` (never the client's, which may be shared: engines key requests by it);
+2. route: the inputs the policy declares (``policy.inputs``: a signature, an expert
+   profile) are read off the prefill response and the policy picks a healthy decoder on
+   the live loads; ``policy.on_dispatch`` tells it the request went there;
 3. decode: the ORIGINAL request plus the prefill's ``kv_transfer_params`` (relayed
    verbatim, minus the eldr payload) goes to that decoder; its answer is streamed back.
 
 A decode that fails before the first byte reaches the client (connection refused or lost,
-timeout, 5xx) starts a new attempt: a FRESH prefill and a decoder not tried yet. The
-consumed ``kv_transfer_params`` are never sent again (vLLM would answer 200 with output
-computed from freed KV blocks). A non-streaming answer is buffered, so it is retryable to
+timeout, 5xx) starts a new attempt on a decoder not tried yet. When the connection to the
+decoder could not even be opened, no byte of the request reached it and the prefill's KV
+is unread: the same ``kv_transfer_params`` go to the next decoder (no prefill wasted).
+Otherwise the attempt starts with a FRESH prefill: ``kv_transfer_params`` a decoder may
+have consumed are never sent again (vLLM would answer 200 with output computed from freed
+KV blocks). A non-streaming answer is buffered, so it is retryable to
 its end; a stream that breaks after its first byte ends with an SSE error event. An
 engine's 4xx is the client's problem: relayed as is, never retried.
+
+Every dispatch is released exactly once (``policy.on_release``) when its decode ends:
+``"completed"``, ``"failed"`` (an engine error, a timeout, a stream broken mid-way, or a
+retry elsewhere: the failed attempt is released before the next one is dispatched) or
+``"cancelled"`` (the client left). The events go to the policy of the routing snapshot
+the request started with, so a reload in between cannot leak a stateful policy's
+footprint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -28,12 +40,29 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from eldr.proxy.decision import RoutingState, SignatureResult, read_signature, split_kv_params
+from eldr.proxy.bodies import (
+    SMALL_ANSWER,
+    BadEvent,
+    ByteBudget,
+    SSEUsage,
+    decode_body,
+    fix_usage,
+    json_object,
+    read_upto,
+    within,
+)
+from eldr.proxy.decision import (
+    Reading,
+    RoutingState,
+    payload_shape,
+    read_inputs,
+    split_kv_params,
+)
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.upstream import Instance, error_kind
-from eldr.routing import NoHealthyWorkerError, RouteRequest
+from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
-__all__ = ["RequestFlow", "fix_usage"]
+__all__ = ["RequestFlow", "prompt_key"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -55,82 +84,10 @@ class Decision:
     """Where one attempt's decode goes, and why."""
 
     worker: int  # decode worker index k
-    signature: SignatureResult  # what the prefill response carried
+    request: RouteRequest  # what the policy routed (dispatched to ``worker``)
+    reading: Reading  # what the prefill response carried
     kv_params: dict | None  # kv_transfer_params to relay to the decoder
     prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
-
-
-def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
-    """Make ``usage`` count the whole prompt; True if it changed (in place).
-
-    The decoder receives the whole prompt and counts it, so this rarely changes anything;
-    it guards against connectors that report only the tokens they computed.
-    """
-    if prompt_tokens is None or not isinstance(usage, dict):
-        return False
-    pt = usage.get("prompt_tokens")
-    if isinstance(pt, int) and pt >= prompt_tokens:
-        return False
-    completion = usage.get("completion_tokens")
-    usage["prompt_tokens"] = prompt_tokens
-    usage["total_tokens"] = prompt_tokens + (completion if isinstance(completion, int) else 0)
-    return True
-
-
-class _SSEUsage:
-    """Rewrites the usage of SSE events in a byte stream; other events pass untouched."""
-
-    def __init__(self, prompt_tokens: int | None) -> None:
-        self.prompt_tokens = prompt_tokens
-        self._tail = b""  # an incomplete event held until its blank line arrives
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self.prompt_tokens is None:
-            return chunk
-        data = self._tail + chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._tail = data
-            return b""
-        head, self._tail = data[: cut + 2], data[cut + 2:]
-        if b'"prompt_tokens"' not in head:
-            return head
-        return b"".join(self._fix(ev) for ev in head.split(b"\n\n")[:-1])
-
-    def flush(self) -> bytes:
-        tail, self._tail = self._tail, b""
-        return tail
-
-    def _fix(self, event: bytes) -> bytes:
-        if b'"prompt_tokens"' in event and event.startswith(b"data: "):
-            try:
-                doc = json.loads(event[6:])
-            except ValueError:
-                return event + b"\n\n"
-            if isinstance(doc, dict) and fix_usage(doc.get("usage"), self.prompt_tokens):
-                return b"data: " + json.dumps(doc).encode() + b"\n\n"
-        return event + b"\n\n"
-
-
-def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
-    """The decode request: the client's body plus the relayed ``kv_transfer_params``.
-
-    When the client's JSON (``raw``, already parsed into ``body``) has no
-    ``kv_transfer_params`` key, the field is spliced in before its closing brace instead of
-    re-serialising the whole body: a long prompt is then never encoded twice.
-    """
-    if raw is not None and "kv_transfer_params" not in body and body:
-        if kv_params is None:
-            return raw
-        end = raw.rstrip()
-        if end.endswith(b"}"):
-            return end[:-1] + b', "kv_transfer_params": ' + json.dumps(kv_params).encode() + b"}"
-    dec = dict(body)
-    if kv_params is None:
-        dec.pop("kv_transfer_params", None)
-    else:
-        dec["kv_transfer_params"] = kv_params
-    return json.dumps(dec).encode()
 
 
 def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
@@ -154,6 +111,11 @@ def prompt_key(body: dict, kind: str) -> bytes:
         "utf-8", "surrogatepass")
 
 
+def reply_id(out) -> str:
+    """The client's request id of an answer (for logs)."""
+    return out.headers.get("X-Request-Id", "?")
+
+
 class RequestFlow:
     """Runs the PD flow for the router (``router`` gives config, pool, state, metrics)."""
 
@@ -163,47 +125,142 @@ class RequestFlow:
         self.pool = router.pool
         self.metrics = router.metrics
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
+        self.budget = ByteBudget(self.config.max_buffered_bytes)  # of non-streaming answers
+        self._background: set[asyncio.Task] = set()  # KV releases in flight
         self._id_count = itertools.count()
 
     def _new_id(self) -> str:
-        """A request id for clients that sent none: a per-process prefix and a counter."""
+        """A fresh id: a per-process random prefix and a counter (unique across replicas).
+
+        Every upstream attempt gets one, and so does a client that sent no id."""
         return f"{self._id_prefix}{next(self._id_count)}"
 
     async def run(self, request, body: dict, kind: str, raw: bytes | None = None):
         from aiohttp import web
 
         config = self.config
+        state: RoutingState = self.router.state  # this request's snapshot, reloads or not
         rid = request.headers.get("X-Request-Id") or self._new_id()
         stream = bool(body.get("stream", False))
-        # Affinity only matters with a choice of prefill instances.
-        hashes = (self.router.affinity.hashes(prompt_key(body, kind))
-                  if len(self.pool.prefill) > 1 else [])
+        try:
+            # Affinity only matters with a choice of prefill instances.
+            hashes = (self.router.affinity.hashes(prompt_key(body, kind))
+                      if len(self.pool.prefill) > 1 else [])
+            prefill_data = self._prefill_body(body, kind)  # the same for every attempt
+        except RecursionError:  # parsed just under the limit, deeper to re-encode
+            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
+                             code="invalid_json") from None
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
-        prefill_data = self._prefill_body(body, kind)  # the same for every attempt
+        headers.update(self.pool.auth_headers())  # the engines' key replaces the client's
         excluded: list[int] = []
         last: _RetryDecode | None = None
+        unread = None  # (prefill, answer, id) of a prefill no decoder could have read
         for attempt in range(config.max_attempts):
-            attempt_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
-            headers["X-Request-Id"] = attempt_id
-            prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
-            decision = self._decide(attempt_id, doc, excluded)
+            if unread is None:
+                # Engines key requests by this id: a client's id may be shared or replayed,
+                # so each prefill gets one of ours (the client's stays in answers and logs).
+                attempt_id = self._new_id()
+                headers["X-Request-Id"] = attempt_id
+                self._check_decoders()
+                prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
+            else:  # the last decoder was never reached: its KV is still there to read
+                (prefill, doc, attempt_id), unread = unread, None
+                headers["X-Request-Id"] = attempt_id
+            try:
+                decision = self._decide(state, attempt_id, doc, excluded)
+            except ProxyError:
+                self.metrics.abandoned.inc(reason="no_decoder")
+                raise
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
+            log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
+                      attempt + 1, attempt_id, prefill.name, decoder.name)
+            state.policy.on_dispatch(decision.request, decision.worker)
+            decoder.breaker.on_dispatch()
+            outcome: Outcome = "failed"
             try:
-                return await self._decode(request, kind, body, raw, decoder, decision,
-                                          headers, reply, stream, web)
+                resp, outcome = await self._decode(request, kind, body, raw, decoder,
+                                                   decision, headers, reply, stream, web)
+                return resp
+            except asyncio.CancelledError:  # the client left (handler cancellation)
+                outcome = "cancelled"
+                raise
+            except UpstreamReply:
+                self.metrics.abandoned.inc(reason="decoder_4xx")
+                if decision.kv_params is not None and config.release_kv:
+                    self._release_kv(body, kind, decoder, decision, dict(headers))
+                raise
             except _RetryDecode as exc:
                 last = exc
                 excluded.append(decision.worker)
+                if exc.kind == "connect":  # no byte reached the decoder: reuse the prefill
+                    unread = (prefill, doc, attempt_id)
+                else:
+                    self.metrics.abandoned.inc(reason="decode_failed")
                 if attempt + 1 < config.max_attempts:
                     self.metrics.retries.inc()
-                log.warning("request %s: decode at %s failed (%s); %s", rid, decoder.name, exc,
+                log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", rid,
+                            attempt_id, decoder.name, exc,
                             "retrying" if attempt + 1 < config.max_attempts else "giving up")
+            finally:
+                state.policy.on_release(attempt_id, outcome)
+                decoder.breaker.on_abandon()  # no-op unless a probe ended with no verdict
+        if unread is not None:
+            self.metrics.abandoned.inc(reason="decode_failed")
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
+
+    def _check_decoders(self) -> None:
+        """503 before the prefill when no decoder can take the request: a prefill whose KV
+        no decoder will read is compute thrown away (and KV pinned until it times out)."""
+        if not self.pool.decode_available().any():
+            raise ProxyError(503, "no healthy decode instance", code="no_decoder")
+
+    def _release_kv(self, body: dict, kind: str, inst: Instance, decision: Decision,
+                    headers: dict) -> None:
+        """Let the decoder read the prefill's KV with a one-token decode, in the background.
+
+        A decoder that refuses a request (4xx: a parameter it rejects) never reads the KV
+        the prefill holds for it, and vLLM's connectors free held blocks only after a
+        timeout (NIXL: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, minutes). A proxy cannot abort
+        a finished prefill; what it can do is read the KV: the prompt alone, one token, the
+        same ``kv_transfer_params``. The answer is discarded. If the prompt itself was what
+        the decoder refused, this is refused too, at no cost.
+        """
+        keep = ("model", "messages") if kind == "chat" else ("model", "prompt")
+        release = {k: body[k] for k in keep if k in body}
+        release.update(max_tokens=1, stream=False, kv_transfer_params=decision.kv_params)
+        if kind == "chat":
+            release["max_completion_tokens"] = 1
+        task = asyncio.ensure_future(self._post_release(inst, kind, release, headers))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post_release(self, inst: Instance, kind: str, release: dict,
+                            headers: dict) -> None:
+        import aiohttp
+
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=self.config.decode_read_timeout,
+                                        sock_connect=self.config.connect_timeout)
+        try:
+            async with self.router.session.post(inst.url + path, json=release,
+                                                headers=headers, timeout=timeout) as resp:
+                await read_upto(resp, _ERROR_BODY_LIMIT)
+                result = "ok" if resp.status < 400 else "refused"
+        except Exception as exc:  # background work: logged, never raised
+            log.debug("KV release at %s failed: %s", inst.name, exc)
+            result = "failed"
+        self.metrics.kv_releases.inc(result=result)
+
+    async def stop(self) -> None:
+        """Cancel background work (KV releases) when the router stops."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     # -- prefill ---------------------------------------------------------------------------
     def _prefill_body(self, body: dict, kind: str) -> bytes:
@@ -242,8 +299,9 @@ class RequestFlow:
                 async with self.router.session.post(inst.url + path, data=data,
                                                     headers=headers, timeout=timeout) as resp:
                     status = resp.status
-                    raw = await resp.read()
                     ctype = resp.content_type
+                    raw, whole = await read_upto(
+                        resp, _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
                 self._upstream_error(inst, error_kind(exc), exc)
                 continue
@@ -253,59 +311,62 @@ class RequestFlow:
                 self._upstream_error(inst, "http_5xx", f"status {status}")
                 continue
             if status >= 400:
-                raise UpstreamReply(status, raw[:_ERROR_BODY_LIMIT], ctype)
-            try:
-                doc = json.loads(raw)
-                if not isinstance(doc, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                self._upstream_error(inst, "protocol", exc)
+                raise UpstreamReply(status, raw, ctype)
+            if not whole:
+                self._upstream_error(inst, "too_large", f"prefill answer over "
+                                                        f"{config.max_prefill_bytes} bytes")
+                continue
+            doc = json_object(raw)
+            if doc is None:
+                self._upstream_error(inst, "protocol", "prefill answer is not a JSON object")
                 continue
             pool.record_success(inst)
             self.router.affinity.record(hashes, i)
             return inst, doc
 
     # -- route -----------------------------------------------------------------------------
-    def _decide(self, request_id: str, doc: dict, excluded: list[int]) -> Decision:
+    def _decide(self, state: RoutingState, request_id: str, doc: dict,
+                excluded: list[int]) -> Decision:
         t0 = time.perf_counter()
-        state: RoutingState = self.router.state
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
+        if payload is not None:
+            self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
         usage = doc.get("usage")
         pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        pt = pt if isinstance(pt, int) else None
-        if state.needs_signature:
-            sig = read_signature(doc, payload, state)
-            metrics.signatures.inc(source=sig.source)
-            if sig.vector is None:
-                metrics.fallbacks.inc(reason=sig.problem)
-            elif _is_partial(payload, pt):
+        pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
+        reading = read_inputs(doc, payload, state, pt)
+        if reading.problem != "not_used":
+            metrics.signatures.inc(source=reading.source)
+            if reading.problem is None and _is_partial(payload, pt):
                 metrics.partial.inc()
-        else:
-            sig = SignatureResult(None, "none", "not_used")
         tracker = self.pool.tracker
-        healthy = tracker.healthy
+        healthy = self.pool.decode_available()
         if excluded:
             mask = healthy.copy()
             mask[excluded] = False
             if mask.any():  # else: retry on a decoder that failed rather than on none
                 healthy = mask
+        route = RouteRequest(request_id, signature=reading.signature, profile=reading.profile,
+                             context_tokens=reading.context_tokens)
         try:
-            k = state.policy.choose(RouteRequest(request_id, sig.vector), tracker.loads,
-                                    None if healthy.all() else healthy)
+            decided = state.policy.decide(route, tracker.loads,
+                                          None if healthy.all() else healthy)
         except NoHealthyWorkerError:
             raise ProxyError(503, "no healthy decode instance", code="no_decoder") from None
-        if sig.vector is not None:
-            band = state.band_size(sig.vector, None if healthy.all() else healthy)
-            if band is not None:
-                metrics.band.observe(band)
+        k = decided.worker
+        if decided.fallback:
+            metrics.fallbacks.inc(reason=reading.problem or "unbound")
+        if decided.band_size is not None:
+            metrics.band.observe(decided.band_size)
         metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
         metrics.latency.observe(time.perf_counter() - t0)
-        return Decision(k, sig, kv_params, pt)
+        return Decision(k, route, reading, kv_params, pt)
 
     # -- decode ----------------------------------------------------------------------------
     async def _decode(self, request, kind: str, body: dict, raw: bytes | None, inst: Instance,
                       decision: Decision, headers: dict, reply: dict, stream: bool, web):
+        """(the client's response, the outcome to release the dispatch with)."""
         import aiohttp
 
         data = decode_body(body, raw, decision.kv_params)
@@ -323,12 +384,12 @@ class RequestFlow:
                 raise self._decode_failure(inst, error_kind(exc), exc) from None
             try:
                 if resp.status >= 400:
-                    raw = await resp.content.read(_ERROR_BODY_LIMIT)
+                    raw, _ = await read_upto(resp, _ERROR_BODY_LIMIT)
                     if resp.status >= 500:
                         raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
                 if not stream:
-                    return await self._whole(resp, inst, decision, reply, web)
+                    return await self._whole(request, resp, inst, decision, reply, web)
                 return await self._relay(request, resp, inst, decision, reply, web)
             finally:
                 resp.close()  # an unfinished upstream request is aborted, not pooled
@@ -341,52 +402,132 @@ class RequestFlow:
 
     def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
         self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
-        self.pool.record_failure(inst, kind, str(detail) or type(detail).__name__)
+        self.pool.request_failed(inst, kind, str(detail) or type(detail).__name__)
 
-    async def _whole(self, resp, inst: Instance, decision: Decision, reply: dict, web):
+    async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
+                     web):
+        """Buffer the decoder's JSON answer (retryable to its end), then send it whole.
+
+        The answer's bytes are reserved in the router's buffer budget before it is read
+        and given back once the client has it (or was dropped): memory stays bounded by
+        ``max_buffered_bytes`` (times about two: the answer, and the socket buffer holding
+        its unsent part) however many clients wait for large answers.
+        """
+        limit = self.config.max_response_bytes
+        size = resp.content_length
+        if size is not None and size > limit:
+            raise self._too_large(inst, limit)
+        need = limit if size is None else size
         try:
-            raw = await resp.read()
+            await within(self.budget.acquire(need), self.config.decode_read_timeout)
+        except asyncio.TimeoutError:
+            raise ProxyError(503, "the router's answer buffer stayed full; retry later",
+                             code="router_busy") from None
+        try:
+            return await self._whole_within_budget(request, resp, inst, decision, reply, web)
+        finally:
+            self.budget.release(need)
+
+    def _too_large(self, inst: Instance, limit: int) -> ProxyError:
+        # another decoder would answer as much: not retried
+        self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind="too_large")
+        return ProxyError(502, f"the decoder's answer is larger than {limit} bytes "
+                               f"(--max-response-bytes); stream it instead",
+                          code="upstream_too_large")
+
+    async def _whole_within_budget(self, request, resp, inst: Instance, decision: Decision,
+                                   reply: dict, web):
+        limit = self.config.max_response_bytes
+        try:
+            raw, whole = await read_upto(resp, limit)
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
-        if decision.prompt_tokens is not None and b'"usage"' in raw:
-            try:
-                doc = json.loads(raw)
-            except ValueError:
-                raise self._decode_failure(inst, "protocol", "answer is not JSON") from None
-            if isinstance(doc, dict) and fix_usage(doc.get("usage"), decision.prompt_tokens):
-                raw = json.dumps(doc).encode()
-        self.pool.record_success(inst)
-        return web.Response(body=raw, status=resp.status, headers=reply,
-                            content_type="application/json")
+        if not whole:
+            raise self._too_large(inst, limit)
+        doc = json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
+        if doc is None:
+            raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
+        if fix_usage(doc.get("usage"), decision.prompt_tokens):
+            raw = json.dumps(doc).encode()
+        del doc  # only the bytes are sent: the parsed copy must not wait with them
+        self.pool.request_succeeded(inst)
+        if len(raw) <= SMALL_ANSWER:  # never waits on the client (below the write limit)
+            return web.Response(body=raw, status=resp.status, headers=reply,
+                                content_type="application/json"), "completed"
+        out = web.StreamResponse(status=resp.status, headers=reply)
+        out.content_type = "application/json"
+        out.content_length = len(raw)
+        # the decode is over either way: a client that does not read only loses its answer
+        try:
+            await out.prepare(request)
+            if await self._deliver(request, out, raw):
+                await self._deliver(request, out, None)
+        except ConnectionResetError:  # the client left while its answer was being sent
+            self.metrics.client_disconnects.inc()
+        return out, "completed"
+
+    async def _deliver(self, request, out, data: bytes | None) -> bool:
+        """Write ``data`` to the client (None: end the answer) within ``write_timeout``.
+
+        A client that leaves the answer unread that long is dropped (its connection
+        aborted, which frees what was buffered for it) and False is returned: without this,
+        each such client pins a decoder slot, and its unsent answer, for as long as it
+        keeps the connection open.
+        """
+        try:
+            await within(out.write(data) if data is not None else out.write_eof(),
+                          self.config.write_timeout)
+            return True
+        except asyncio.TimeoutError:
+            self.metrics.slow_clients.inc()
+            log.warning("client of %s left its answer unread for %.1f s: dropped",
+                        reply_id(out), self.config.write_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+            return False
 
     async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
+        """Stream the decoder's SSE to the client: (response, outcome)."""
+        if resp.content_type != "text/event-stream":  # not a stream: nothing sent, retry
+            raise self._decode_failure(inst, "protocol",
+                                       f"stream answered as {resp.content_type!r}")
+        usage = SSEUsage(decision.prompt_tokens)
         try:
-            first = await resp.content.readany()
+            raw_first = await resp.content.readany()
         except Exception as exc:  # nothing was sent yet: retryable
             raise self._decode_failure(inst, error_kind(exc), exc) from None
-        if not first:
+        if not raw_first:
             raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
-        self.pool.record_success(inst)
+        try:
+            first = usage.feed(raw_first)
+        except BadEvent as exc:
+            raise self._decode_failure(inst, "protocol", exc) from None
+        self.pool.request_succeeded(inst)
         out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
-        usage = _SSEUsage(decision.prompt_tokens)
+        outcome: Outcome = "completed"
         try:
             await out.prepare(request)
-            await out.write(usage.feed(first))
+            if not await self._deliver(request, out, first):
+                return out, "cancelled"
             while True:
                 try:
                     chunk = await resp.content.readany()
+                    data = usage.feed(chunk) if chunk else usage.flush()
                 except Exception as exc:  # too late to retry: tell the client
-                    self._upstream_error(inst, error_kind(exc), exc)
-                    msg = f"decoder {inst.name} failed mid-stream: {error_kind(exc)}"
-                    await out.write(usage.flush() + b"data: " + error_body(502, msg) + b"\n\n")
-                    break
+                    kind = "protocol" if isinstance(exc, BadEvent) else error_kind(exc)
+                    self._upstream_error(inst, kind, exc)
+                    msg = f"decoder {inst.name} failed mid-stream: {kind}"
+                    outcome = "failed"
+                    data = usage.flush() + b"data: " + error_body(502, msg) + b"\n\n"
+                    chunk = b""
+                if not await self._deliver(request, out, data):
+                    return out, "cancelled"  # the decode is aborted with the upstream close
                 if not chunk:
-                    await out.write(usage.flush())
                     break
-                await out.write(usage.feed(chunk))
-            await out.write_eof()
+            await self._deliver(request, out, None)
         except ConnectionResetError:  # the client left: stop reading (closes upstream)
             self.metrics.client_disconnects.inc()
-        return out
+            outcome = "cancelled"
+        return out, outcome
 

@@ -229,6 +229,9 @@ def parse_samples(text: str, names: Sequence[str]) -> dict[str, float]:
     return out
 
 
+_BREAKER_VALUE = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
+
+
 class RouterMetrics:
     """The router's metric families (names are the public contract; docs/serve.md)."""
 
@@ -259,11 +262,23 @@ class RouterMetrics:
             "Signature decode + encode + policy decision, per request.")
         self.retries = reg.counter(
             "eldr_retries_total", "Fresh prefill + another decoder after a decode failure.")
+        self.abandoned = reg.counter(
+            "eldr_prefills_abandoned_total",
+            "Prefills whose decode did not complete (their KV may stay held on the prefill "
+            "instance until its connector's timeout), by reason.", ("reason",))
+        self.kv_releases = reg.counter(
+            "eldr_kv_releases_total",
+            "One-token decodes sent to read (and so free) the KV of a prefill whose decoder "
+            "refused the request, by result.", ("result",))
         self.upstream_errors = reg.counter(
             "eldr_upstream_errors_total", "Failures talking to engines, by role and kind.",
             ("role", "instance", "kind"))
         self.client_disconnects = reg.counter(
             "eldr_client_disconnects_total", "Clients that left before their answer ended.")
+        self.slow_clients = reg.counter(
+            "eldr_slow_clients_total",
+            "Clients dropped for leaving an answer unread past the write timeout (their "
+            "decode aborted).")
         self.reloads = reg.counter(
             "eldr_artifact_reloads_total", "Routing artifact reloads by result.", ("result",))
         reg.gauge("eldr_decoder_in_flight", "Requests of this router at each decoder.",
@@ -272,6 +287,13 @@ class RouterMetrics:
                   "engine's running + waiting when scraped).", ("decoder",),
                   collect=lambda: {(i.name,): float(pool.tracker.loads[i.index])
                                    for i in pool.decode})
+        reg.gauge("eldr_decoder_breaker_open", "1 while the decoder's circuit breaker holds "
+                  "requests off (open), 0.5 half-open (one probe allowed), 0 closed.",
+                  ("decoder",), collect=lambda: {(i.name,): _BREAKER_VALUE[i.breaker.state]
+                                                 for i in pool.decode})
+        reg.gauge("eldr_decoder_breaker_opens", "Times the decoder's breaker opened.",
+                  ("decoder",), collect=lambda: {(i.name,): float(i.breaker.num_opened)
+                                                 for i in pool.decode})
         reg.gauge("eldr_prefill_in_flight", "Requests of this router at each prefill instance.",
                   ("instance",), collect=lambda: {(i.name,): i.in_flight for i in pool.prefill})
         reg.gauge("eldr_upstream_healthy", "1 if the instance is taking requests, else 0.",

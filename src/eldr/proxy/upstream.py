@@ -7,6 +7,10 @@ it out at once (a refused connection is definitive), and other request failures 
 like failed checks. Nothing is ever removed for good: a restarted engine is taken back by
 the next successful check.
 
+Request outcomes also drive a circuit breaker per decoder (:mod:`eldr.proxy.breaker`):
+health checks re-admit an instance, but a decoder whose breaker is open gets no request
+until its back-off ends and a real request (the probe) succeeds there.
+
 Load. The decode loads the routing policy sees live in one
 :class:`eldr.routing.loads.LoadTracker`: +1 when the router dispatches a decode, −1 when it
 ends. With ``scrape_interval > 0`` each decoder's own ``/metrics`` is also read and
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.proxy.bodies import json_object, read_upto
+from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
 from eldr.routing.loads import LoadTracker
@@ -33,6 +39,10 @@ __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
 log = logging.getLogger("eldr.serve")
 
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# bytes read of an engine's answers to the router's own calls (never the whole of a runaway)
+_HEALTH_BODY_LIMIT = 64 * 1024
+_MODELS_BODY_LIMIT = 1024 * 1024
+_METRICS_BODY_LIMIT = 16 * 1024 * 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -49,11 +59,16 @@ class Instance:
     last_error: str | None = None  # the most recent failure, for /health
     engine_load: float | None = None  # running + waiting from the engine's /metrics, if scraped
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
+    max_model_len: int | None = None  # context length its /v1/models reports, if any
+    breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
 
     def describe(self) -> dict:
-        return {"name": self.name, "url": self.url, "healthy": self.healthy,
-                "in_flight": self.in_flight, "failures": self.failures,
-                "engine_load": self.engine_load, "last_error": self.last_error}
+        doc = {"name": self.name, "url": self.url, "healthy": self.healthy,
+               "in_flight": self.in_flight, "failures": self.failures,
+               "engine_load": self.engine_load, "last_error": self.last_error}
+        if self.breaker is not None:
+            doc["breaker"] = self.breaker.state
+        return doc
 
 
 def error_kind(exc: BaseException) -> str:
@@ -79,7 +94,9 @@ class UpstreamPool:
         self.config = config
         self.prefill = [Instance("prefill", i, u, f"prefill-{i}")
                         for i, u in enumerate(config.prefill_urls)]
-        self.decode = [Instance("decode", k, u, decode_names[k])
+        self.decode = [Instance("decode", k, u, decode_names[k], breaker=CircuitBreaker(
+                           failures=config.breaker_failures, backoff=config.breaker_backoff,
+                           max_backoff=config.breaker_max_backoff))
                        for k, u in enumerate(config.decode_urls)]
         self.tracker = LoadTracker(len(self.decode))  # decode loads + health, for policies
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
@@ -114,6 +131,26 @@ class UpstreamPool:
         if kind == "connect" or inst.failures >= self.config.unhealthy_after:
             self._set_healthy(inst, False)
 
+    def request_succeeded(self, inst: Instance) -> None:
+        """A request answered: healthy, and its breaker closes (health checks never do)."""
+        self.record_success(inst)
+        if inst.breaker is not None:
+            inst.breaker.on_success()
+
+    def request_failed(self, inst: Instance, kind: str, detail: str) -> None:
+        """A request failed at ``inst``: like a failed check, and its breaker counts it."""
+        self.record_failure(inst, kind, detail)
+        if inst.breaker is not None:
+            inst.breaker.on_failure()
+
+    def decode_available(self) -> np.ndarray:
+        """(K,) bool: decoders that are healthy and whose breaker lets a request through."""
+        mask = self.tracker.healthy.copy()
+        for inst in self.decode:
+            if mask[inst.index] and not inst.breaker.allows():
+                mask[inst.index] = False
+        return mask
+
     def begin(self, inst: Instance) -> None:
         """A request of this router starts at ``inst``."""
         inst.in_flight += 1
@@ -129,6 +166,17 @@ class UpstreamPool:
             self.tracker.on_complete(inst.index)
         else:
             self.prefill_loads[inst.index] -= 1
+
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` for the engines when they require a key (vllm --api-key)."""
+        key = self.config.upstream_api_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+    def max_model_len(self) -> int | None:
+        """The smallest context length any engine reported (None: none reported)."""
+        lens = [i.max_model_len for i in (*self.prefill, *self.decode)
+                if i.max_model_len is not None]
+        return min(lens) if lens else None
 
     def models(self) -> tuple[str, ...]:
         """Accepted model names: the configured ones, else all upstream instances report."""
@@ -176,22 +224,35 @@ class UpstreamPool:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        headers = self.auth_headers()
         try:
-            async with self._session.get(f"{inst.url}/health", timeout=timeout) as resp:
-                await resp.read()
+            async with self._session.get(f"{inst.url}/health", timeout=timeout,
+                                         headers=headers) as resp:
+                await read_upto(resp, _HEALTH_BODY_LIMIT)
                 if resp.status != 200:
                     raise ValueError(f"/health answered {resp.status}")
             if not inst.models:
-                async with self._session.get(f"{inst.url}/v1/models", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        doc = await resp.json(content_type=None)
-                        inst.models = tuple(str(m["id"]) for m in doc.get("data", [])
-                                            if isinstance(m, dict) and "id" in m)
+                async with self._session.get(f"{inst.url}/v1/models", timeout=timeout,
+                                             headers=headers) as resp:
+                    raw, whole = await read_upto(resp, _MODELS_BODY_LIMIT)
+                    doc = json_object(raw) if resp.status == 200 and whole else None
+                    if doc is not None:  # an odd list is no reason to take an engine out
+                        self._learn_models(inst, doc)
         except Exception as exc:  # any failure is "unhealthy"
             self.record_failure(inst, error_kind(exc), str(exc) or type(exc).__name__)
             return False
         self.record_success(inst)
         return True
+
+    @staticmethod
+    def _learn_models(inst: Instance, doc: dict) -> None:
+        data = doc.get("data")
+        data = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        inst.models = tuple(str(m["id"]) for m in data if isinstance(m.get("id"), str))
+        lens = [m["max_model_len"] for m in data
+                if isinstance(m.get("max_model_len"), int)
+                and not isinstance(m["max_model_len"], bool) and m["max_model_len"] > 0]
+        inst.max_model_len = min(lens) if lens else None
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(i) for i in self.decode if i.healthy))
@@ -202,10 +263,14 @@ class UpstreamPool:
 
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
-            async with self._session.get(f"{inst.url}/metrics", timeout=timeout) as resp:
+            async with self._session.get(f"{inst.url}/metrics", timeout=timeout,
+                                         headers=self.auth_headers()) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text()
+                raw, whole = await read_upto(resp, _METRICS_BODY_LIMIT)
+                if not whole:
+                    return
+                text = raw.decode("utf-8", "replace")
         except Exception as exc:  # health checks decide about health
             log.debug("scrape of %s failed: %s", inst.url, exc)
             return

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr.fileio import atomic_file
+from eldr.fileio import NpzReader, atomic_file, open_regular
 from eldr.traces.validation import GATE_FIELDS, TOPK_FIELDS
 from eldr.traces.validation import validate as _validate
 
-__all__ = ["FORMAT_VERSION", "Trace", "TraceMeta", "concat", "load", "save"]
+__all__ = ["FORMAT_VERSION", "MAX_TRACE_BYTES", "MAX_TRACE_FILE_BYTES", "Trace", "TraceMeta",
+           "concat", "load", "save"]
 
 FORMAT_VERSION = 1
 
@@ -212,53 +213,109 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
     return path
 
 
-def load(path: str | os.PathLike) -> Trace:
-    """Read and validate a trace written by :func:`save`. Never unpickles anything."""
+MAX_TRACE_FILE_BYTES = 4 << 30  # a trace file larger than this is refused unread
+MAX_TRACE_BYTES = 16 << 30  # the arrays of one trace may declare at most this much, in all
+_MAX_META_BYTES = 1 << 20  # the metadata JSON document
+_MAX_TOKENS = np.iinfo(np.int32).max  # per-request lengths (per-token arrays are int32-indexed)
+
+
+def load(path: str | os.PathLike, *, max_bytes: int = MAX_TRACE_BYTES) -> Trace:
+    """Read and validate a trace written by :func:`save`. Never unpickles anything.
+
+    Defensive: the file must be a regular file (a FIFO is refused without blocking) of at
+    most :data:`MAX_TRACE_FILE_BYTES`; the metadata and the lengths are read first, and
+    every other array's header must declare exactly the shape they imply before any of its
+    data is decompressed, so a small file cannot inflate into gigabytes; ``max_bytes``
+    caps what all arrays declare together. Every failure is one ``ValueError`` line naming
+    the file (a missing file: ``FileNotFoundError``).
+    """
     path = Path(path)
-    with open(path, "rb") as fh:  # FileNotFoundError / IsADirectoryError reach the caller
-        magic = fh.read(4)
-    if magic[:2] != b"PK":
-        raise ValueError(f"{path}: not an .npz trace (the file is not a zip archive)")
+    with open_regular(path, max_bytes=MAX_TRACE_FILE_BYTES, what="a trace") as fh:
+        if fh.read(2) != b"PK":
+            raise ValueError(f"{path}: not an .npz trace (the file is not a zip archive)")
+        fh.seek(0)
+        with NpzReader(fh, max_bytes=max_bytes, where=path) as npz:
+            if "meta_json" not in npz.names:
+                raise ValueError(f"{path}: not an eldr trace (no 'meta_json' entry)")
+            meta, domain_names = _read_meta(npz, path)
+            arrays = _read_arrays(npz, meta, path)
     try:
-        npz = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # zip errors, bad magic, ...
-        raise ValueError(f"{path}: not a readable .npz trace ({exc})") from exc
-    with npz:
-        if "meta_json" not in npz.files:
-            raise ValueError(f"{path}: not an eldr trace (no 'meta_json' entry)")
-        try:
-            arrays = {name: npz[name] for name in npz.files}
-        except ValueError as exc:  # object arrays need pickle: refused
-            raise ValueError(f"{path}: contains a pickled object array, refused ({exc})") from exc
+        return Trace(meta=meta,
+                     domain_names=None if domain_names is None else tuple(domain_names),
+                     **arrays)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def _read_meta(npz: NpzReader, path: Path) -> tuple[TraceMeta, list | None]:
+    def small_bytes(shape, dtype):
+        if len(shape) != 1 or dtype != np.uint8 or shape[0] > _MAX_META_BYTES:
+            raise ValueError(f"'meta_json' must be at most {_MAX_META_BYTES} uint8 bytes, "
+                             f"got shape {list(shape)} {dtype}")
+
+    raw = npz.read("meta_json", small_bytes)
     try:
-        meta = json.loads(arrays.pop("meta_json").tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: trace metadata is not valid JSON ({exc})") from exc
+        meta = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ValueError(f"{path}: trace metadata is not valid JSON ({reason})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: trace metadata must be a JSON object")
     domain_names = meta.pop("domain_names", None)
+    if domain_names is not None and not (isinstance(domain_names, list)
+                                         and all(isinstance(n, str) for n in domain_names)):
+        raise ValueError(f"{path}: domain_names must be a list of strings")
     known = {f.name for f in fields(TraceMeta)}
     unknown = set(meta) - known
     if unknown:
         raise ValueError(f"{path}: unknown trace metadata keys {sorted(unknown)}")
-    missing = [n for n in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens")
-               if n not in arrays]
+    try:
+        return TraceMeta(**meta), domain_names
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _read_arrays(npz: NpzReader, meta: TraceMeta, path: Path) -> dict[str, np.ndarray]:
+    """Lengths first, then every other array with the exact shape they imply."""
+    required = ("prefill_counts", "decode_counts", "prompt_lens", "output_lens")
+    missing = [n for n in required if n not in npz.names]
     if missing:
         raise ValueError(f"{path}: missing trace field(s) {missing}")
-    extra = set(arrays) - {*missing, "prefill_counts", "decode_counts", "prompt_lens",
-                           "output_lens", *_OPTIONAL_ARRAYS}
+    extra = set(npz.names) - {"meta_json", *required, *_OPTIONAL_ARRAYS}
     if extra:
         raise ValueError(f"{path}: unknown trace field(s) {sorted(extra)}")
-    try:
-        return Trace(
-            meta=TraceMeta(**meta),
-            domain_names=None if domain_names is None else tuple(domain_names),
-            **arrays,
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+
+    def lengths(shape, dtype):
+        if len(shape) != 1 or not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"lengths must be 1-D integers, got shape {list(shape)} {dtype}")
+
+    arrays = {"prompt_lens": npz.read("prompt_lens", lengths)}
+    R = arrays["prompt_lens"].shape[0]
+    arrays["output_lens"] = npz.read("output_lens", _exactly("output_lens", (R,)))
+    for name, lo in (("prompt_lens", 0), ("output_lens", 1)):
+        lens = arrays[name]
+        if R and (lens.min() < lo or lens.max() > _MAX_TOKENS):
+            raise ValueError(f"{path}: trace field {name!r}: lengths must lie in "
+                             f"[{lo}, {_MAX_TOKENS}]")
+    L, E, k = meta.num_layers, meta.num_experts, meta.top_k
+    P = int(arrays["prompt_lens"].sum(dtype=np.int64))
+    D = int((arrays["output_lens"].astype(np.int64) - 1).sum())
+    shapes = {"prefill_counts": (R, L, E), "decode_counts": (R, L, E),
+              "prefill_gate_prob": (R, L, E), "prefill_gate_logit": (R, L, E),
+              "domains": (R,), "prefill_topk": (P, L, k), "decode_topk": (D, L, k),
+              "prompt_token_ids": (P,)}
+    for name in npz.names:
+        if name not in arrays and name != "meta_json":
+            arrays[name] = npz.read(name, _exactly(name, shapes[name]))
+    return arrays
+
+
+def _exactly(name: str, shape: tuple[int, ...]):
+    def check(declared, dtype):
+        if tuple(declared) != shape:
+            raise ValueError(f"trace field {name!r}: shape {list(declared)}, expected "
+                             f"{list(shape)} from the metadata and lengths")
+    return check
 
 
 def concat(traces: Sequence[Trace]) -> Trace:

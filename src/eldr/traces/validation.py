@@ -64,6 +64,15 @@ def validate(t: Trace) -> None:
             _fail(name, f"must hold integer counts, got dtype {arr.dtype}")
         if R and (arr < 0).any():
             _fail(name, "negative count", _first_bad(arr < 0))
+        # no count can exceed the layer's k x tokens selections; checked before summing, so
+        # huge int64 counts cannot wrap the sum back to k x tokens (and then to int32)
+        over = arr > (k * tokens[name])[:, None, None]
+        if R and over.any():
+            r = _first_bad(over)
+            _fail(name, f"a count exceeds the request's {k} x {int(tokens[name][r])} "
+                  f"selections per layer", r)
+        if R and arr.dtype.itemsize > 4 and arr.max() > np.iinfo(np.int32).max:
+            _fail(name, "a count does not fit int32", _first_bad(arr > np.iinfo(np.int32).max))
         sums = arr.sum(axis=2, dtype=np.int64)  # (R, L)
         bad = sums != (k * tokens[name])[:, None]
         if bad.any():
