@@ -7,6 +7,7 @@ import pytest
 
 from _proxy_fakes import E, L, domain_counts, fake_centroids, fake_encoder, make_state
 from eldr.capture.payload import encode_counts
+from eldr.fit.artifact import RoutingArtifact
 from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import (
@@ -158,12 +159,19 @@ def test_build_state_without_artifact():
 
 
 class _FakeArtifact:
+    """The fields of RoutingArtifact the router reads, with the real resources()."""
+
+    resources = RoutingArtifact.resources
+    predict_profile = RoutingArtifact.predict_profile
+    num_workers = RoutingArtifact.num_workers
+
     def __init__(self, worker_ids):
         self.encoder = fake_encoder()
         self.centroids = fake_centroids()
         self.worker_ids = worker_ids
         self.tau = 0.25
         self.num_layers, self.num_experts, self.top_k = L, E, 4
+        self.profile_alpha = self.profile_mean = self.decoder_profiles = None
 
 
 @pytest.fixture

@@ -38,7 +38,8 @@ def test_mixed_decode_specs_are_refused():
 
 
 def test_eldr_policy_without_artifact_exits_2(capsys):
-    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1",
+                 "--policy", "eldr"]) == 2
     assert "needs a routing artifact" in capsys.readouterr().err
 
 

@@ -27,9 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a decode instance (repeatable); ID = its worker id in the artifact, "
                         "else decoders match the artifact's workers in order")
     p.add_argument("--artifact", metavar="DIR", help="routing artifact written by eldr fit "
-                   "(required by the eldr policies)")
-    p.add_argument("--policy", default="eldr", choices=policies, help="decode routing policy "
-                   "(default eldr)")
+                   "(required by eldr and eldr_top1; eldr_cost uses its predictor and "
+                   "cluster profiles when given, and runs without one)")
+    p.add_argument("--policy", default="eldr_cost", choices=policies,
+                   help="decode routing policy (default eldr_cost: the marginal expert cost, "
+                        "never worse than load balancing in the simulator's grid)")
     p.add_argument("--tau", type=float, default=None,
                    help="locality band width (default: the artifact's)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")

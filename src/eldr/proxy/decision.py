@@ -122,6 +122,9 @@ class RoutingState:
     artifact: str | None  # directory it was loaded from
     loaded_at: float  # time.time() of the load
     top_k: int | None = None  # k of the artifact's model fingerprint, or None
+    # the artifact's profile predictor (``predict_profile(counts, tokens)``), or None: the
+    # raw prefill profile counts / tokens (eldr_cost without calibration)
+    predictor: object | None = None
     # the encoder restricted to its layer mask; derived from ``encoder``, never passed
     masked: object | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -216,13 +219,12 @@ def build_state(config: ServeConfig) -> RoutingState:
     (:class:`LazyCostPolicy`). Raises ``ValueError`` naming a mismatch.
     """
     K = len(config.decode_urls)
-    encoder = centroids = None
+    encoder = art = order = None
     tau = L = E = k = None
     spec = POLICIES[config.policy]
     if config.artifact is not None:
         art = _load_artifact(config.artifact)
         encoder = art.encoder
-        centroids = np.asarray(art.centroids, dtype=np.float32)
         art_ids = tuple(str(w) for w in art.worker_ids)
         tau, L, E, k = float(art.tau), int(art.num_layers), int(art.num_experts), \
             int(art.top_k)
@@ -236,7 +238,6 @@ def build_state(config: ServeConfig) -> RoutingState:
                 raise ValueError(f"decode worker ids {sorted(config.decode_ids)} do not match "
                                  f"the artifact's {sorted(art_ids)}")
             order = [art_ids.index(w) for w in config.decode_ids]
-            centroids = centroids[order]
             names = config.decode_ids
         if config.tau is not None:
             tau = config.tau
@@ -247,12 +248,17 @@ def build_state(config: ServeConfig) -> RoutingState:
     policy: Policy
     if L is None and spec.needs & _SHAPE_RESOURCES:
         policy = LazyCostPolicy(K)
+    elif art is not None:  # the artifact's one bundle, decoders in the configured order
+        resources = art.resources(order, random_state=config.random_state).as_kwargs()
+        resources["tau"] = tau
+        policy = make_policy(config.policy, num_workers=K, **resources)
     else:
-        policy = make_policy(config.policy, num_workers=K, centroids=centroids,
-                             tau=0.1 if tau is None else tau, num_layers=L, num_experts=E,
+        policy = make_policy(config.policy, num_workers=K, tau=0.1,
                              random_state=config.random_state)
     return RoutingState(policy=policy, worker_names=tuple(names), encoder=encoder,
                         num_layers=L, num_experts=E, top_k=k,
+                        predictor=art if art is not None and
+                        getattr(art, "profile_alpha", None) is not None else None,
                         tau=tau if "signature" in policy.inputs else None,
                         artifact=config.artifact, loaded_at=time.time())
 
@@ -382,7 +388,11 @@ def read_inputs(doc: dict, payload: object, state: RoutingState,
         bind = getattr(state.policy, "bind", None)
         if bind is not None:
             bind(*counts.counts.shape)
-        profile = prefill_profile(counts.counts, tokens or 0, counts.top_k or state.top_k)
+        if state.predictor is not None and counts.counts.shape == state.shape:
+            profile = state.predictor.predict_profile(counts.counts, tokens or 0)
+        else:
+            profile = prefill_profile(counts.counts, tokens or 0,
+                                      counts.top_k or state.top_k)
     return Reading(signature, profile, int(context), counts.source, problem)
 
 
