@@ -235,7 +235,8 @@ class Simulation:
             self.bar.update(len(finished))
         dw.step = s + 1
         dw.busy = False
-        self.log(now, "step_done", dw.cur_batch, d)
+        if self.events is not None:
+            self.events.append((now, "step_done", dw.cur_batch, d))
         return [self.start_step(d, now)] if dw.ids or dw.waiting else []
 
     # -- work starts: each returns the event that ends it ------------------------------------
@@ -261,17 +262,20 @@ class Simulation:
                      int(self.n_out[i]), self.need_kv[i])
             self.records[i].t_admit = now
             self.log(now, "admit", i, d)
-        rows = np.stack([b[s - s0] for b, s0 in zip(dw.bits, dw.starts, strict=True)])
-        masks = self.masks
-        if masks is None:
-            distinct = int(union_distinct(rows).sum())
-            moe_distinct = distinct
-        else:
-            m = masks[d] if masks.shape[0] > 1 else masks[0]  # (ep, L, W)
-            u = np.bitwise_or.reduce(rows, axis=0)
-            per_rank = np.bitwise_count(u[None] & m).sum(axis=-1, dtype=np.int64)  # (ep, L)
-            distinct = int(per_rank.sum())
-            moe_distinct = int(per_rank.max(axis=0).sum())
+        # The hot path. np.array of the row views is about twice as fast as np.stack
+        # (no Python-level shape checks), and Σ_l D_l needs one popcount sum, not two.
+        distinct = moe_distinct = 0
+        if dw.bits:
+            rows = np.array([b[s - s0] for b, s0 in zip(dw.bits, dw.starts, strict=True)])
+            u = np.bitwise_or.reduce(rows, axis=0)  # (L, W) union of this step's tokens
+            masks = self.masks
+            if masks is None:
+                distinct = moe_distinct = int(np.bitwise_count(u).sum())
+            else:
+                m = masks[d] if masks.shape[0] > 1 else masks[0]  # (ep, L, W)
+                per_rank = np.bitwise_count(u[None] & m).sum(axis=-1, dtype=np.int64)
+                distinct = int(per_rank.sum())  # Σ_l D_l
+                moe_distinct = int(per_rank.max(axis=0).sum())  # Σ_l max_r D_{l,r}
         B = len(dw.ids)
         ctx = dw.prompt_sum - dw.start_sum + B * s  # Σ (prompt + tokens emitted so far)
         slide = 0
