@@ -20,7 +20,7 @@ from eldr.routing import POLICIES, decode_patterns, make_policy, prefill_profile
 from eldr.sim import TokenBank
 from eldr.traces.trace import Trace
 
-__all__ = ["RoutingSetup", "fit_setup"]
+__all__ = ["PrefillProfiles", "RoutingSetup", "fit_setup"]
 
 
 @dataclass(eq=False)
@@ -32,7 +32,6 @@ class RoutingSetup:
     eval: Trace  # held-out split (simulated)
     encoder: object  # fitted SignatureEncoder
     signatures: np.ndarray  # (R_eval, d) float32 unit rows of the eval requests
-    patterns: np.ndarray  # (R_eval, L*E) float32 unit decode patterns (oracle only)
     domain_shares: np.ndarray | None  # (D,) calibration share of each domain
     tokens: TokenBank  # per-request decode bitsets of the eval split, shared by runs
     seed: int  # seed of the K-means fits
@@ -40,6 +39,15 @@ class RoutingSetup:
     _centroids: dict = field(default_factory=dict)  # (K, kind) -> (K, d) float32
     _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration labels
     _placements: dict = field(default_factory=dict)  # (K, ep, layout) -> placement
+    _patterns: np.ndarray | None = None  # see ``patterns``
+
+    @property
+    def patterns(self) -> np.ndarray:
+        """(R_eval, L*E) float32 unit decode patterns of the eval requests (the oracle's
+        input), computed on first use: 0.3 GB at 11k requests of 48 x 128."""
+        if self._patterns is None:
+            self._patterns = decode_patterns(self.eval.decode_counts)
+        return self._patterns
 
     def centroids(self, K: int, kind: str = "balanced") -> np.ndarray:
         """(K, d) centroids. kind: ``balanced``, ``vanilla`` or ``oracle`` (decode patterns,
@@ -81,8 +89,7 @@ class RoutingSetup:
 
     def profile(self, r: int) -> np.ndarray:
         """(L, E) float32 predicted per-token expert profile of eval request ``r``."""
-        return prefill_profile(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]),
-                               self.eval.meta.top_k)
+        return PrefillProfiles(self.eval)(r)
 
     def prime(self, name: str, K: int, kind: str = "balanced") -> None:
         """Fit what policy ``name`` needs for K decoders now (before forking workers)."""
@@ -107,17 +114,31 @@ class RoutingSetup:
             domain_shares=self.domain_shares, num_layers=m.num_layers,
             num_experts=m.num_experts, context_weight=context_weight, capacity=capacity)
 
-    def inputs(self, policy) -> dict:
+    def inputs(self, policy, *, patterns: bool = True) -> dict:
         """Keyword inputs of :func:`eldr.sim.simulate` for the request fields ``policy``
-        reads (its declared ``inputs``)."""
+        reads (its declared ``inputs``); ``patterns=False`` leaves out the oracle's
+        decode patterns (large; a sweep computes them where it runs)."""
         out: dict = {}
         if "signature" in policy.inputs:
             out["signatures"] = self.signatures
-        if "decode_pattern" in policy.inputs:
+        if "decode_pattern" in policy.inputs and patterns:
             out["decode_patterns"] = self.patterns
         if "profile" in policy.inputs:
-            out["profiles"] = self.profile
+            out["profiles"] = PrefillProfiles(self.eval)
         return out
+
+
+class PrefillProfiles:
+    """``profiles(r)``: the (L, E) float32 predicted per-token expert profile of trace
+    request ``r`` from its prefill counts. A small picklable callable (a bound method of
+    the set-up would carry the whole set-up to worker processes)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    def __call__(self, r: int) -> np.ndarray:
+        t = self.trace
+        return prefill_profile(t.prefill_counts[r], int(t.prompt_lens[r]), t.meta.top_k)
 
 
 def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0,
@@ -143,7 +164,7 @@ def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0
             shares = (shares + 1e-6) / (shares + 1e-6).sum()
     return RoutingSetup(
         workload=workload, calib=calib, eval=ev, encoder=enc,
-        signatures=enc.transform(ev), patterns=decode_patterns(ev.decode_counts),
+        signatures=enc.transform(ev),
         domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
         fit_seconds=fit_s,
     )
