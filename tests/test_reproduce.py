@@ -93,3 +93,15 @@ def test_simulate_command_rejects_unknown_policy(tmp_path, capsys):
     path = save(make_trace(20, L, E, K_TOP, seed=6, with_topk=False), tmp_path / "t.npz")
     assert main(["simulate", "--trace", str(path), "--policies", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_trace_arrays_move_to_files_unchanged(tmp_path):
+    from eldr.reproduce.sweeps import _map_to_files
+
+    trace = make_trace(20, L, E, K_TOP, seed=5, with_topk=False)
+    before = {k: v.copy() for k, v in vars(trace).items() if isinstance(v, np.ndarray)}
+    _map_to_files(trace, str(tmp_path / "eval"), min_bytes=0)
+    for name, arr in before.items():
+        now = getattr(trace, name)
+        assert isinstance(now.base, np.memmap) and not now.flags.writeable
+        np.testing.assert_array_equal(now, arr)

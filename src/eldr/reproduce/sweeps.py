@@ -23,6 +23,8 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from eldr.reproduce.setup import RoutingSetup, fit_setup
 from eldr.routing import decode_patterns
 from eldr.sim import SimConfig, TokenBank, simulate
@@ -184,12 +186,17 @@ def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup
             tr = generate(model, wl, num_requests=num_requests, seed=plan.trace_seed,
                           keep_topk=keep_topk)
         t1 = time.perf_counter()
+        # the count-based encoder and the simulator never read the summed gate outputs:
+        # (R, L, E) float32 twice, half of a generated trace's bytes
+        tr = replace(tr, prefill_gate_prob=None, prefill_gate_logit=None)
         calib = min(plan.calib_requests, tr.num_requests // 2)
         setups[key] = fit_setup(tr, wl, calib_requests=calib, seed=plan.seed,
                                 selection_max_pairs=plan.selection_max_pairs,
                                 max_pairs=plan.max_pairs)
+        num_requests = tr.num_requests
+        del tr  # the splits are copies; do not hold the whole trace while making the next
         st = setups[key]
-        log(f"[{key}] trace {tr.num_requests} requests ({t1 - t0:.1f}s); calibration "
+        log(f"[{key}] trace {num_requests} requests ({t1 - t0:.1f}s); calibration "
             f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
             f"{st.encoder.rho_:.3f} on {st.encoder.layers_.size} layers "
             f"({st.fit_seconds:.1f}s)")
@@ -267,6 +274,27 @@ def run_task(plan: Plan, setups: dict[str, RoutingSetup], task: Task) -> tuple[d
     return run_job(make_job(plan, setups[task.workload], task))
 
 
+def _map_to_files(trace, prefix: str, min_bytes: int = 1 << 20) -> None:
+    """Move the trace's large arrays into ``.npy`` files and map them read-only, in place.
+
+    The values do not change, only where they live: this process no longer holds them in
+    its own memory (it rarely reads them again), and joblib sends workers the file
+    names, so every process maps one copy and reads in only the pages it touches.
+    (Trace is frozen; its arrays are swapped without re-validating, which would read
+    every page back in.)"""
+    for name, arr in list(vars(trace).items()):
+        if isinstance(arr, np.ndarray) and arr.nbytes >= min_bytes:
+            object.__setattr__(trace, name, _to_file(arr, f"{prefix}-{name}.npy"))
+
+
+def _to_file(arr: np.ndarray, path: str) -> np.ndarray:
+    """``arr`` saved to ``path`` and mapped back read-only (a plain view of the map)."""
+    if isinstance(arr.base, np.memmap):
+        return arr
+    np.save(path, arr)
+    return np.load(path, mmap_mode="r").view(np.ndarray)
+
+
 @dataclass
 class Results:
     """Rows of a finished plan and its timings."""
@@ -304,9 +332,12 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
         if t.ep > 1 and t.placement != "contiguous":
             st.placement(t.num_decode, t.ep, t.placement)
     rows, dec_rows = [], []
-    with tempfile.TemporaryDirectory(prefix="eldr-reproduce-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="eldr-reproduce-", ignore_cleanup_errors=True) \
+            as tmp:
         for n, st in enumerate(setups.values()):
             st.tokens.build_all(os.path.join(tmp, f"tokens-{n}.npy"))
+            _map_to_files(st.eval, os.path.join(tmp, f"eval-{n}"))
+            st.signatures = _to_file(st.signatures, os.path.join(tmp, f"signatures-{n}.npy"))
         t2 = time.perf_counter()
         log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool "
             f"sizes/kinds, built decode tokens ({t2 - t1:.1f}s); running {len(tasks)} "
