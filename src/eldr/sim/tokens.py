@@ -35,11 +35,11 @@ class TokenBank:
     """Decode-token and prefill bitsets of a trace.
 
     Rows are built lazily and kept in an LRU cache of at most ``max_bytes`` (default
-    256 MiB), or all at once into one slab by :meth:`build_all`. Pickling a bank (to
-    send it to a worker process) carries the slab, not the lazy cache.
+    1 GiB), or all at once into one slab by :meth:`build_all`. Pickling a bank (to send
+    it to a worker process) carries the slab, not the lazy cache.
     """
 
-    def __init__(self, trace: Trace, *, seed: int = 0, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, trace: Trace, *, seed: int = 0, max_bytes: int = 1 << 30) -> None:
         self.trace = trace
         self.seed = int(seed)
         self.max_bytes = int(max_bytes)
