@@ -166,9 +166,14 @@ def plan_tasks(plan: Plan) -> list[Task]:
     return tasks
 
 
-def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup]:
+def build_setups(plan: Plan, *, trace=None, log=print,
+                 folder: str | None = None) -> dict[str, RoutingSetup]:
     """Generate each workload's trace (or use ``trace`` for the first) and fit it; plus the
-    per-token trace of the prefix experiment and the large model's trace of the EP one."""
+    per-token trace of the prefix experiment and the large model's trace of the EP one.
+
+    ``folder``: as soon as a set-up is fitted, build its decode-token slab into a file
+    there and move its held-out split's large arrays and signatures to files mapped
+    read-only (:func:`_share`), so this process never holds two set-ups' arrays at once."""
     from eldr.traces.synth import generate
 
     wl0 = plan.workloads[0]
@@ -196,6 +201,8 @@ def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup
         num_requests = tr.num_requests
         del tr  # the splits are copies; do not hold the whole trace while making the next
         st = setups[key]
+        if folder is not None:
+            _share(st, os.path.join(folder, f"setup-{n}"))
         log(f"[{key}] trace {num_requests} requests ({t1 - t0:.1f}s); calibration "
             f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
             f"{st.encoder.rho_:.3f} on {st.encoder.layers_.size} layers "
@@ -274,6 +281,14 @@ def run_task(plan: Plan, setups: dict[str, RoutingSetup], task: Task) -> tuple[d
     return run_job(make_job(plan, setups[task.workload], task))
 
 
+def _share(setup: RoutingSetup, prefix: str) -> None:
+    """Build the set-up's decode-token slab into a file (before its counts go to files:
+    building reads them all) and move its held-out arrays and signatures to files."""
+    setup.tokens.build_all(f"{prefix}-tokens.npy")
+    _map_to_files(setup.eval, f"{prefix}-eval")
+    setup.signatures = _to_file(setup.signatures, f"{prefix}-signatures.npy")
+
+
 def _map_to_files(trace, prefix: str, min_bytes: int = 1 << 20) -> None:
     """Move the trace's large arrays into ``.npy`` files and map them read-only, in place.
 
@@ -313,7 +328,8 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
     ``jobs`` worker processes (joblib's ``n_jobs``; 1 runs in this process); ``backend``:
     a joblib backend name (``None``: joblib's default, local processes; ``"dask"`` or
     ``"ray"`` send the same jobs to a cluster once registered). Every set-up's decode-token
-    rows are built once into a memory-mapped file of a temporary folder, so all workers
+    rows are built once into a memory-mapped file of a temporary folder, and its held-out
+    arrays moved to files there (:func:`build_setups` with ``folder``), so all processes
     map one copy; other large arrays go to workers as joblib memory maps in that folder.
     """
     import tempfile
@@ -323,25 +339,21 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
     from eldr._progress import Progress
 
     t0 = time.perf_counter()
-    setups = build_setups(plan, trace=trace, log=log)
-    t1 = time.perf_counter()
-    tasks = plan_tasks(plan)
-    for t in tasks:  # fit every centroid set once, here, not in each worker
-        st = setups[t.workload]
-        st.prime(t.policy, t.num_decode, t.kind)
-        if t.ep > 1 and t.placement != "contiguous":
-            st.placement(t.num_decode, t.ep, t.placement)
     rows, dec_rows = [], []
     with tempfile.TemporaryDirectory(prefix="eldr-reproduce-", ignore_cleanup_errors=True) \
             as tmp:
-        for n, st in enumerate(setups.values()):
-            st.tokens.build_all(os.path.join(tmp, f"tokens-{n}.npy"))
-            _map_to_files(st.eval, os.path.join(tmp, f"eval-{n}"))
-            st.signatures = _to_file(st.signatures, os.path.join(tmp, f"signatures-{n}.npy"))
+        setups = build_setups(plan, trace=trace, log=log, folder=tmp)
+        t1 = time.perf_counter()
+        tasks = plan_tasks(plan)
+        for t in tasks:  # fit every centroid set once, here, not in each worker
+            st = setups[t.workload]
+            st.prime(t.policy, t.num_decode, t.kind)
+            if t.ep > 1 and t.placement != "contiguous":
+                st.placement(t.num_decode, t.ep, t.placement)
         t2 = time.perf_counter()
         log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool "
-            f"sizes/kinds, built decode tokens ({t2 - t1:.1f}s); running {len(tasks)} "
-            f"simulations with {jobs} process(es)")
+            f"sizes/kinds ({t2 - t1:.1f}s); running {len(tasks)} simulations with {jobs} "
+            "process(es)")
         parallel = Parallel(n_jobs=jobs, backend=backend, return_as="generator",
                             temp_folder=tmp, max_nbytes="1M")
         todo = (delayed(run_job)(make_job(plan, setups[t.workload], t)) for t in tasks)
