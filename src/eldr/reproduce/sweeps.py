@@ -350,18 +350,27 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
             st.prime(t.policy, t.num_decode, t.kind)
             if t.ep > 1 and t.placement != "contiguous":
                 st.placement(t.num_decode, t.ep, t.placement)
+        for n, st in enumerate(setups.values()):  # fitted: the parent is done with it
+            _map_to_files(st.calib, os.path.join(tmp, f"setup-{n}-calib"))
         t2 = time.perf_counter()
         log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool "
             f"sizes/kinds ({t2 - t1:.1f}s); running {len(tasks)} simulations with {jobs} "
             "process(es)")
         parallel = Parallel(n_jobs=jobs, backend=backend, return_as="generator",
                             temp_folder=tmp, max_nbytes="1M")
-        todo = (delayed(run_job)(make_job(plan, setups[t.workload], t)) for t in tasks)
+        done: list = [None] * len(tasks)
         with Progress(len(tasks), "reproduce", enabled=None if progress else False) as bar:
-            for row, dec in parallel(todo):
-                rows.append(row)
-                dec_rows += dec
-                bar.update(1)
+            # One set-up at a time: all workers then read the same token slab, so the
+            # machine holds one set-up's rows (up to 2 GB at full size), not two.
+            for key, st in setups.items():
+                idx = [i for i, t in enumerate(tasks) if t.workload == key]
+                todo = (delayed(run_job)(make_job(plan, st, tasks[i])) for i in idx)
+                for i, out in zip(idx, parallel(todo), strict=True):
+                    done[i] = out
+                    bar.update(1)
+        for row, dec in done:  # rows in plan order
+            rows.append(row)
+            dec_rows += dec
         for st in setups.values():  # the slab's file goes with the folder
             st.tokens.drop_all()
     t3 = time.perf_counter()

@@ -85,15 +85,19 @@ class TokenBank:
         shape = (int(self._starts[-1]), self.num_layers, self.words)
         if path is None:
             slab = np.empty(shape, dtype=np.uint64)
+            for r in range(self.trace.num_requests):
+                slab[self._starts[r]:self._starts[r + 1]] = self._rows(r)
         else:
-            slab = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint64, shape=shape)
-        for r in range(self.trace.num_requests):
-            slab[self._starts[r]:self._starts[r + 1]] = self._rows(r)
-        if path is not None:
-            slab.flush()
-            del slab  # unmap; the read-only map below starts with no resident pages
-            # a plain view of the map (np.memmap slicing is slower); joblib still finds
-            # the file through .base and sends workers the file, not the bytes
+            # written request by request, not through a map: the bytes pass through the
+            # page cache without ever being resident in this process
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint64)),
+                      "fortran_order": False, "shape": shape}
+            with open(path, "wb") as fh:
+                np.lib.format.write_array_header_1_0(fh, header)
+                for r in range(self.trace.num_requests):
+                    fh.write(self._rows(r).tobytes())
+            # a plain view of a read-only map (np.memmap slicing is slower); joblib still
+            # finds the file through .base and sends workers the file name, not the bytes
             slab = np.load(path, mmap_mode="r").view(np.ndarray)
         self._slab = slab
         self._cache.clear()
