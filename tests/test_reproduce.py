@@ -7,6 +7,7 @@ import pickle
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from conftest import make_trace
 from eldr.cli import main
@@ -105,3 +106,13 @@ def test_trace_arrays_move_to_files_unchanged(tmp_path):
         now = getattr(trace, name)
         assert isinstance(now.base, np.memmap) and not now.flags.writeable
         np.testing.assert_array_equal(now, arr)
+
+
+@pytest.mark.parametrize("representation", ["count_idf", "binary", "gate_prob"])
+def test_signatures_in_chunks_are_the_whole_transform(representation):
+    from eldr.fit.signature import SignatureEncoder
+    from eldr.reproduce.setup import _signatures
+
+    trace = make_trace(150, L, E, K_TOP, seed=5, with_topk=False)
+    enc = SignatureEncoder(representation=representation, layers=[0, 5, 9]).fit(trace)
+    np.testing.assert_array_equal(_signatures(enc, trace, chunk=64), enc.transform(trace))

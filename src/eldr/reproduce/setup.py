@@ -164,7 +164,20 @@ def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0
             shares = (shares + 1e-6) / (shares + 1e-6).sum()
     return RoutingSetup(
         workload=workload, calib=calib, eval=ev, encoder=enc,
-        signatures=enc.transform(ev),
+        signatures=_signatures(enc, ev),
         domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
         fit_seconds=fit_s,
     )
+
+
+def _signatures(encoder, trace: Trace, chunk: int = 1024) -> np.ndarray:
+    """``encoder.transform(trace)`` a chunk of requests at a time (same rows: the transform
+    is per request). Whole, it makes float64 (R, L, E) temporaries: 2 GB at 13k
+    requests, the peak of a full ``eldr reproduce``."""
+    if encoder.representation.startswith("gate_"):
+        return encoder.transform(trace)
+    counts = trace.prefill_counts
+    if counts.shape[0] <= chunk:
+        return encoder.transform(trace)
+    return np.concatenate([encoder.transform(counts[a:a + chunk])
+                           for a in range(0, counts.shape[0], chunk)])
