@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import pickle
+from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from conftest import make_trace
 from eldr.cli import main
 from eldr.reproduce import Plan, headline_text, run_plan, write_report
 from eldr.reproduce.report import Analysis
-from eldr.reproduce.sweeps import plan_tasks
+from eldr.reproduce.sweeps import make_job, plan_tasks
 from eldr.traces.trace import save
 
 L, E, K_TOP = 48, 128, 8
@@ -47,6 +50,32 @@ def test_tiny_reproduce_writes_a_report(tmp_path):
     assert len(head) == 1 and head[0]["best_lb"] in ("round_robin", "jsq", "p2c")
     assert "task" in headline_text(Analysis(res))
     assert json.loads((tmp_path / "results.json").read_text())["headline"]
+
+
+def test_two_worker_processes_give_the_rows_of_one():
+    trace = make_trace(100, L, E, K_TOP, seed=5, with_topk=False)
+    plan = replace(TINY, tau_values=(0.1,), pool_sizes=(4,), vanilla=False)
+    rows = [run_plan(plan, trace=trace, jobs=jobs, log=lambda msg: None, progress=False).rows
+            for jobs in (1, 2)]
+    volatile = ("wall_s", "sim_requests_per_wall_s")
+    assert [{k: v for k, v in r.items() if k not in volatile} for r in rows[0]] == \
+        [{k: v for k, v in r.items() if k not in volatile} for r in rows[1]]
+
+
+def test_a_job_carries_what_its_task_needs_and_not_the_setup():
+    from eldr.reproduce.setup import fit_setup
+
+    trace = make_trace(100, L, E, K_TOP, seed=5, with_topk=False)
+    st = fit_setup(trace, "task", calib_requests=40, selection_max_pairs=2_000,
+                   max_pairs=5_000)
+    for task in plan_tasks(TINY):
+        job = make_job(TINY, st, task)
+        assert job.tokens.trace is st.eval and "encoder" not in job.inputs
+        assert job.needs_patterns == (task.policy == "oracle_signature")
+        blob = pickle.dumps(job)
+        assert len(blob) < 2 * sum(a.nbytes for a in vars(st.eval).values()
+                                   if isinstance(a, np.ndarray)) + 200_000
+        assert b"calib" not in blob  # the calibration split stays in the parent
 
 
 def test_simulate_command_json(tmp_path, capsys):
@@ -129,3 +158,25 @@ def test_simulate_the_real_tiny_moe_trace_through_its_preset(capsys):
     rows = json.loads(out.out)
     assert "tiny_moe: 314 requests, L=6 E=64 k=4" in out.err
     assert all(r["requests"] > 100 and r["tpot_median_ms"] > 0 for r in rows)
+
+
+def test_trace_arrays_move_to_files_unchanged(tmp_path):
+    from eldr.reproduce.sweeps import _map_to_files
+
+    trace = make_trace(20, L, E, K_TOP, seed=5, with_topk=False)
+    before = {k: v.copy() for k, v in vars(trace).items() if isinstance(v, np.ndarray)}
+    _map_to_files(trace, str(tmp_path / "eval"), min_bytes=0)
+    for name, arr in before.items():
+        now = getattr(trace, name)
+        assert isinstance(now.base, np.memmap) and not now.flags.writeable
+        np.testing.assert_array_equal(now, arr)
+
+
+@pytest.mark.parametrize("representation", ["count_idf", "binary", "gate_prob"])
+def test_signatures_in_chunks_are_the_whole_transform(representation):
+    from eldr.fit.signature import SignatureEncoder
+    from eldr.reproduce.setup import _signatures
+
+    trace = make_trace(150, L, E, K_TOP, seed=5, with_topk=False)
+    enc = SignatureEncoder(representation=representation, layers=[0, 5, 9]).fit(trace)
+    np.testing.assert_array_equal(_signatures(enc, trace, chunk=64), enc.transform(trace))

@@ -9,17 +9,20 @@ import numpy as np
 import pytest
 
 from eldr.sim import SimConfig, SimResult, write_csv, write_json
+from eldr.sim.records import RequestRecord, Requests
 
 
 def _result():
     cfg = SimConfig(num_decode=2, warmup_s=1.0, duration_s=2.0)
-    req = {
+    req = Requests.from_columns({
+        "trace_index": [0, 1, 2, 3],
+        "prompt_len": [10, 10, 10, 10],
         "t_arrival": np.array([0.5, 1.0, 2.0, 3.0]),
         "t_first": np.array([0.6, 1.1, 2.2, 3.1]),
         "t_last": np.array([0.7, 1.5, 2.2, 3.5]),
         "n_out": np.array([2, 5, 1, 3]),
         "decoder": np.array([0, 1, 1, 0]),
-    }
+    })
     return SimResult(cfg, "jsq", req, decoder_steps=np.array([10, 0]),
                      decoder_batch_sum=np.array([30, 0]),
                      decoder_distinct_sum=np.array([48 * 10 * 20, 0]), num_layers=48,
@@ -48,3 +51,15 @@ def test_csv_and_json_are_written(tmp_path):
         assert next(csv.DictReader(fh))["policy"] == "jsq"
     write_json({"x": float("nan"), "y": np.int64(3)}, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text()) == {"x": None, "y": 3}
+
+
+def test_request_records_read_by_column():
+    req = Requests([RequestRecord(3, 0.5, 10, 2, decoder=1, t_first=0.7),
+                    RequestRecord(4, 0.6, 12, 1)])
+    np.testing.assert_array_equal(req["t_first"], [0.7, np.nan])  # unset time: NaN
+    assert req[1].decoder is None and "decoder" not in req and "t_arrival" in req
+    with pytest.raises(ValueError, match="'decoder' is unset"):
+        req.column("decoder")
+    with pytest.raises(KeyError, match="no request field"):
+        req.column("nope")
+    assert not req["trace_index"].flags.writeable  # cached columns stay as recorded

@@ -42,16 +42,15 @@ def test_prefill_batch_budget_and_prefix_cache_hits():
     router, w = PrefillRouter(tr, cfg), PrefillWorker(cfg)
     tidx = np.array([r0, r0])
     prompt = tr.prompt_lens[tidx]
-    cached = np.zeros(2, np.int64)
     for i in range(2):
         w.enqueue(i, int(prompt[i]))
-    batch, fresh = w.take_batch(router, tidx, prompt, cached)
-    assert batch == [0] and fresh == p0  # the second would exceed the token budget
+    batch, cached, fresh = w.take_batch(router, tidx, prompt)
+    assert batch == [0] and cached == [0] and fresh == p0  # the second exceeds the budget
     w.finish_batch()
-    batch, fresh = w.take_batch(router, tidx, prompt, cached)
+    batch, cached, fresh = w.take_batch(router, tidx, prompt)
     # the same prompt again: its full blocks are cached, but one token is always computed
     expected = min((p0 // 4) * 4, p0 - 1)
-    assert batch == [1] and cached[1] == expected and fresh == p0 - expected
+    assert batch == [1] and cached == [expected] and fresh == p0 - expected
     assert w.queued_tokens == p0  # the first batch finished
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
+import pytest
 
 from conftest import make_trace
 from eldr.sim import TokenBank, topk_bitsets
@@ -47,3 +50,28 @@ def test_prefill_bitsets_mark_selected_experts():
     bank = TokenBank(tr)
     unpacked = np.unpackbits(bank.prefill.view(np.uint8), axis=2, bitorder="little")
     np.testing.assert_array_equal(unpacked.astype(bool), tr.prefill_counts > 0)
+
+
+def test_cache_is_lru_within_its_budget():
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=False)
+    size = [TokenBank(tr).decode(r).nbytes for r in range(3)]
+    bank = TokenBank(tr, max_bytes=size[0] + size[1] + size[2] - 1)
+    a = bank.decode(0)
+    bank.decode(1)
+    assert bank.decode(0) is a  # a hit makes 0 the most recent
+    bank.decode(2)  # over budget: 1, the least recent, leaves
+    assert bank.decode(0) is a and 1 not in bank._cache and bank._bytes <= bank.max_bytes
+
+
+@pytest.mark.parametrize("to_file", [False, True])
+def test_slab_serves_the_same_rows_and_pickles_without_the_cache(tmp_path, to_file):
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=False)
+    lazy, built = TokenBank(tr, seed=3), TokenBank(tr, seed=3)
+    lazy.decode(0)
+    slab = built.build_all(tmp_path / "rows.npy" if to_file else None)
+    assert built.is_built and slab.nbytes == built.nbytes_all
+    assert isinstance(slab.base, np.memmap) == to_file
+    for r in range(tr.num_requests):
+        np.testing.assert_array_equal(built.decode(r), lazy.decode(r))
+    again = pickle.loads(pickle.dumps(lazy))
+    assert len(again._cache) == 0 and np.array_equal(again.decode(0), lazy.decode(0))

@@ -230,24 +230,9 @@ def _arrival_cells(args, config):
 
 
 def _setup(calib, ev, workload: str, seed: int):
-    """A RoutingSetup on an explicit (calibration, evaluation) pair: what
-    ``eldr.reproduce.setup.fit_setup`` builds after its random split, with the same fit
+    """A RoutingSetup on an explicit (calibration, evaluation) pair, with the same fit
     settings as the Poisson path."""
-    import numpy as np
+    from eldr.reproduce.setup import fit_split
 
-    from eldr.fit.signature import SignatureEncoder
-    from eldr.reproduce.setup import RoutingSetup
-    from eldr.routing import decode_patterns
-    from eldr.sim import TokenBank
-
-    t0 = time.perf_counter()
-    enc = SignatureEncoder(representation="count_idf", random_state=seed,
-                           selection_max_pairs=20_000, max_pairs=50_000).fit(calib)
-    shares = np.bincount(calib.domains, minlength=len(calib.domain_names)).astype(float)
-    shares = shares / shares.sum()
-    if (shares == 0).any():  # a domain absent from calibration still needs a worker
-        shares = (shares + 1e-6) / (shares + 1e-6).sum()
-    return RoutingSetup(workload=workload, calib=calib, eval=ev, encoder=enc,
-                        signatures=enc.transform(ev), patterns=decode_patterns(ev.decode_counts),
-                        domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
-                        fit_seconds=time.perf_counter() - t0)
+    return fit_split(calib, ev, workload, seed=seed, selection_max_pairs=20_000,
+                     max_pairs=50_000)

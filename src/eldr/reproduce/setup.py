@@ -20,7 +20,7 @@ from eldr.routing import POLICIES, decode_patterns, make_policy, prefill_profile
 from eldr.sim import TokenBank
 from eldr.traces.trace import Trace
 
-__all__ = ["RoutingSetup", "fit_setup"]
+__all__ = ["PrefillProfiles", "RoutingSetup", "fit_setup", "fit_split"]
 
 
 @dataclass(eq=False)
@@ -32,7 +32,6 @@ class RoutingSetup:
     eval: Trace  # held-out split (simulated)
     encoder: object  # fitted SignatureEncoder
     signatures: np.ndarray  # (R_eval, d) float32 unit rows of the eval requests
-    patterns: np.ndarray  # (R_eval, L*E) float32 unit decode patterns (oracle only)
     domain_shares: np.ndarray | None  # (D,) calibration share of each domain
     tokens: TokenBank  # per-request decode bitsets of the eval split, shared by runs
     seed: int  # seed of the K-means fits
@@ -41,6 +40,15 @@ class RoutingSetup:
     _centroids: dict = field(default_factory=dict)  # (K, kind) -> (K, d) float32
     _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration labels
     _placements: dict = field(default_factory=dict)  # (K, ep, layout) -> placement
+    _patterns: np.ndarray | None = None  # see ``patterns``
+
+    @property
+    def patterns(self) -> np.ndarray:
+        """(R_eval, L*E) float32 unit decode patterns of the eval requests (the oracle's
+        input), computed on first use: 0.3 GB at 11k requests of 48 x 128."""
+        if self._patterns is None:
+            self._patterns = decode_patterns(self.eval.decode_counts)
+        return self._patterns
 
     def centroids(self, K: int, kind: str = "balanced") -> np.ndarray:
         """(K, d) centroids. kind: ``balanced``, ``vanilla`` or ``oracle`` (decode patterns,
@@ -83,10 +91,7 @@ class RoutingSetup:
     def profile(self, r: int) -> np.ndarray:
         """(L, E) float32 predicted per-token expert profile of eval request ``r`` (the
         predictor fitted on the calibration split; the raw prefill profile without one)."""
-        if self.predictor is None:
-            return prefill_profile(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]),
-                                   self.eval.meta.top_k)
-        return self.predictor.predict(self.eval.prefill_counts[r], int(self.eval.prompt_lens[r]))
+        return PrefillProfiles(self.eval, self.predictor)(r)
 
     def prime(self, name: str, K: int, kind: str = "balanced") -> None:
         """Fit what policy ``name`` needs for K decoders now (before forking workers)."""
@@ -111,30 +116,61 @@ class RoutingSetup:
             domain_shares=self.domain_shares, num_layers=m.num_layers,
             num_experts=m.num_experts, context_weight=context_weight, capacity=capacity)
 
-    def inputs(self, policy) -> dict:
+    def inputs(self, policy, *, patterns: bool = True) -> dict:
         """Keyword inputs of :func:`eldr.sim.simulate` for the request fields ``policy``
-        reads (its declared ``inputs``)."""
+        reads (its declared ``inputs``); ``patterns=False`` leaves out the oracle's
+        decode patterns (large; a sweep computes them where it runs)."""
         out: dict = {}
         if "signature" in policy.inputs:
             out["signatures"] = self.signatures
-        if "decode_pattern" in policy.inputs:
+        if "decode_pattern" in policy.inputs and patterns:
             out["decode_patterns"] = self.patterns
         if "profile" in policy.inputs:
-            out["profiles"] = self.profile
+            out["profiles"] = PrefillProfiles(self.eval, self.predictor)
         return out
+
+
+class PrefillProfiles:
+    """``profiles(r)``: the (L, E) float32 predicted per-token expert profile of trace
+    request ``r`` from its prefill counts. A small picklable callable (a bound method of
+    the set-up would carry the whole set-up to worker processes). With a fitted
+    :class:`eldr.fit.predictor.ProfilePredictor` (a scalar and one (L, E) array) the
+    profile is its shrinkage; without, the raw ``counts / prompt_len``."""
+
+    def __init__(self, trace: Trace, predictor=None) -> None:
+        self.trace = trace
+        self.predictor = predictor
+
+    def __call__(self, r: int) -> np.ndarray:
+        t = self.trace
+        if self.predictor is not None:
+            return self.predictor.predict(t.prefill_counts[r], int(t.prompt_lens[r]))
+        return prefill_profile(t.prefill_counts[r], int(t.prompt_lens[r]), t.meta.top_k)
 
 
 def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0,
               selection_max_pairs: int | None = 100_000, max_pairs: int | None = 200_000,
               representation: str = "count_idf") -> RoutingSetup:
     """Split ``trace`` (``calib_requests`` for calibration), fit the encoder, encode eval."""
-    from eldr.fit.predictor import ProfilePredictor
-    from eldr.fit.signature import SignatureEncoder
 
     R = trace.num_requests
     if not 3 <= calib_requests < R:
         raise ValueError(f"calib_requests={calib_requests} must be in [3, {R})")
     calib, ev = trace.split(calib_requests / R, random_state=seed)
+    return fit_split(calib, ev, workload, seed=seed, selection_max_pairs=selection_max_pairs,
+                     max_pairs=max_pairs, representation=representation)
+
+
+def fit_split(calib: Trace, ev: Trace, workload: str, *, seed: int = 0,
+              selection_max_pairs: int | None = 100_000, max_pairs: int | None = 200_000,
+              representation: str = "count_idf") -> RoutingSetup:
+    """The set-up of an explicit (calibration, held-out) pair, e.g. a real trace's
+    calibration draw and its replayed arrivals (:func:`eldr.traces.arrivals.
+    calibration_and_replay`): the encoder, the domain shares and the profile predictor are
+    fitted on ``calib`` only."""
+    from eldr.fit.predictor import ProfilePredictor
+    from eldr.fit.signature import SignatureEncoder
+
     t0 = time.perf_counter()
     enc = SignatureEncoder(representation=representation, random_state=seed,
                            selection_max_pairs=selection_max_pairs, max_pairs=max_pairs)
@@ -148,7 +184,20 @@ def fit_setup(trace: Trace, workload: str, *, calib_requests: int, seed: int = 0
             shares = (shares + 1e-6) / (shares + 1e-6).sum()
     return RoutingSetup(
         workload=workload, calib=calib, eval=ev, encoder=enc,
-        signatures=enc.transform(ev), patterns=decode_patterns(ev.decode_counts),
+        signatures=_signatures(enc, ev),
         domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
         fit_seconds=fit_s, predictor=ProfilePredictor(random_state=seed).fit(calib),
     )
+
+
+def _signatures(encoder, trace: Trace, chunk: int = 1024) -> np.ndarray:
+    """``encoder.transform(trace)`` a chunk of requests at a time (same rows: the transform
+    is per request). Whole, it makes float64 (R, L, E) temporaries: 2 GB at 13k
+    requests, the peak of a full ``eldr reproduce``."""
+    if encoder.representation.startswith("gate_"):
+        return encoder.transform(trace)
+    counts = trace.prefill_counts
+    if counts.shape[0] <= chunk:
+        return encoder.transform(trace)
+    return np.concatenate([encoder.transform(counts[a:a + chunk])
+                           for a in range(0, counts.shape[0], chunk)])

@@ -1,8 +1,10 @@
 """The paper's experiments as simulation sweeps (docs/method.md#results-to-reproduce).
 
 A :class:`Plan` fixes sizes (``QUICK`` for CI and a first look, ``FULL`` for the paper's
-setting); :func:`run_plan` builds the traces and the routing set-ups, runs every
-simulation (optionally in worker processes) and returns tidy rows:
+setting); :func:`plan_tasks` lists its simulations as :class:`Task` rows; :func:`run_plan`
+builds the traces and the routing set-ups, turns each task into a self-contained
+:class:`SimJob` and runs them through joblib (worker processes, or a dask / ray cluster),
+and returns tidy rows:
 
 - ``main``: every policy × rate × workload at 8P16D (median/p99 TPOT, median TTFT);
   includes ``domain`` (oracle labels) and ``oracle_signature`` (perfect-signature bound);
@@ -18,15 +20,18 @@ policies are compared on identical input.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from eldr.reproduce.setup import RoutingSetup, fit_setup
-from eldr.sim import SimConfig, simulate
+from eldr.routing import decode_patterns
+from eldr.sim import SimConfig, TokenBank, simulate
 from eldr.sim.steptime import routing_resources
 
-__all__ = ["FULL", "LOAD_BALANCERS", "QUICK", "Plan", "Task", "build_setups", "run_plan"]
+__all__ = ["FULL", "LOAD_BALANCERS", "QUICK", "Plan", "SimJob", "Task", "build_setups",
+           "make_job", "plan_tasks", "run_job", "run_plan", "run_task"]
 
 LOAD_BALANCERS = ("random", "round_robin", "jsq", "p2c")
 
@@ -161,9 +166,14 @@ def plan_tasks(plan: Plan) -> list[Task]:
     return tasks
 
 
-def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup]:
+def build_setups(plan: Plan, *, trace=None, log=print,
+                 folder: str | None = None) -> dict[str, RoutingSetup]:
     """Generate each workload's trace (or use ``trace`` for the first) and fit it; plus the
-    per-token trace of the prefix experiment and the large model's trace of the EP one."""
+    per-token trace of the prefix experiment and the large model's trace of the EP one.
+
+    ``folder``: as soon as a set-up is fitted, build its decode-token slab into a file
+    there and move its held-out split's large arrays and signatures to files mapped
+    read-only (:func:`_share`), so this process never holds two set-ups' arrays at once."""
     from eldr.traces.synth import generate
 
     wl0 = plan.workloads[0]
@@ -181,31 +191,48 @@ def build_setups(plan: Plan, *, trace=None, log=print) -> dict[str, RoutingSetup
             tr = generate(model, wl, num_requests=num_requests, seed=plan.trace_seed,
                           keep_topk=keep_topk)
         t1 = time.perf_counter()
+        # the count-based encoder and the simulator never read the summed gate outputs:
+        # (R, L, E) float32 twice, half of a generated trace's bytes
+        tr = replace(tr, prefill_gate_prob=None, prefill_gate_logit=None)
         calib = min(plan.calib_requests, tr.num_requests // 2)
         setups[key] = fit_setup(tr, wl, calib_requests=calib, seed=plan.seed,
                                 selection_max_pairs=plan.selection_max_pairs,
                                 max_pairs=plan.max_pairs)
+        num_requests = tr.num_requests
+        del tr  # the splits are copies; do not hold the whole trace while making the next
         st = setups[key]
-        log(f"[{key}] trace {tr.num_requests} requests ({t1 - t0:.1f}s); calibration "
+        if folder is not None:
+            _share(st, os.path.join(folder, f"setup-{n}"))
+        log(f"[{key}] trace {num_requests} requests ({t1 - t0:.1f}s); calibration "
             f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
             f"{st.encoder.rho_:.3f} on {st.encoder.layers_.size} layers "
             f"({st.fit_seconds:.1f}s)")
     return setups
 
 
-_SETUPS: dict[str, RoutingSetup] = {}  # set before forking worker processes
-_PLAN: Plan | None = None
+@dataclass(frozen=True)
+class SimJob:
+    """What one task's simulation needs, and nothing else: built in the parent process
+    (:func:`make_job`), run anywhere (:func:`run_job`). Its large arrays (the held-out
+    trace's, the token slab) are shared with workers by joblib as memory-mapped files."""
+
+    task: Task  # the run it performs
+    config: SimConfig  # the cluster and load it simulates
+    policy: object  # a fresh policy instance (policies keep state)
+    tokens: TokenBank  # rows of the held-out split; ``tokens.trace`` is what it replays
+    inputs: dict  # further simulate() keywords: signatures, profiles, placement, encoder
+    needs_patterns: bool  # compute the oracle's decode patterns where it runs
+    head: dict  # leading columns of its rows
 
 
-def _config(plan: Plan, task: Task) -> SimConfig:
+def _config(plan: Plan, task: Task, num_eval_requests: int) -> SimConfig:
     src = task.signature_source
     warmup, duration = plan.warmup_s, plan.duration_s
     if src is not None:
         # Replayed trace requests repeat once arrivals outnumber them, and a repeat hits
         # the prefix cache with its WHOLE prompt: not what real traffic does. So the
         # prefix experiment stops arrivals before the held-out requests run out.
-        horizon = min(warmup + duration,
-                      0.95 * _SETUPS[task.workload].eval.num_requests / task.qps)
+        horizon = min(warmup + duration, 0.95 * num_eval_requests / task.qps)
         warmup, duration = 0.2 * horizon, 0.8 * horizon
     return SimConfig(model=task.model or plan.model, hardware=plan.hardware,
                      num_prefill=task.num_prefill or plan.num_prefill,
@@ -214,36 +241,73 @@ def _config(plan: Plan, task: Task) -> SimConfig:
                      prefix_caching=src is not None, signature_source=src or "trace")
 
 
-def run_task(task: Task) -> tuple[dict, list[dict]]:
-    """Run one task on the module-level set-ups; returns (summary row, decoder rows)."""
-    plan, st = _PLAN, _SETUPS[task.workload]
-    config = _config(plan, task)
-    policy = st.policy(task.policy, task.num_decode, tau=task.tau, seed=plan.seed,
-                       kind=task.kind, **routing_resources(config))
-    placement = None
+def make_job(plan: Plan, setup: RoutingSetup, task: Task) -> SimJob:
+    """The :class:`SimJob` of ``task`` on ``setup`` (fits centroids it needs if not yet)."""
+    config = _config(plan, task, setup.eval.num_requests)
+    policy = setup.policy(task.policy, task.num_decode, tau=task.tau, seed=plan.seed,
+                          kind=task.kind, **routing_resources(config))
+    inputs = setup.inputs(policy, patterns=False)
     if task.ep > 1 and task.placement != "contiguous":
-        placement = st.placement(task.num_decode, task.ep, task.placement)
-    res = simulate(st.eval, config, policy, tokens=st.tokens,
-                   placement=placement, encoder=st.encoder, **st.inputs(policy))
+        inputs["placement"] = setup.placement(task.num_decode, task.ep, task.placement)
+    if config.signature_source != "trace":
+        inputs["encoder"] = setup.encoder
     head = {"experiment": task.experiment, "workload": task.workload,
             "variant": task.variant, "tau": task.tau, "kind": task.kind,
             "model": task.model or plan.model}
-    row = {**head, **res.summary()}
+    return SimJob(task, config, policy, setup.tokens, inputs,
+                  "decode_pattern" in policy.inputs, head)
+
+
+def run_job(job: SimJob) -> tuple[dict, list[dict]]:
+    """Simulate one job; returns (summary row, decoder rows)."""
+    inputs = dict(job.inputs)
+    trace = job.tokens.trace
+    if job.needs_patterns:  # (R, L·E) float32: cheap to compute, costly to keep and ship
+        inputs["decode_patterns"] = decode_patterns(trace.decode_counts)
+    res = simulate(trace, job.config, job.policy, tokens=job.tokens, **inputs)
+    row = {**job.head, **res.summary()}
     if "signature_exact" in res.requests:
         m = res.measured
         row["signature_exact_share"] = float(res.requests["signature_exact"][m].mean())
         row["prefix_hit_share"] = float((res.requests["cached_tokens"][m] > 0).mean())
-    dec = [{**head, "qps": task.qps, **d} for d in res.decoder_table()] \
-        if task.keep_decoders else []
+    dec = [{**job.head, "qps": job.task.qps, **d} for d in res.decoder_table()] \
+        if job.task.keep_decoders else []
     return row, dec
 
 
-def _prime(task: Task) -> None:
-    """Fit centroids in the parent so forked workers inherit them (no refits)."""
-    st = _SETUPS[task.workload]
-    st.prime(task.policy, task.num_decode, task.kind)
-    if task.ep > 1 and task.placement != "contiguous":
-        st.placement(task.num_decode, task.ep, task.placement)
+def run_task(plan: Plan, setups: dict[str, RoutingSetup], task: Task) -> tuple[dict,
+                                                                                 list[dict]]:
+    """Run one task in this process; returns (summary row, decoder rows)."""
+    return run_job(make_job(plan, setups[task.workload], task))
+
+
+def _share(setup: RoutingSetup, prefix: str) -> None:
+    """Build the set-up's decode-token slab into a file (before its counts go to files:
+    building reads them all) and move its held-out arrays and signatures to files."""
+    setup.tokens.build_all(f"{prefix}-tokens.npy")
+    _map_to_files(setup.eval, f"{prefix}-eval")
+    setup.signatures = _to_file(setup.signatures, f"{prefix}-signatures.npy")
+
+
+def _map_to_files(trace, prefix: str, min_bytes: int = 1 << 20) -> None:
+    """Move the trace's large arrays into ``.npy`` files and map them read-only, in place.
+
+    The values do not change, only where they live: this process no longer holds them in
+    its own memory (it rarely reads them again), and joblib sends workers the file
+    names, so every process maps one copy and reads in only the pages it touches.
+    (Trace is frozen; its arrays are swapped without re-validating, which would read
+    every page back in.)"""
+    for name, arr in list(vars(trace).items()):
+        if isinstance(arr, np.ndarray) and arr.nbytes >= min_bytes:
+            object.__setattr__(trace, name, _to_file(arr, f"{prefix}-{name}.npy"))
+
+
+def _to_file(arr: np.ndarray, path: str) -> np.ndarray:
+    """``arr`` saved to ``path`` and mapped back read-only (a plain view of the map)."""
+    if isinstance(arr.base, np.memmap):
+        return arr
+    np.save(path, arr)
+    return np.load(path, mmap_mode="r").view(np.ndarray)
 
 
 @dataclass
@@ -258,42 +322,57 @@ class Results:
 
 
 def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
-             progress: bool = True) -> Results:
-    """Build set-ups and run every task of ``plan`` (``jobs`` worker processes)."""
-    global _PLAN
-    t0 = time.perf_counter()
-    setups = build_setups(plan, trace=trace, log=log)
-    t1 = time.perf_counter()
-    _SETUPS.clear()
-    _SETUPS.update(setups)
-    _PLAN = plan
-    tasks = plan_tasks(plan)
-    for t in tasks:
-        _prime(t)
-    if jobs > 1:  # forked workers then share the decode-token rows copy-on-write
-        for st in setups.values():
-            st.tokens.build_all()
-    t2 = time.perf_counter()
-    log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool sizes/kinds "
-        f"({t2 - t1:.1f}s); running {len(tasks)} simulations with {jobs} process(es)")
-    rows, dec_rows = [], []
+             progress: bool = True, backend: str | None = None) -> Results:
+    """Build set-ups and run every task of ``plan`` through :class:`joblib.Parallel`.
+
+    ``jobs`` worker processes (joblib's ``n_jobs``; 1 runs in this process); ``backend``:
+    a joblib backend name (``None``: joblib's default, local processes; ``"dask"`` or
+    ``"ray"`` send the same jobs to a cluster once registered). Every set-up's decode-token
+    rows are built once into a memory-mapped file of a temporary folder, and its held-out
+    arrays moved to files there (:func:`build_setups` with ``folder``), so all processes
+    map one copy; other large arrays go to workers as joblib memory maps in that folder.
+    """
+    import tempfile
+
+    from joblib import Parallel, delayed
+
     from eldr._progress import Progress
 
-    with Progress(len(tasks), "reproduce", enabled=None if progress else False) as bar:
-        if jobs > 1 and sys.platform != "win32":
-            import multiprocessing as mp
-
-            with mp.get_context("fork").Pool(jobs) as pool:
-                for row, dec in pool.imap(run_task, tasks):
-                    rows.append(row)
-                    dec_rows += dec
+    t0 = time.perf_counter()
+    rows, dec_rows = [], []
+    with tempfile.TemporaryDirectory(prefix="eldr-reproduce-", ignore_cleanup_errors=True) \
+            as tmp:
+        setups = build_setups(plan, trace=trace, log=log, folder=tmp)
+        t1 = time.perf_counter()
+        tasks = plan_tasks(plan)
+        for t in tasks:  # fit every centroid set once, here, not in each worker
+            st = setups[t.workload]
+            st.prime(t.policy, t.num_decode, t.kind)
+            if t.ep > 1 and t.placement != "contiguous":
+                st.placement(t.num_decode, t.ep, t.placement)
+        for n, st in enumerate(setups.values()):  # fitted: the parent is done with it
+            _map_to_files(st.calib, os.path.join(tmp, f"setup-{n}-calib"))
+        t2 = time.perf_counter()
+        log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool "
+            f"sizes/kinds ({t2 - t1:.1f}s); running {len(tasks)} simulations with {jobs} "
+            "process(es)")
+        parallel = Parallel(n_jobs=jobs, backend=backend, return_as="generator",
+                            temp_folder=tmp, max_nbytes="1M")
+        done: list = [None] * len(tasks)
+        with Progress(len(tasks), "reproduce", enabled=None if progress else False) as bar:
+            # One set-up at a time: all workers then read the same token slab, so the
+            # machine holds one set-up's rows (up to 2 GB at full size), not two.
+            for key, st in setups.items():
+                idx = [i for i, t in enumerate(tasks) if t.workload == key]
+                todo = (delayed(run_job)(make_job(plan, st, tasks[i])) for i in idx)
+                for i, out in zip(idx, parallel(todo), strict=True):
+                    done[i] = out
                     bar.update(1)
-        else:
-            for t in tasks:
-                row, dec = run_task(t)
-                rows.append(row)
-                dec_rows += dec
-                bar.update(1)
+        for row, dec in done:  # rows in plan order
+            rows.append(row)
+            dec_rows += dec
+        for st in setups.values():  # the slab's file goes with the folder
+            st.tokens.drop_all()
     t3 = time.perf_counter()
     return Results(plan, rows, dec_rows, setups,
                    {"setup": t1 - t0, "centroids": t2 - t1, "simulate": t3 - t2,

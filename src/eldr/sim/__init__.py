@@ -14,6 +14,7 @@ step's time depends on the distinct experts its batch selects at each layer THIS
 from eldr.sim.config import HARDWARE, Hardware, SimConfig, get_hardware, moe_constants
 from eldr.sim.engine import EVENT_NAMES, make_arrivals, simulate
 from eldr.sim.metrics import SimResult, write_csv, write_json
+from eldr.sim.records import RequestRecord, Requests
 from eldr.sim.steptime import StepModel, deal_bitsets, topk_bitsets, union_distinct
 from eldr.sim.tokens import TokenBank
 
@@ -21,6 +22,8 @@ __all__ = [
     "EVENT_NAMES",
     "HARDWARE",
     "Hardware",
+    "RequestRecord",
+    "Requests",
     "SimConfig",
     "SimResult",
     "StepModel",

@@ -23,17 +23,19 @@ import numpy as np
 
 from eldr.fileio import atomic_write_text
 from eldr.sim.config import SimConfig
+from eldr.sim.records import Requests
 
 __all__ = ["SimResult", "write_csv", "write_json"]
 
 
 @dataclass(eq=False)
 class SimResult:
-    """Everything a run produced. ``requests`` holds (N,) arrays, one entry per arrival."""
+    """Everything a run produced. ``requests`` holds one record per arrival (read by
+    column: ``requests["t_first"]`` is an (N,) array; :mod:`eldr.sim.records`)."""
 
     config: SimConfig  # the run's configuration
     policy: str  # decode routing policy name
-    requests: dict[str, np.ndarray]  # per-arrival records (see engine.simulate)
+    requests: Requests  # per-arrival records, in arrival order
     decoder_steps: np.ndarray  # (K,) int64 steps ending in the window
     decoder_batch_sum: np.ndarray  # (K,) int64 Σ batch size over those steps
     decoder_distinct_sum: np.ndarray  # (K,) int64 Σ_l D_l summed over those steps
@@ -65,7 +67,7 @@ class SimResult:
         """One row per decode worker (window statistics)."""
         m = self.measured
         dec = self.requests["decoder"][m]
-        share = np.bincount(dec[dec >= 0], minlength=self.config.num_decode) / max(m.sum(), 1)
+        share = np.bincount(dec, minlength=self.config.num_decode) / max(m.sum(), 1)
         steps = np.maximum(self.decoder_steps, 1)
         rows = []
         for k in range(self.config.num_decode):
@@ -87,7 +89,7 @@ class SimResult:
         tpot = tpot[np.isfinite(tpot)]
         c = self.config
         steps = self.decoder_steps.sum()
-        n_all = self.requests["t_arrival"].size
+        n_all = len(self.requests)
 
         def q(x: np.ndarray, p: float) -> float:
             return float(np.percentile(x, p) * 1e3) if x.size else float("nan")

@@ -102,10 +102,12 @@ class PrefillWorker:
         while len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
 
-    def take_batch(self, router: PrefillRouter, tidx: np.ndarray, prompt: np.ndarray,
-                   cached_out: np.ndarray) -> tuple[list[int], int]:
-        """Pop the next batch; returns (request indices, tokens to compute)."""
+    def take_batch(self, router: PrefillRouter, tidx: np.ndarray,
+                   prompt: np.ndarray) -> tuple[list[int], list[int], int]:
+        """Pop the next batch; returns (request indices, prefix-cached tokens of each,
+        tokens to compute)."""
         batch: list[int] = []
+        cached_tokens: list[int] = []
         fresh_total = 0
         tokens = 0
         while self.queue:
@@ -122,11 +124,11 @@ class PrefillWorker:
                 self.pending.append(hashes)
             self.queue.popleft()
             batch.append(i)
-            cached_out[i] = cached
+            cached_tokens.append(cached)
             fresh_total += fresh
             tokens += p
         self.batch, self.batch_tokens = batch, tokens
-        return batch, fresh_total
+        return batch, cached_tokens, fresh_total
 
     def finish_batch(self) -> None:
         """The batch's KV exists now: its blocks enter the prefix cache (not before, so

@@ -10,9 +10,18 @@ one step). Hence :meth:`TokenBank.decode` returns ``n_out`` rows.
 Rows come from the trace's per-token top-k when present (``decode_topk``), otherwise from
 :func:`~eldr.sim.steptime.deal_bitsets` on the request's decode counts, seeded per trace
 request (``(seed, request index)``), so every policy of a sweep sees the same tokens.
+
+Memory: a request's rows take ``n_out · L · W · 8`` bytes (768 B per token at 48 × 128),
+so a 13k-request held-out split needs about 2 GB. Built lazily, rows live in a bounded
+LRU cache. A sweep instead builds every row ONCE into one contiguous slab
+(:meth:`TokenBank.build_all`), optionally a memory-mapped ``.npy`` file that every worker
+process maps read-only: the operating system then holds one copy for all of them.
 """
 
 from __future__ import annotations
+
+import os
+from collections import OrderedDict
 
 import numpy as np
 
@@ -23,10 +32,11 @@ __all__ = ["TokenBank"]
 
 
 class TokenBank:
-    """Decode-token and prefill bitsets of a trace, built lazily and cached up to a budget.
+    """Decode-token and prefill bitsets of a trace.
 
-    ``max_bytes`` bounds the cache of decode rows (default 1 GiB); past it rows are built
-    again on each use (same seed, same rows). Share one bank across the runs of a sweep.
+    Rows are built lazily and kept in an LRU cache of at most ``max_bytes`` (default
+    1 GiB), or all at once into one slab by :meth:`build_all`. Pickling a bank (to send
+    it to a worker process) carries the slab, not the lazy cache.
     """
 
     def __init__(self, trace: Trace, *, seed: int = 0, max_bytes: int = 1 << 30) -> None:
@@ -36,26 +46,85 @@ class TokenBank:
         self.num_layers = trace.meta.num_layers
         self.num_experts = trace.meta.num_experts
         self.words = num_words(self.num_experts)
-        self._decode: dict[int, np.ndarray] = {}
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()  # r -> rows, LRU order
         self._bytes = 0
+        self._slab: np.ndarray | None = None  # (Σ n_out, L, W) every request's rows
+        self._starts = np.concatenate([[0], np.cumsum(trace.output_lens, dtype=np.int64)])
         self._offsets = trace.decode_offsets if trace.decode_topk is not None else None
         # (R, L, W) uint64: experts each request's prompt selects at least once
         self.prefill = expert_bitsets(trace.prefill_counts > 0)
 
-    def build_all(self) -> int:
-        """Build (and cache, within budget) every request's rows now, e.g. before forking
-        worker processes so they share the rows. Returns the number cached."""
-        for r in range(self.trace.num_requests):
-            if self._bytes >= self.max_bytes:
-                break
-            self.decode(r)
-        return len(self._decode)
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_cache"], state["_bytes"] = OrderedDict(), 0  # rebuilt lazily where needed
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if isinstance(self._slab, np.memmap):  # plain views: np.memmap slicing is slower
+            self._slab = self._slab.view(np.ndarray)
+
+    @property
+    def is_built(self) -> bool:
+        """Every request's rows are in the slab."""
+        return self._slab is not None
+
+    @property
+    def nbytes_all(self) -> int:
+        """Bytes of the rows of every request (the slab's size)."""
+        return int(self._starts[-1]) * self.num_layers * self.words * 8
+
+    def build_all(self, path: str | os.PathLike | None = None) -> np.ndarray:
+        """Build every request's rows into one slab and serve rows from it from now on.
+
+        ``path``: write the slab to this ``.npy`` file and map it read-only (worker
+        processes given the bank then map the same file instead of copying it); ``None``:
+        an in-memory array. Returns the (Σ n_out, L, W) uint64 slab."""
+        if self._slab is not None:
+            return self._slab
+        shape = (int(self._starts[-1]), self.num_layers, self.words)
+        if path is None:
+            slab = np.empty(shape, dtype=np.uint64)
+            for r in range(self.trace.num_requests):
+                slab[self._starts[r]:self._starts[r + 1]] = self._rows(r)
+        else:
+            # written request by request, not through a map: the bytes pass through the
+            # page cache without ever being resident in this process
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint64)),
+                      "fortran_order": False, "shape": shape}
+            with open(path, "wb") as fh:
+                np.lib.format.write_array_header_1_0(fh, header)
+                for r in range(self.trace.num_requests):
+                    fh.write(self._rows(r).tobytes())
+            # a plain view of a read-only map (np.memmap slicing is slower); joblib still
+            # finds the file through .base and sends workers the file name, not the bytes
+            slab = np.load(path, mmap_mode="r").view(np.ndarray)
+        self._slab = slab
+        self._cache.clear()
+        self._bytes = 0
+        return slab
+
+    def drop_all(self) -> None:
+        """Forget the slab (e.g. before deleting its file): rows are built lazily again."""
+        self._slab = None
 
     def decode(self, r: int) -> np.ndarray:
         """(n_out, L, W) uint64 bitsets of trace request ``r``'s decode steps."""
-        rows = self._decode.get(r)
+        if self._slab is not None:
+            return self._slab[self._starts[r]:self._starts[r + 1]]
+        rows = self._cache.get(r)
         if rows is not None:
+            self._cache.move_to_end(r)
             return rows
+        rows = self._rows(r)
+        if rows.nbytes <= self.max_bytes:
+            self._cache[r] = rows
+            self._bytes += rows.nbytes
+            while self._bytes > self.max_bytes:
+                self._bytes -= self._cache.popitem(last=False)[1].nbytes
+        return rows
+
+    def _rows(self, r: int) -> np.ndarray:
         t = self.trace
         n_out = int(t.output_lens[r])
         if self._offsets is not None:
@@ -70,7 +139,4 @@ class TokenBank:
             rows[1:] = tokens
         else:
             rows[0] = 0
-        if self._bytes + rows.nbytes <= self.max_bytes:
-            self._decode[r] = rows
-            self._bytes += rows.nbytes
         return rows
