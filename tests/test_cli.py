@@ -39,3 +39,8 @@ def test_score_bad_file_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a zip archive" in err[0]
     assert main(["score", str(tmp_path / "missing.npz")]) == 2
+
+
+def test_simulate_refuses_a_model_the_cpu_preset_has_not_measured_before_any_work(capsys):
+    assert main(["simulate", "--hardware", "cpu", "--model", "qwen3-30b-a3b", "--qps", "1"]) == 2
+    assert "tiny-moe only" in capsys.readouterr().err

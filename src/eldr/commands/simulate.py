@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
                          hbm_bandwidth=None if args.bandwidth_tbs is None
                          else args.bandwidth_tbs * 1e12)
 
+    if args.trace is None:  # refuse a (model, hardware) pair before generating routing
+        config(args.model, 1.0)
     if args.arrivals is not None:
         label, cells = _arrival_cells(args, config)
     else:

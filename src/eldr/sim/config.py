@@ -23,7 +23,22 @@ a = (128 − 4.7·16) / 3.7 · b ≈ 14.3 b. ``t_fixed`` = 3.0 ms (ASSUMED; ROCm
 sync overheads are larger). 192 GB HBM3, 1307 TFLOPS dense bf16.
 
 A model preset without a measured fit (the shipped ``tiny-moe``) gets these DERIVED
-constants on every hardware, the H200 included (``moe_constants``).
+constants on the H200 and the MI300X (``moe_constants``).
+
+CPU (``cpu``). MEASURED on a 2-core x86 CPU of the project's CI machine (AMD EPYC, Zen 4,
+KVM guest), one core (``taskset -c 1``), torch 2.13 with 1 thread, transformers 5.19
+(``grouped_mm`` experts), fp32 as ``eldr capture`` runs it, 2026-11-30, by
+benchmarks/bench_tiny_moe_step.py (docs/simulator.md#the-tiny-moe-cpu-preset). It holds
+constants of ``tiny-moe`` ONLY, the one model that runs on that machine; any other model
+is refused (:func:`moe_constants`) rather than given made-up numbers. ``a``, ``b``: the
+least-squares fit ``a + b·D + c·B`` of one MoE layer (router + experts) over forced
+(B, D) routings (R² 0.977; the simulator has no per-token ``c`` = 3.9 µs term).
+``hbm_bandwidth``: an EFFECTIVE rate, KV bytes per context token / the measured decode
+step time per context token (934 ns at batch 1, 100 → 1000 tokens); the 1.7 MB of dense
+weights sit in cache, so ``dense/BW`` is no physical read: it is folded back into
+``t_fixed`` = measured batch-1 step (ctx 100) − L(a + b·k) − dense/BW − KV/BW = 1.49 ms.
+``peak_flops``: EFFECTIVE, chosen so that the default ``prefill_mfu`` 0.5 reproduces the
+measured prefill time per prompt token (88.9 µs). ``hbm_bytes``: the machine's RAM.
 """
 
 from __future__ import annotations
@@ -51,12 +66,19 @@ class Hardware:
     t_fixed_s: float  # fixed per-step overhead in seconds (see module docstring)
     measured_moe: bool  # True: a, b from the model preset's fit; False: derived (see above)
     a_over_b: float = A_OVER_B_MI300X  # a = a_over_b x b when not measured
+    # (model preset, a µs, b µs) measured on THIS hardware; when any is given, the hardware
+    # resolves those models only (no derived constants for the rest)
+    moe_fits: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hbm_bandwidth", "hbm_bytes", "peak_flops", "a_over_b"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be > 0, "
                                  f"got {getattr(self, name)!r}")
+        for model, a_us, b_us in self.moe_fits:
+            if not (a_us >= 0 and b_us > 0):
+                raise ValueError(f"hardware {self.name!r}: fit of {model!r} needs a >= 0 and "
+                                 f"b > 0 µs, got a={a_us!r}, b={b_us!r}")
         if not self.t_fixed_s >= 0:
             raise ValueError(f"hardware {self.name!r}: t_fixed_s must be >= 0, "
                              f"got {self.t_fixed_s!r}")
@@ -67,6 +89,13 @@ HARDWARE: dict[str, Hardware] = {
                      t_fixed_s=2.0e-3, measured_moe=True),
     "mi300x": Hardware("mi300x", hbm_bandwidth=5.3e12, hbm_bytes=192e9, peak_flops=1307e12,
                        t_fixed_s=3.0e-3, measured_moe=False),
+    # measured for tiny-moe only (module docstring; docs/simulator.md#the-tiny-moe-cpu-preset)
+    "cpu": Hardware("cpu", hbm_bandwidth=1.645e9,  # effective: 1536 B / 933.7 ns per ctx token
+                    hbm_bytes=25.28e9,  # MemTotal of the machine, 24,684,084 kB
+                    peak_flops=52.34e9,  # effective: 2 x 1,163,264 / (88.9 µs x 0.5)
+                    t_fixed_s=1.490e-3,  # measured step 4.535 ms minus the modelled terms
+                    measured_moe=True,
+                    moe_fits=(("tiny-moe", 301.46, 3.636),)),  # a + b·D + c·B fit, R² 0.977
 }
 
 
@@ -83,9 +112,19 @@ def get_hardware(name: str | Hardware) -> Hardware:
 def moe_constants(hardware: Hardware, model: ModelPreset) -> tuple[float, float]:
     """(a, b) in SECONDS of one MoE layer, ``t = a + b·D``, for ``model`` on ``hardware``.
 
-    Measured fits when the hardware has them and the preset carries them; otherwise
-    ``b = expert_bytes / (bandwidth · η)`` and ``a = a_over_b · b`` (module docstring).
+    A hardware with its own ``moe_fits`` (the ``cpu`` preset) resolves exactly those
+    models and raises ``ValueError`` for any other. Otherwise: measured fits when the
+    hardware has them and the preset carries them, else ``b = expert_bytes /
+    (bandwidth · η)`` and ``a = a_over_b · b`` (module docstring).
     """
+    if hardware.moe_fits:
+        for name, a_us, b_us in hardware.moe_fits:
+            if name == model.name:
+                return a_us * 1e-6, b_us * 1e-6
+        fitted = ", ".join(name for name, _, _ in hardware.moe_fits)
+        raise ValueError(f"hardware {hardware.name!r} has measured constants of {fitted} only, "
+                         f"none of {model.name!r}; measure them on that machine (see "
+                         "benchmarks/bench_tiny_moe_step.py) or pick another --hardware")
     if (hardware.measured_moe and model.moe_layer_fixed_us is not None
             and model.moe_layer_per_expert_us is not None):
         return model.moe_layer_fixed_us * 1e-6, model.moe_layer_per_expert_us * 1e-6
@@ -134,8 +173,7 @@ class SimConfig:
     hbm_bandwidth: float | None = None  # B/s for dense weights and KV reads
 
     def __post_init__(self) -> None:
-        get_preset(self.model)
-        get_hardware(self.hardware)
+        moe_constants(get_hardware(self.hardware), get_preset(self.model))  # may refuse
         for name in ("num_prefill", "num_decode", "max_batch", "max_batch_tokens", "tp", "ep",
                      "prefill_max_batch_tokens", "affinity_blocks", "prefix_cache_blocks"):
             v = getattr(self, name)

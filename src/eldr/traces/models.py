@@ -257,11 +257,12 @@ TINY_MOE = ModelPreset(
     # DERIVED: 6 x (attention + router) + tied LM head 4096 x 128 bf16 = 1,736,704 B
     dense_bytes_per_step=6 * (_TINY_ATTN + _TINY_ROUTER) + 4096 * 128 * BF16,
     kv_bytes_per_token=6 * 2 * 2 * 32 * BF16,  # DERIVED: layers x (K,V) x 2 x 32 = 1,536 B
-    # a, b: no measured fit exists, so none is stored and eldr.sim.config.moe_constants
-    # DERIVES them on every hardware: b = expert_bytes / (bandwidth x eta), a = 14.27 b
+    # a, b: no H200 fit exists, so none is stored; eldr.sim.config.moe_constants DERIVES
+    # them on the h200 and mi300x: b = expert_bytes / (bandwidth x eta), a = 14.27 b
     # (on the H200: b = 24,576 B / (4.8 TB/s x 0.886) = 5.8 ns, a = 82 ns). A model this
     # small is overhead-bound, so its decode step is almost all t_fixed: expect little
-    # from expert locality unless --moe-a-us / --moe-b-us say otherwise.
+    # from expert locality unless --moe-a-us / --moe-b-us say otherwise. The "cpu" hardware
+    # preset carries constants MEASURED on the CPU that runs this model (docs/simulator.md).
     max_context_tokens=1024,  # config.json max_position_embeddings
 )
 
