@@ -143,3 +143,21 @@ def test_memory_adds_the_future_joiners_of_the_decoders_usual_kind():
     assert J[0] < J[1] - 0.5
     with pytest.raises(ValueError, match="memory"):
         CostPolicy(2, num_layers=1, num_experts=3, memory=-1)
+
+
+def test_an_unpickled_policy_owns_writable_state_even_from_read_only_maps(tmp_path):
+    # joblib hands large arrays to its workers as read-only memory maps; the state must
+    # come back private and writable (it changes at every dispatch)
+    pol = CostPolicy(2, num_layers=1, num_experts=3)
+    pol.on_dispatch(_req("a", [0.5, 0, 0]), 0)
+    fp = pol.footprint
+    state = dict(fp.__dict__)
+    for name in ("log_miss", "miss", "distinct", "context", "count", "typical"):
+        np.save(tmp_path / f"{name}.npy", state[name])
+        state[name] = np.load(tmp_path / f"{name}.npy", mmap_mode="r")
+        assert not state[name].flags.writeable
+    fp.__setstate__(state)
+    pol.on_dispatch(_req("b", [0, 0.5, 0]), 0)
+    pol.on_release("a", "completed")
+    pol.on_release("b", "completed")
+    assert len(fp) == 0 and not fp.log_miss.any() and fp.typical.flags.writeable

@@ -28,7 +28,7 @@ def plot_main(an: Analysis, wl: str, path: Path) -> None:
     plt = _plt()
     K = an.plan.num_decode
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    variants = [*LOAD_BALANCERS, "domain", an.eldr(), an.oracle()]
+    variants = [*LOAD_BALANCERS, "domain", an.eldr(), "eldr_cost", an.oracle()]
     labels = {an.eldr(): "eldr", an.oracle(): "oracle_signature"}
     for v in variants:
         pts = [(q, an.get(wl, q, K, v)) for q in an.plan.rates]
@@ -38,6 +38,7 @@ def plot_main(an: Analysis, wl: str, path: Path) -> None:
         qs = [q for q, _ in pts]
         # ELDR in black on top; the oracle bound dashed (they often coincide)
         style = {"lw": 2.5, "color": "black", "zorder": 5} if v == an.eldr() else \
+            {"lw": 2.5, "color": "tab:green", "zorder": 5} if v == "eldr_cost" else \
             {"ls": "--", "color": "gray", "zorder": 6} if v == an.oracle() else {}
         for ax, key in zip(axes, ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms"),
                            strict=True):

@@ -90,7 +90,53 @@ class Analysis:
                     "lb_distinct": b["mean_distinct_per_layer"],
                     "eldr_distinct": e["mean_distinct_per_layer"],
                     "lb_batch": b["mean_batch"],
+                    **self._cost_cells(wl, q, K, b),
                 })
+        return out
+
+    def best_lb_p99(self, wl: str, qps: float, K: int) -> dict | None:
+        rows = [self.get(wl, qps, K, p) for p in LOAD_BALANCERS]
+        rows = [r for r in rows if r is not None]
+        return min(rows, key=lambda r: r["tpot_p99_ms"]) if rows else None
+
+    def _cost_cells(self, wl: str, q: float, K: int, b: dict) -> dict:
+        """eldr_cost (fitted) and eldr_cost[online] (no calibration) vs the best LB."""
+        out = {}
+        for key, variant in (("cost", "eldr_cost"), ("online", "eldr_cost[online]")):
+            c = self.get(wl, q, K, variant)
+            out[f"{key}_tpot_p50"] = c["tpot_median_ms"] if c else float("nan")
+            out[f"{key}_tpot_p99"] = c["tpot_p99_ms"] if c else float("nan")
+            out[f"{key}_d_p50"] = _pct(c["tpot_median_ms"], b["tpot_median_ms"]) if c \
+                else float("nan")
+            out[f"{key}_d_p99"] = _pct(c["tpot_p99_ms"], b["tpot_p99_ms"]) if c \
+                else float("nan")
+            out[f"{key}_distinct"] = c["mean_distinct_per_layer"] if c else float("nan")
+        return out
+
+    def tiny_rows(self) -> list[dict]:
+        """The shipped tiny-MoE trace on its measured CPU preset: every policy vs the best
+        load balancer per rate (each metric against its own best)."""
+        out = []
+        plan = self.plan
+        for q in plan.tiny_rates:
+            rows = {r["variant"]: r for r in self.results.rows
+                    if r["experiment"] == "tiny" and float(r["qps"]) == float(q)}
+            lbs = [rows[p] for p in LOAD_BALANCERS if p in rows]
+            if not lbs:
+                continue
+            b50 = min(lbs, key=lambda r: r["tpot_median_ms"])
+            b99 = min(lbs, key=lambda r: r["tpot_p99_ms"])
+            row = {"qps": q, "best_lb": b50["policy"], "lb_p50": b50["tpot_median_ms"],
+                   "lb_p99": b99["tpot_p99_ms"], "batch": b50["mean_batch"]}
+            for name, variant in (("eldr", self.eldr()), ("cost", "eldr_cost")):
+                r = rows.get(variant)
+                row[f"{name}_d_p50"] = _pct(r["tpot_median_ms"], b50["tpot_median_ms"]) \
+                    if r else float("nan")
+                row[f"{name}_d_p99"] = _pct(r["tpot_p99_ms"], b99["tpot_p99_ms"]) \
+                    if r else float("nan")
+                row[f"{name}_distinct"] = r["mean_distinct_per_layer"] if r else float("nan")
+            row["lb_distinct"] = b50["mean_distinct_per_layer"]
+            out.append(row)
         return out
 
     def tau_rows(self) -> list[dict]:
@@ -112,16 +158,22 @@ class Analysis:
         wl = self.plan.workloads[0]
         out = []
         for K in self.plan.pool_sizes:
-            d50, d99 = [], []
+            d50, d99, c50, c99 = [], [], [], []
             for q in self.plan.pool_rates:
                 b, e = self.best_lb(wl, q, K), self.get(wl, q, K, self.eldr())
+                c = self.get(wl, q, K, "eldr_cost")
                 if b is None or e is None:
                     continue
                 d50.append(_pct(e["tpot_median_ms"], b["tpot_median_ms"]))
                 d99.append(_pct(e["tpot_p99_ms"], b["tpot_p99_ms"]))
+                if c is not None:
+                    c50.append(_pct(c["tpot_median_ms"], b["tpot_median_ms"]))
+                    c99.append(_pct(c["tpot_p99_ms"], b["tpot_p99_ms"]))
             if d50:
                 out.append({"pool": f"{self.plan.num_prefill}P{K}D", "K": K,
                             "d_p50": float(np.mean(d50)), "d_p99": float(np.mean(d99)),
+                            "cost_d_p50": float(np.mean(c50)) if c50 else float("nan"),
+                            "cost_d_p99": float(np.mean(c99)) if c99 else float("nan"),
                             "rates": len(d50)})
         return out
 
@@ -204,13 +256,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def headline_text(an: Analysis) -> str:
     """The headline table as plain text (printed by ``eldr reproduce``)."""
     lines = [f"{'workload':<9} {'req/s':>5} {'best LB':>11} {'TPOT p50':>9} {'ELDR':>7} "
-             f"{'Δp50':>7} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>7} {'domain':>7} {'oracle':>7}"]
+             f"{'Δp50':>7} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>7} {'domain':>7} {'oracle':>7} "
+             f"{'cost Δp50':>9} {'cost Δp99':>9}"]
     for h in an.headline():
         lines.append(
             f"{h['workload']:<9} {h['qps']:>5g} {h['best_lb']:>11} {h['lb_tpot_p50']:>9.2f} "
             f"{h['eldr_tpot_p50']:>7.2f} {_s(h['d_p50']):>7} {h['lb_tpot_p99']:>9.2f} "
             f"{h['eldr_tpot_p99']:>7.2f} {_s(h['d_p99']):>7} {_s(h['domain_d_p50']):>7} "
-            f"{_s(h['oracle_d_p50']):>7}")
+            f"{_s(h['oracle_d_p50']):>7} {_s(h['cost_d_p50']):>9} {_s(h['cost_d_p99']):>9}")
     return "\n".join(lines)
 
 
@@ -249,6 +302,18 @@ def write_report(results: Results, out: str | Path) -> Path:
           _s(h["d_p99"]), _s(h["d_ttft"]), _s(h["domain_d_p50"]), _s(h["oracle_d_p50"]),
           f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}", f"{h['lb_batch']:.1f}"]
          for h in hl]))
+    md.append("\n### The cost policy (`eldr_cost`) in the same cells\n")
+    md.append("`eldr_cost` routes on the marginal expert cost (docs/fit-and-routing.md): "
+              "fitted = the artifact's profile predictor and cluster profiles; online = no "
+              "calibration at all. Δ vs the same best load balancer (median / p99 TPOT).\n")
+    md.append(_table(
+        ["workload", "req/s", "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99",
+         "eldr_cost[online] Δ p50 / p99", "D/layer LB→ELDR→cost"],
+        [[h["workload"], f"{h['qps']:g}", f"{_s(h['d_p50'])} / {_s(h['d_p99'])}",
+          f"{_s(h['cost_d_p50'])} / {_s(h['cost_d_p99'])}",
+          f"{_s(h['online_d_p50'])} / {_s(h['online_d_p99'])}",
+          f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}→{_f(h['cost_distinct'], 1)}"]
+         for h in hl]))
     for wl in plan.workloads:
         plot_main(an, wl, out / f"main_{wl}.png")
         md.append(f"\n![{wl}](main_{wl}.png)\n")
@@ -271,10 +336,16 @@ def write_report(results: Results, out: str | Path) -> Path:
         md.append(f"\n## Decode-pool size ({plan.workloads[0]}, mean over rates "
                   f"{list(plan.pool_rates)})\n")
         md.append("Paper: 8.0 → 9.8 → 10.2% median TPOT reduction for 8P8D → 8P16D → 8P24D.\n")
-        md.append(_table(["pool", "Δ p50 vs best LB", "Δ p99 vs best LB"],
-                         [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"])] for r in pool]))
-        plot_bars([r["pool"] for r in pool], {"Δ median TPOT %": [r["d_p50"] for r in pool],
-                                               "Δ p99 TPOT %": [r["d_p99"] for r in pool]},
+        md.append(_table(["pool", "ELDR Δ p50 vs best LB", "ELDR Δ p99",
+                          "eldr_cost Δ p50", "eldr_cost Δ p99"],
+                         [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"]), _s(r["cost_d_p50"]),
+                           _s(r["cost_d_p99"])] for r in pool]))
+        plot_bars([r["pool"] for r in pool], {"ELDR Δ median %": [r["d_p50"] for r in pool],
+                                               "ELDR Δ p99 %": [r["d_p99"] for r in pool],
+                                               "eldr_cost Δ median %":
+                                                   [r["cost_d_p50"] for r in pool],
+                                               "eldr_cost Δ p99 %":
+                                                   [r["cost_d_p99"] for r in pool]},
                    "ELDR vs best load balancer by decode-pool size", "% vs best LB",
                    out / "pool.png")
         md.append("\n![pool](pool.png)\n")
@@ -321,6 +392,49 @@ def write_report(results: Results, out: str | Path) -> Path:
                          [[f"{r['qps']:g}", r["best_lb"], _f(r["lb_p50"]),
                            _s(r["contiguous_p50"]), _s(r["global_p50"]),
                            _s(r["per_decoder_p50"]), _s(r["per_decoder_p99"])] for r in ep]))
+    grid = []
+    if plan.grid:
+        from eldr.reproduce.grid import (
+            GRID_BALANCERS,
+            TOLERANCE_PCT,
+            grid_rows,
+            grid_table,
+            plot_grid,
+        )
+
+        grid = grid_rows(results.rows, {"eldr": an.eldr()})
+        if grid:
+            md.append("\n## Never worse than load balancing\n")
+            md.append(f"Every cell of rates {list(plan.grid_rates)} req/s × decode pools "
+                      f"{list(plan.grid_pools)} ({plan.num_prefill} prefill workers) × "
+                      f"workloads {list(plan.grid_workloads)}, {plan.grid_warmup_s:g} s "
+                      f"warm-up + {plan.grid_duration_s:g} s measured per cell (short "
+                      "windows to afford the grid). `azure_conv` and `mooncake_conv` replay "
+                      "the real traces' arrival times (scaled to the rate, bursts kept) and "
+                      "prompt/output lengths, with routing drawn for those lengths. Each "
+                      "cell: Δ median / Δ p99 TPOT against the best of "
+                      f"{', '.join(GRID_BALANCERS)} for that metric; **bold** = worse by "
+                      f"more than {TOLERANCE_PCT:g}%.\n")
+            md.append(grid_table(grid))
+            plot_grid(grid, out / "grid.png")
+            md.append("\n![grid](grid.png)\n")
+    tiny = an.tiny_rows() if plan.tiny else []
+    if tiny:
+        md.append("\n## The real tiny-MoE trace on its measured CPU preset\n")
+        md.append(f"The shipped tiny Qwen3-MoE's captured routing (314 held-out prompts; "
+                  f"calibration a third), step costs measured on this project's CPU "
+                  f"(`--hardware cpu`, docs/simulator.md), {plan.tiny_num_prefill}P"
+                  f"{plan.tiny_num_decode}D, {plan.tiny_warmup_s:g} + "
+                  f"{plan.tiny_duration_s:g} s. Δ vs the best load balancer per metric.\n")
+        md.append(_table(["req/s", "batch", "best LB", "LB p50 ms", "LB p99 ms",
+                          "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99",
+                          "D/layer LB→ELDR→cost"],
+                         [[f"{r['qps']:g}", f"{r['batch']:.1f}", r["best_lb"],
+                           _f(r["lb_p50"]), _f(r["lb_p99"]),
+                           f"{_s(r['eldr_d_p50'])} / {_s(r['eldr_d_p99'])}",
+                           f"{_s(r['cost_d_p50'])} / {_s(r['cost_d_p99'])}",
+                           f"{r['lb_distinct']:.1f}→{_f(r['eldr_distinct'], 1)}→"
+                           f"{_f(r['cost_distinct'], 1)}"] for r in tiny]))
     dec = plot_decoders(an, out / "decoders.png")
     if dec:
         md.append(f"\n## Distinct experts per decoder ({plan.workloads[0]}, "
@@ -329,6 +443,7 @@ def write_report(results: Results, out: str | Path) -> Path:
     md.append("\n## Files\n\n`rows.csv` (one row per simulation), `decoders.csv` (per-decoder "
               "statistics), `results.json` (headline, sweeps, timings).\n")
     write_json({"plan": plan.__dict__, "headline": hl, "tau": tau, "pool": pool,
-                "vanilla": van, "prefix": pre, "ep": ep, "seconds": results.seconds},
+                "vanilla": van, "prefix": pre, "ep": ep, "grid": grid, "tiny": tiny,
+                "seconds": results.seconds},
                out / "results.json")
     return atomic_write_text(out / "report.md", "\n".join(md) + "\n")

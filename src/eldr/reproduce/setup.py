@@ -37,6 +37,11 @@ class RoutingSetup:
     seed: int  # seed of the K-means fits
     fit_seconds: float = 0.0  # encoder fit time
     predictor: object | None = None  # fitted ProfilePredictor (eldr_cost), or None
+    # a real trace's replayed arrivals: (R_eval,) float64 seconds in file time of eval
+    # request i, and the whole file's mean rate (req/s) that scaling to a rate divides by
+    arrival_times: np.ndarray | None = None
+    arrival_rate: float | None = None
+    _decoder_profiles: dict = field(default_factory=dict)  # K -> (K, L, E) float32
     _centroids: dict = field(default_factory=dict)  # (K, kind) -> (K, d) float32
     _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration labels
     _placements: dict = field(default_factory=dict)  # (K, ep, layout) -> placement
@@ -100,12 +105,42 @@ class RoutingSetup:
             self.centroids(K, kind)
         if "decode_centroids" in needs:
             self.centroids(K, "oracle")
+        if "decoder_profiles" in POLICIES[name].options and kind == "balanced":
+            self.decoder_profiles(K)
+
+    def decoder_profiles(self, K: int) -> np.ndarray:
+        """(K, L, E) float32 mean log(1 − p) of each balanced cluster's calibration requests
+        (p from the fitted predictor): the cost policy's picture of each decoder's usual
+        requests, as :func:`eldr.fit.artifact.fit_artifact` stores it."""
+        if K not in self._decoder_profiles:
+            from eldr.fit.predictor import decoder_profiles, prefill_profiles
+
+            self.centroids(K, "balanced")
+            profiles = prefill_profiles(self.calib)
+            if self.predictor is not None:
+                a = np.float32(self.predictor.alpha_)
+                profiles = (1 - a) * profiles + a * self.predictor.mean_
+            self._decoder_profiles[K] = decoder_profiles(profiles, self._labels[(K, "balanced")],
+                                                         K)
+        return self._decoder_profiles[K]
+
+    def arrivals(self, qps: float, horizon_s: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """A real trace's (times, eval index) at ``qps``: the file's times scaled by one
+        factor (order and every gap ratio kept), those before ``horizon_s``; None for a
+        Poisson workload."""
+        if self.arrival_times is None:
+            return None
+        times = self.arrival_times * (self.arrival_rate / float(qps))
+        n = int(np.searchsorted(times, horizon_s, side="left"))
+        return times[:n].copy(), np.arange(n, dtype=np.int64)
 
     def policy(self, name: str, K: int, *, tau: float = 0.1, seed: int = 0,
                kind: str = "balanced", context_weight: float | None = None,
                capacity: float | None = None):
         """A fresh policy instance (policies keep state: round-robin pointer, RNG, the cost
-        policy's footprints); it takes from this set-up what its registry entry declares."""
+        policy's footprints); it takes from this set-up what its registry entry declares.
+        ``kind="online"`` gives eldr_cost no fitted cluster profiles (its calibration-free
+        form, learning each decoder's usual requests online)."""
         needs = POLICIES[name].needs | POLICIES[name].options
         m = self.eval.meta
         return make_policy(
@@ -114,7 +149,9 @@ class RoutingSetup:
             decode_centroids=self.centroids(K, "oracle") if "decode_centroids" in needs
             else None,
             domain_shares=self.domain_shares, num_layers=m.num_layers,
-            num_experts=m.num_experts, context_weight=context_weight, capacity=capacity)
+            num_experts=m.num_experts, context_weight=context_weight, capacity=capacity,
+            decoder_profiles=self.decoder_profiles(K)
+            if "decoder_profiles" in needs and kind == "balanced" else None)
 
     def inputs(self, policy, *, patterns: bool = True) -> dict:
         """Keyword inputs of :func:`eldr.sim.simulate` for the request fields ``policy``

@@ -52,7 +52,8 @@ class Plan:
     duration_s: float = 120.0
     num_prefill: int = 8
     num_decode: int = 16
-    policies: tuple[str, ...] = (*LOAD_BALANCERS, "domain", "eldr", "oracle_signature")
+    policies: tuple[str, ...] = (*LOAD_BALANCERS, "domain", "eldr", "eldr_cost",
+                                 "oracle_signature")
     tau: float = 0.1
     tau_values: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
     tau_rate: float = 80
@@ -73,6 +74,21 @@ class Plan:
     ep_tp: int = 4
     ep: int = 4
     ep_rates: tuple[float, ...] = (10, 20, 30, 40)
+    # "never worse than load balancing": every (workload, decode pool, rate) cell with
+    # short windows; azure_conv / mooncake_conv replay real arrivals and lengths
+    grid: bool = True
+    grid_workloads: tuple[str, ...] = ("task", "language", "azure_conv", "mooncake_conv")
+    grid_pools: tuple[int, ...] = (8, 16, 24, 32)
+    grid_rates: tuple[float, ...] = (5, 10, 20, 40, 60, 80, 100)
+    grid_warmup_s: float = 10.0
+    grid_duration_s: float = 40.0
+    # the shipped tiny MoE's real captured trace on its measured CPU preset
+    tiny: bool = True
+    tiny_rates: tuple[float, ...] = (10, 40, 100, 160, 220)
+    tiny_num_prefill: int = 8
+    tiny_num_decode: int = 4
+    tiny_warmup_s: float = 10.0
+    tiny_duration_s: float = 60.0
     selection_max_pairs: int | None = 100_000  # layer-mask search pairs (encoder fit)
     max_pairs: int | None = 200_000  # pairs for the reported ρ
     hardware: str = "h200"
@@ -82,6 +98,9 @@ QUICK = Plan(
     name="quick", rates=(40, 80), warmup_s=5.0, duration_s=20.0,
     tau_values=(0.0, 0.1, 0.3, 1.0), tau_rate=80, pool_sizes=(8, 16, 24), pool_rates=(80,),
     selection_max_pairs=10_000, max_pairs=50_000,
+    grid_workloads=("task", "azure_conv"), grid_pools=(8, 16), grid_rates=(10, 60),
+    grid_warmup_s=5.0, grid_duration_s=15.0, tiny_rates=(40, 160), tiny_warmup_s=5.0,
+    tiny_duration_s=20.0,
 )
 FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
             ep_experiment=True)
@@ -105,12 +124,17 @@ class Task:
     ep: int = 1
     placement: str = "contiguous"  # EP layout: contiguous / global / per_decoder
     signature_source: str | None = None  # prefix caching on with this source; None: off
+    warmup_s: float | None = None  # None: the plan's
+    duration_s: float | None = None  # None: the plan's
+    hardware: str | None = None  # None: the plan's
 
     @property
     def variant(self) -> str:
         v = self.policy
         if self.policy in ("eldr", "oracle_signature", "eldr_top1"):
             v = f"{self.policy}[tau={self.tau:g},{self.kind}]"
+        elif self.policy == "eldr_cost" and self.kind != "balanced":
+            v = f"eldr_cost[{self.kind}]"  # "online": no fitted cluster profiles
         if self.signature_source is not None:
             v += f"+prefix[{self.signature_source}]"
         if self.ep > 1:
@@ -127,6 +151,8 @@ def plan_tasks(plan: Plan) -> list[Task]:
             for p in plan.policies:
                 tasks.append(Task("main", wl, p, q, K, plan.tau,
                                   keep_decoders=q == plan.tau_rate))
+            if "eldr_cost" in plan.policies:  # its calibration-free form too
+                tasks.append(Task("main", wl, "eldr_cost", q, K, plan.tau, kind="online"))
     wl0 = plan.workloads[0]
     for tau in plan.tau_values:
         if tau != plan.tau or plan.tau_rate not in plan.rates:
@@ -137,7 +163,7 @@ def plan_tasks(plan: Plan) -> list[Task]:
         for q in plan.pool_rates:
             if k == K and q in plan.rates:
                 continue
-            for p in (*LOAD_BALANCERS, "eldr"):
+            for p in (*LOAD_BALANCERS, "eldr", "eldr_cost"):
                 tasks.append(Task("pool", wl0, p, q, k, plan.tau))
     if plan.vanilla:
         for wl in plan.workloads:
@@ -163,7 +189,26 @@ def plan_tasks(plan: Plan) -> list[Task]:
             for layout in ("contiguous", "global", "per_decoder"):
                 tasks.append(Task("ep", key, "eldr", q, plan.ep_num_decode, plan.tau,
                                   placement=layout, **common))
+    if plan.grid:
+        from eldr.reproduce.grid import GRID_BALANCERS, GRID_POLICIES
+
+        win = dict(warmup_s=plan.grid_warmup_s, duration_s=plan.grid_duration_s)
+        for wl in plan.grid_workloads:
+            for k in plan.grid_pools:
+                for q in plan.grid_rates:
+                    for p in (*GRID_BALANCERS, *GRID_POLICIES):
+                        tasks.append(Task("grid", wl, p, q, k, plan.tau, **win))
+    if plan.tiny:
+        common = dict(num_prefill=plan.tiny_num_prefill, model="tiny-moe", hardware="cpu",
+                      warmup_s=plan.tiny_warmup_s, duration_s=plan.tiny_duration_s)
+        for q in plan.tiny_rates:
+            for p in (*LOAD_BALANCERS, "eldr", "eldr_cost"):
+                tasks.append(Task("tiny", TINY_SETUP, p, q, plan.tiny_num_decode, plan.tau,
+                                  **common))
     return tasks
+
+
+TINY_SETUP = "tiny_moe"  # set-up key of the shipped tiny-MoE trace
 
 
 def build_setups(plan: Plan, *, trace=None, log=print,
@@ -183,6 +228,7 @@ def build_setups(plan: Plan, *, trace=None, log=print,
     if plan.ep_experiment:
         jobs.append((f"{wl0}@{plan.ep_model}", wl0, plan.ep_model, plan.ep_requests, False))
     setups = {}
+    real = [wl for wl in (plan.grid_workloads if plan.grid else ()) if wl not in jobs_keys(jobs)]
     for n, (key, wl, model, num_requests, keep_topk) in enumerate(jobs):
         t0 = time.perf_counter()
         if n == 0 and trace is not None:
@@ -207,7 +253,65 @@ def build_setups(plan: Plan, *, trace=None, log=print,
             f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
             f"{st.encoder.rho_:.3f} on {st.encoder.layers_.size} layers "
             f"({st.fit_seconds:.1f}s)")
+    n = len(jobs)
+    for wl in real:
+        t0 = time.perf_counter()
+        st = setups[wl] = _real_trace_setup(plan, wl)
+        if folder is not None:
+            _share(st, os.path.join(folder, f"setup-{n}"))
+        n += 1
+        log(f"[{wl}] {st.eval.num_requests} replayed arrivals (file {st.arrival_rate:.2f} "
+            f"req/s), calibration {st.calib.num_requests} ({time.perf_counter() - t0:.1f}s); "
+            f"encoder rho {st.encoder.rho_:.3f} on {st.encoder.layers_.size} layers")
+    if plan.tiny:
+        from eldr.capture import tiny_moe_trace_path
+        from eldr.reproduce.setup import fit_setup as fit
+        from eldr.traces.trace import load
+
+        tr = load(tiny_moe_trace_path())
+        st = setups[TINY_SETUP] = fit(tr, "tiny_moe", calib_requests=tr.num_requests // 3,
+                                      seed=plan.seed, selection_max_pairs=None,
+                                      max_pairs=None)
+        if folder is not None:
+            _share(st, os.path.join(folder, f"setup-{n}"))
+        log(f"[{TINY_SETUP}] shipped trace {tr.num_requests} requests; calibration "
+            f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
+            f"{st.encoder.rho_:.3f}")
     return setups
+
+
+def jobs_keys(jobs: list[tuple]) -> set[str]:
+    return {j[0] for j in jobs}
+
+
+def _real_trace_setup(plan: Plan, name: str) -> RoutingSetup:
+    """The set-up of a shipped real trace for the grid: the file's first arrivals that any
+    grid rate replays within the grid window, lengths clipped to what the model's context
+    and one decoder's KV hold, routing for those lengths from one synthetic draw that also
+    gives the calibration requests (:func:`eldr.traces.arrivals.calibration_and_replay`;
+    the conversation traces use the ``language`` mixture)."""
+    from eldr.reproduce.setup import fit_split
+    from eldr.sim.steptime import StepModel
+    from eldr.traces import arrivals as arr
+    from eldr.traces.models import get_preset
+
+    real = arr.default_arrivals(name)
+    horizon = plan.grid_warmup_s + plan.grid_duration_s
+    top = max(plan.grid_rates)
+    n = int(np.searchsorted(real.times * (real.mean_rate / top), horizon, side="left")) + 1
+    head = arr.head(real, n)
+    model = get_preset(plan.model)
+    kv = StepModel(SimConfig(model=plan.model, hardware=plan.hardware)).kv_capacity_bytes
+    fit = int((kv - model.kv_fixed_bytes_per_request) // model.kv_bytes_per_token)
+    limit = fit if model.max_context_tokens is None else min(fit, model.max_context_tokens)
+    calib, ev = arr.calibration_and_replay(arr.clip_lengths(head, limit), plan.model,
+                                           "language", num_calibration=plan.calib_requests,
+                                           seed=plan.seed)
+    st = fit_split(calib, ev, name, seed=plan.seed,
+                   selection_max_pairs=plan.selection_max_pairs, max_pairs=plan.max_pairs)
+    st.arrival_times = np.asarray(head.times, dtype=np.float64)
+    st.arrival_rate = float(real.mean_rate)
+    return st
 
 
 @dataclass(frozen=True)
@@ -227,14 +331,15 @@ class SimJob:
 
 def _config(plan: Plan, task: Task, num_eval_requests: int) -> SimConfig:
     src = task.signature_source
-    warmup, duration = plan.warmup_s, plan.duration_s
+    warmup = plan.warmup_s if task.warmup_s is None else task.warmup_s
+    duration = plan.duration_s if task.duration_s is None else task.duration_s
     if src is not None:
         # Replayed trace requests repeat once arrivals outnumber them, and a repeat hits
         # the prefix cache with its WHOLE prompt: not what real traffic does. So the
         # prefix experiment stops arrivals before the held-out requests run out.
         horizon = min(warmup + duration, 0.95 * num_eval_requests / task.qps)
         warmup, duration = 0.2 * horizon, 0.8 * horizon
-    return SimConfig(model=task.model or plan.model, hardware=plan.hardware,
+    return SimConfig(model=task.model or plan.model, hardware=task.hardware or plan.hardware,
                      num_prefill=task.num_prefill or plan.num_prefill,
                      num_decode=task.num_decode, qps=float(task.qps), warmup_s=warmup,
                      duration_s=duration, seed=plan.seed, tp=task.tp, ep=task.ep,
@@ -251,6 +356,9 @@ def make_job(plan: Plan, setup: RoutingSetup, task: Task) -> SimJob:
         inputs["placement"] = setup.placement(task.num_decode, task.ep, task.placement)
     if config.signature_source != "trace":
         inputs["encoder"] = setup.encoder
+    replay = setup.arrivals(task.qps, config.horizon_s)
+    if replay is not None:  # a real trace: its own arrival process, scaled to the rate
+        inputs["arrivals"] = replay
     head = {"experiment": task.experiment, "workload": task.workload,
             "variant": task.variant, "tau": task.tau, "kind": task.kind,
             "model": task.model or plan.model}

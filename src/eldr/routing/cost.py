@@ -106,6 +106,15 @@ class ExpertFootprint:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled state is private and writable: a parallel runner (joblib) may hand
+        large arrays back as read-only shared memory maps, and this state changes at every
+        dispatch."""
+        self.__dict__.update(state)
+        for name, value in state.items():
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                setattr(self, name, np.array(value))
+
     def _refresh(self, d: int) -> None:
         if self.count[d] == 0:
             self.log_miss[d] = 0.0
