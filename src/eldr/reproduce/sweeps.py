@@ -82,6 +82,9 @@ class Plan:
     grid_rates: tuple[float, ...] = (5, 10, 20, 40, 60, 80, 100)
     grid_warmup_s: float = 10.0
     grid_duration_s: float = 40.0
+    # a low-rate cell measures at least this many requests (longer window): a p99 of a few
+    # hundred requests moves by several percent between seeds
+    grid_min_requests: int = 2000
     # the shipped tiny MoE's real captured trace on its measured CPU preset
     tiny: bool = True
     tiny_rates: tuple[float, ...] = (10, 40, 100, 160, 220)
@@ -99,7 +102,8 @@ QUICK = Plan(
     tau_values=(0.0, 0.1, 0.3, 1.0), tau_rate=80, pool_sizes=(8, 16, 24), pool_rates=(80,),
     selection_max_pairs=10_000, max_pairs=50_000,
     grid_workloads=("task", "azure_conv"), grid_pools=(8, 16), grid_rates=(10, 60),
-    grid_warmup_s=5.0, grid_duration_s=15.0, tiny_rates=(40, 160), tiny_warmup_s=5.0,
+    grid_warmup_s=5.0, grid_duration_s=15.0, grid_min_requests=300, tiny_rates=(40, 160),
+    tiny_warmup_s=5.0,
     tiny_duration_s=20.0,
 )
 FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
@@ -192,10 +196,10 @@ def plan_tasks(plan: Plan) -> list[Task]:
     if plan.grid:
         from eldr.reproduce.grid import GRID_BALANCERS, GRID_POLICIES
 
-        win = dict(warmup_s=plan.grid_warmup_s, duration_s=plan.grid_duration_s)
         for wl in plan.grid_workloads:
             for k in plan.grid_pools:
                 for q in plan.grid_rates:
+                    win = dict(warmup_s=plan.grid_warmup_s, duration_s=grid_duration(plan, q))
                     for p in (*GRID_BALANCERS, *GRID_POLICIES):
                         tasks.append(Task("grid", wl, p, q, k, plan.tau, **win))
     if plan.tiny:
@@ -209,6 +213,12 @@ def plan_tasks(plan: Plan) -> list[Task]:
 
 
 TINY_SETUP = "tiny_moe"  # set-up key of the shipped tiny-MoE trace
+
+
+def grid_duration(plan: Plan, qps: float) -> float:
+    """Measured seconds of a grid cell: the plan's window, longer at low rates so that
+    every cell measures about ``grid_min_requests`` requests."""
+    return max(plan.grid_duration_s, plan.grid_min_requests / float(qps))
 
 
 def build_setups(plan: Plan, *, trace=None, log=print,
@@ -296,9 +306,9 @@ def _real_trace_setup(plan: Plan, name: str) -> RoutingSetup:
     from eldr.traces.models import get_preset
 
     real = arr.default_arrivals(name)
-    horizon = plan.grid_warmup_s + plan.grid_duration_s
-    top = max(plan.grid_rates)
-    n = int(np.searchsorted(real.times * (real.mean_rate / top), horizon, side="left")) + 1
+    n = 1 + max(int(np.searchsorted(real.times * (real.mean_rate / q),
+                                    plan.grid_warmup_s + grid_duration(plan, q), side="left"))
+                for q in plan.grid_rates)
     head = arr.head(real, n)
     model = get_preset(plan.model)
     kv = StepModel(SimConfig(model=plan.model, hardware=plan.hardware)).kv_capacity_bytes
