@@ -7,7 +7,7 @@ from eldr.cli import main
 from eldr.fit import artifact
 from eldr.fit.artifact import RoutingArtifact, fit_artifact
 from eldr.fit.signature import SignatureEncoder
-from eldr.routing import RouteRequest, make_policy
+from eldr.routing import RouteRequest, RoutingResources, make_policy
 from eldr.traces.trace import Trace, TraceMeta
 from eldr.traces.trace import save as save_trace
 
@@ -76,7 +76,8 @@ def test_round_trip_preserves_everything(fitted, tmp_path):
     np.testing.assert_array_equal(back.profile_mean, fitted.profile_mean)
     np.testing.assert_array_equal(back.decoder_profiles, fitted.decoder_profiles)
     assert back.decoder_profiles.shape == (2, L, E) and (back.decoder_profiles <= 0).all()
-    cost = make_policy("eldr_cost", num_workers=2, **back.resources([1, 0]).as_kwargs())
+    res = RoutingResources.from_artifact(back, [1, 0])
+    cost = make_policy("eldr_cost", num_workers=2, **res.as_kwargs())
     np.testing.assert_array_equal(cost.footprint.typical.reshape(2, L, E)[0],
                                   back.decoder_profiles[1])
     p = back.predict_profile(trace.prefill_counts[0], int(trace.prompt_lens[0]))

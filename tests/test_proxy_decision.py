@@ -159,9 +159,8 @@ def test_build_state_without_artifact():
 
 
 class _FakeArtifact:
-    """The fields of RoutingArtifact the router reads, with the real resources()."""
+    """The fields of RoutingArtifact the router reads."""
 
-    resources = RoutingArtifact.resources
     predict_profile = RoutingArtifact.predict_profile
     num_workers = RoutingArtifact.num_workers
 

@@ -76,19 +76,6 @@ class RoutingArtifact:
         a = np.float32(self.profile_alpha)
         return (1 - a) * pre + a * self.profile_mean
 
-    def resources(self, order: Sequence[int] | None = None, **deployment):
-        """:class:`eldr.routing.RoutingResources` for any policy, decoders in ``order``
-        (from :meth:`check_workers`; None: the artifact's). ``deployment``: what the fit
-        does not know (``context_weight``, ``capacity``, ``random_state``)."""
-        from eldr.routing.registry import RoutingResources
-
-        idx = np.arange(self.num_workers) if order is None else np.asarray(order)
-        return RoutingResources(
-            centroids=self.centroids[idx], tau=self.tau, num_layers=self.num_layers,
-            num_experts=self.num_experts,
-            decoder_profiles=None if self.decoder_profiles is None
-            else self.decoder_profiles[idx], **deployment)
-
     @property
     def num_workers(self) -> int:
         return len(self.worker_ids)

@@ -36,6 +36,7 @@ from eldr.routing import (
     Policy,
     PolicyBase,
     RouteRequest,
+    RoutingResources,
     make_policy,
     prefill_profile,
 )
@@ -249,7 +250,8 @@ def build_state(config: ServeConfig) -> RoutingState:
     if L is None and spec.needs & _SHAPE_RESOURCES:
         policy = LazyCostPolicy(K)
     elif art is not None:  # the artifact's one bundle, decoders in the configured order
-        resources = art.resources(order, random_state=config.random_state).as_kwargs()
+        resources = RoutingResources.from_artifact(
+            art, order, random_state=config.random_state).as_kwargs()
         resources["tau"] = tau
         policy = make_policy(config.policy, num_workers=K, **resources)
     else:

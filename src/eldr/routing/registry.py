@@ -49,8 +49,9 @@ __all__ = [
 class RoutingResources:
     """Everything policies may be built from; ``None`` = not available.
 
-    One bundle per (fit, decode pool): :meth:`eldr.fit.artifact.RoutingArtifact.resources`
-    fills it from an artifact, the reproduction from its calibration split.
+    One bundle per (fit, decode pool): :meth:`from_artifact` fills it from a routing
+    artifact, the reproduction (:class:`eldr.reproduce.setup.RoutingSetup`) from its
+    calibration split.
     """
 
     centroids: np.ndarray | None = None  # (K, d) float32 signature centroids
@@ -63,6 +64,18 @@ class RoutingResources:
     capacity: float | None = None  # a decoder's batch limit (cost policy's admission)
     decoder_profiles: np.ndarray | None = None  # (K, L, E) cluster mean log(1 − p) (cost)
     random_state: int | np.random.Generator | None = None  # seed of random policies
+
+    @classmethod
+    def from_artifact(cls, artifact, order=None, **deployment) -> RoutingResources:
+        """The bundle of a routing artifact (:class:`eldr.fit.artifact.RoutingArtifact`),
+        decoders in ``order`` (its ``check_workers`` order; None: the artifact's).
+        ``deployment``: what the fit does not know (``context_weight``, ``capacity``,
+        ``random_state``)."""
+        idx = np.arange(len(artifact.worker_ids)) if order is None else np.asarray(order)
+        profiles = getattr(artifact, "decoder_profiles", None)
+        return cls(centroids=np.asarray(artifact.centroids)[idx], tau=artifact.tau,
+                   num_layers=artifact.num_layers, num_experts=artifact.num_experts,
+                   decoder_profiles=None if profiles is None else profiles[idx], **deployment)
 
     def as_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)
