@@ -21,7 +21,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import time  # noqa: E402
 
-from eldr.traces.premises import calibration_report, format_report  # noqa: E402
+from eldr.fit.premises import calibration_report, format_report  # noqa: E402
 from eldr.traces.synth import generate  # noqa: E402
 
 

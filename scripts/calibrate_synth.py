@@ -17,7 +17,7 @@ import argparse
 import itertools
 import time
 
-from eldr.traces.premises import calibration_report, representation_rho
+from eldr.fit.premises import calibration_report, representation_rho
 from eldr.traces.synth import generate, with_params
 
 

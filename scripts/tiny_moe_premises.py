@@ -16,12 +16,12 @@ import sys
 
 import numpy as np
 
-from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
-from eldr.traces.premises import (
+from eldr.fit.premises import (
     distinct_experts_reduction,
     effective_experts,
     prefill_decode_pearson,
 )
+from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
 from eldr.traces.trace import load
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import make_trace
-from eldr.traces.premises import (
+from eldr.fit.premises import (
     PremiseRow,
     calibration_report,
     distinct_experts_reduction,

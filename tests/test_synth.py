@@ -7,9 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from eldr.fit.premises import calibration_report, format_report
 from eldr.traces import synth
 from eldr.traces.models import PRESETS
-from eldr.traces.premises import calibration_report, format_report
 from eldr.traces.sampling import aggregate_counts, approx_gate_sums, inclusion_probs, token_topk
 from eldr.traces.synth import DEFAULT_TRACE, SynthParams, default_trace, generate, get_params
 from eldr.traces.trace import load, save

@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from eldr.fit.premises import prefill_decode_pearson
     from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
-    from eldr.traces.premises import prefill_decode_pearson
     from eldr.traces.trace import load
 
     trace = load(args.trace)

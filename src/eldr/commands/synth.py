@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from eldr.fit.premises import calibration_report, format_report
     from eldr.traces.models import get_preset
-    from eldr.traces.premises import calibration_report, format_report
     from eldr.traces.synth import DEFAULT_TRACE, default_trace, generate
     from eldr.traces.trace import save
     from eldr.traces.workloads import get_workload

@@ -1,2 +1,3 @@
-"""The offline fit: signatures and rho, (balanced) spherical K-means with exact capacity-
-constrained assignment, the routing artifact, per-decoder expert placement."""
+"""The offline fit: signatures and rho, the premises a trace must meet, (balanced) spherical
+K-means with exact capacity-constrained assignment, the routing artifact, the profile
+predictor of the cost policy, per-decoder expert placement."""

@@ -23,7 +23,7 @@ script ``scripts/calibrate_synth.py``, to the paper's published premises ONLY: t
 prefill↔decode Pearson of each model, the same-domain distinct-expert reduction of each
 workload, ρ(count·idf) > ρ(gate_prob) and the effective number of experts per layer. They
 were never tuned to any routing outcome (TPOT, TTFT or an ELDR-vs-baseline gap): doing so
-would make the evaluation circular. :func:`eldr.traces.premises.calibration_report` measures the
+would make the evaluation circular. :func:`eldr.fit.premises.calibration_report` measures the
 premises on a generated trace.
 
 Everything is seeded: the same (model, workload, number of requests, seed, keep_topk)
