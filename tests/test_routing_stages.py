@@ -50,3 +50,15 @@ def test_band(cand, sim, tau, expected):
 def test_lowest(cand, score, tiebreak, expected):
     tb = None if tiebreak is None else np.array(tiebreak, float)
     assert pickers.lowest(np.array(cand), np.array(score, float), tb) == expected
+
+
+@pytest.mark.parametrize("loads, slack, expected", [
+    ([0, 1, 2], None, [T, T, T]),
+    ([0, 1, 2], 0.0, [T, T, T]),  # mean 1: loads <= 1·1 + 1 = 2
+    ([0, 0, 4], 0.0, [T, T, F]),  # mean 4/3: loads <= 2.33
+    ([10, 12, 20], 0.1, [T, T, F]),  # mean 14: <= 16.4
+    ([1, 1, 1], 0.0, [T, T, T]),
+])
+def test_bounded_load(loads, slack, expected):
+    got = filters.bounded_load(np.ones(3, bool), np.array(loads, float), slack)
+    assert got.tolist() == expected

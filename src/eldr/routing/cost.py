@@ -187,6 +187,7 @@ class CostPolicy(PolicyBase):
                  context_weight: float = 0.0, capacity: float | None = None,
                  memory: float = 4.0, memory_weight: float | None = None,
                  decoder_profiles: np.ndarray | None = None,
+                 load_slack: float | None = None,
                  name: str = "eldr_cost") -> None:
         self.name = name
         self.num_workers = _check_num_workers(num_workers)
@@ -218,6 +219,10 @@ class CostPolicy(PolicyBase):
             raise ValueError(f"{name}: memory_weight must be finite and >= 0, "
                              f"got {memory_weight}")
         self.memory_weight = float(memory_weight)
+        if load_slack is not None and not (np.isfinite(load_slack) and load_slack >= 0):
+            raise ValueError(f"{name}: load_slack must be finite and >= 0 or None, "
+                             f"got {load_slack}")
+        self.load_slack = load_slack
 
     def costs(self, profile: np.ndarray, loads: np.ndarray, context_tokens: float = 0.0
               ) -> np.ndarray:
@@ -241,6 +246,7 @@ class CostPolicy(PolicyBase):
         _check(self.name, self.num_workers, loads, healthy)
         ok = filters.with_capacity(filters.healthy(self.name, self.num_workers, healthy),
                                    loads, self.capacity)
+        ok = filters.bounded_load(ok, loads, self.load_slack)
         if request.profile is None:
             self.num_fallbacks += 1
             return Decision(pickers.lowest(ok, scorers.load(loads)), fallback=True)

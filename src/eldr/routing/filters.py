@@ -11,7 +11,7 @@ import numpy as np
 
 from eldr.routing._common import _no_healthy
 
-__all__ = ["band", "healthy", "with_capacity"]
+__all__ = ["band", "bounded_load", "healthy", "with_capacity"]
 
 
 def healthy(policy_name: str, num_workers: int, mask: np.ndarray | None) -> np.ndarray:
@@ -44,3 +44,19 @@ def band(candidates: np.ndarray, similarities: np.ndarray, tau: float) -> np.nda
     """
     sim = np.where(candidates, similarities, -np.inf)
     return sim >= sim.max() - np.float32(tau)
+
+
+def bounded_load(candidates: np.ndarray, loads: np.ndarray, slack: float | None
+                 ) -> np.ndarray:
+    """Candidates whose load is at most ``(1 + slack)`` × the candidates' mean load, + 1.
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018):
+    affinity may choose among decoders, but none may run more than a bounded share above
+    the mean, so the slowest decoder (the p99) cannot drift away from the rest. The + 1
+    keeps every decoder eligible while loads are small (a batch of one is never a
+    reason to refuse). Never empties the mask: the least-loaded candidate always passes.
+    """
+    if slack is None:
+        return candidates
+    mean = float(loads[candidates].mean())
+    return candidates & (loads <= (1.0 + slack) * mean + 1.0)
