@@ -24,15 +24,24 @@ TINY = Plan(
     policies=("round_robin", "jsq", "p2c", "domain", "eldr", "oracle_signature"),
     tau_values=(0.0, 0.1, 1.0), tau_rate=150.0, pool_sizes=(2, 4), pool_rates=(150.0,),
     selection_max_pairs=2_000, max_pairs=5_000,
+    grid_workloads=("task",), grid_pools=(4,), grid_rates=(150.0,), grid_warmup_s=0.05,
+    grid_duration_s=0.4, grid_min_requests=10,
+    tiny_rates=(100.0,), tiny_num_prefill=2, tiny_warmup_s=0.1, tiny_duration_s=0.5,
 )
 
 
 def test_plan_tasks_cover_every_experiment_once():
     tasks = plan_tasks(TINY)
-    keys = [(t.workload, t.qps, t.num_decode, t.variant) for t in tasks]
+    keys = [(t.workload, t.qps, t.num_decode, t.variant, t.warmup_s, t.duration_s)
+            for t in tasks]
     assert len(keys) == len(set(keys))  # no duplicated simulation
-    assert {t.experiment for t in tasks} == {"main", "tau", "pool", "vanilla"}
+    assert {t.experiment for t in tasks} == {"main", "tau", "pool", "vanilla", "grid", "tiny"}
     assert len([t for t in tasks if t.experiment == "main"]) == len(TINY.policies)
+    grid = [t for t in tasks if t.experiment == "grid"]
+    assert {t.policy for t in grid} == {"round_robin", "jsq", "p2c", "eldr", "eldr_cost"}
+    assert all(t.duration_s == 0.4 for t in grid)  # 10 requests at 150 req/s: the window
+    tiny = [t for t in tasks if t.experiment == "tiny"]
+    assert all(t.model == "tiny-moe" and t.hardware == "cpu" for t in tiny)
 
 
 def test_tiny_reproduce_writes_a_report(tmp_path):
@@ -44,6 +53,8 @@ def test_tiny_reproduce_writes_a_report(tmp_path):
     path = write_report(res, tmp_path)
     text = path.read_text()
     assert "## Headline" in text and "τ sweep" in text and "Decode-pool size" in text
+    assert "Never worse than load balancing" in text and "tiny-MoE trace" in text
+    assert (tmp_path / "grid.png").stat().st_size > 1000
     for png in ("main_task.png", "tau.png", "pool.png", "vanilla.png", "decoders.png"):
         assert (tmp_path / png).stat().st_size > 1000
     head = Analysis(res).headline()
@@ -54,7 +65,8 @@ def test_tiny_reproduce_writes_a_report(tmp_path):
 
 def test_two_worker_processes_give_the_rows_of_one():
     trace = make_trace(100, L, E, K_TOP, seed=5, with_topk=False)
-    plan = replace(TINY, tau_values=(0.1,), pool_sizes=(4,), vanilla=False)
+    plan = replace(TINY, tau_values=(0.1,), pool_sizes=(4,), vanilla=False, grid=False,
+                   tiny=False)
     rows = [run_plan(plan, trace=trace, jobs=jobs, log=lambda msg: None, progress=False).rows
             for jobs in (1, 2)]
     volatile = ("wall_s", "sim_requests_per_wall_s")

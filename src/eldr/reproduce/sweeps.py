@@ -237,8 +237,15 @@ def build_setups(plan: Plan, *, trace=None, log=print,
         jobs.append((f"{wl0}+topk", wl0, plan.model, plan.prefix_requests, True))
     if plan.ep_experiment:
         jobs.append((f"{wl0}@{plan.ep_model}", wl0, plan.ep_model, plan.ep_requests, False))
+    from eldr.traces.arrivals import DEFAULT_ARRIVALS
+
+    real = []
+    for wl in plan.grid_workloads if plan.grid else ():
+        if wl in DEFAULT_ARRIVALS:
+            real.append(wl)
+        elif wl not in {j[0] for j in jobs}:  # a synthetic workload only the grid uses
+            jobs.append((wl, wl, plan.model, plan.num_requests, False))
     setups = {}
-    real = [wl for wl in (plan.grid_workloads if plan.grid else ()) if wl not in jobs_keys(jobs)]
     for n, (key, wl, model, num_requests, keep_topk) in enumerate(jobs):
         t0 = time.perf_counter()
         if n == 0 and trace is not None:
@@ -288,10 +295,6 @@ def build_setups(plan: Plan, *, trace=None, log=print,
             f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
             f"{st.encoder.rho_:.3f}")
     return setups
-
-
-def jobs_keys(jobs: list[tuple]) -> set[str]:
-    return {j[0] for j in jobs}
 
 
 def _real_trace_setup(plan: Plan, name: str) -> RoutingSetup:
