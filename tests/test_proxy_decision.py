@@ -226,3 +226,17 @@ def test_eldr_cost_takes_the_models_shape_from_the_artifact(fake_artifact_module
     assert state.policy.name == "eldr_cost" and not isinstance(state.policy, LazyCostPolicy)
     assert state.policy.shape == (L, E) == state.shape and state.top_k == 4
     assert state.tau is None and state.worker_names == ("w-code", "w-other")
+
+
+def test_load_slack_reaches_the_cost_policy_with_or_without_an_artifact(fake_artifact_module):
+    lazy = build_state(dataclasses.replace(CFG, policy="eldr_cost", load_slack=0.1)).policy
+    lazy.bind(L, E)
+    assert lazy.inner.load_slack == 0.1
+    fitted = build_state(ServeConfig(prefill_urls=("http://p:1",),
+                                     decode_urls=("http://d:1", "http://d:2"), artifact="A",
+                                     policy="eldr_cost", load_slack=0.25)).policy
+    assert fitted.load_slack == 0.25
+    assert build_state(dataclasses.replace(CFG, policy="eldr_cost")).policy.inner is None
+    with pytest.raises(ValueError, match="load_slack"):
+        ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                    load_slack=-1.0)

@@ -29,6 +29,10 @@ def test_config_from_args():
                                  "--model", "tiny", "--admin-token", "0123456789"))
     assert cfg.decode_ids == ("a", "b") and cfg.decode_urls == ("http://d:1", "http://d:2")
     assert cfg.tau == 0.2 and cfg.models == ("tiny",) and cfg.admin_token == "0123456789"
+    assert cfg.load_slack is None and cfg.policy == "jsq"
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decode", "http://d:1",
+                                 "--load-slack", "0.1"))
+    assert cfg.load_slack == 0.1 and cfg.policy == "eldr_cost"  # the default policy
 
 
 def test_mixed_decode_specs_are_refused():

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "never worse than load balancing in the simulator's grid)")
     p.add_argument("--tau", type=float, default=None,
                    help="locality band width (default: the artifact's)")
+    p.add_argument("--load-slack", type=float, default=None, metavar="S",
+                   help="eldr_cost only: no decoder may hold more than (1 + S) x the mean "
+                        "load + 1 (bounded loads; protects p99 near saturation at some "
+                        "median cost; default: unbounded)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
@@ -88,7 +92,8 @@ def config_from_args(args: argparse.Namespace):
     return ServeConfig(
         prefill_urls=tuple(args.prefill), decode_urls=tuple(u for _, u in specs),
         decode_ids=None if ids[0] is None else tuple(ids), artifact=args.artifact,
-        policy=args.policy, tau=args.tau, host=args.host, port=args.port,
+        policy=args.policy, tau=args.tau, load_slack=args.load_slack, host=args.host,
+        port=args.port,
         admin_token=_admin_token(args),
         upstream_api_key=os.environ.get(args.upstream_api_key_env) or None,
         models=tuple(args.model), max_body_bytes=args.max_body_bytes,

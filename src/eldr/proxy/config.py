@@ -48,6 +48,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     artifact: str | None = None  # routing artifact directory; required by eldr policies
     policy: str = "eldr_cost"  # a name in eldr.routing.POLICIES (not an evaluation-only one)
     tau: float | None = None  # locality band width; None: the artifact's τ
+    load_slack: float | None = None  # eldr_cost's bounded-load slack; None: unbounded
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0: any free port)
     # bearer token of /admin/* and /health's details; None: admin endpoints refuse all
@@ -106,6 +107,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
                              f"does not carry; it is for simulation only")
         if self.tau is not None and not (math.isfinite(self.tau) and self.tau >= 0):
             raise ValueError(f"tau must be finite and >= 0, got {self.tau}")
+        if self.load_slack is not None and not (math.isfinite(self.load_slack)
+                                                and self.load_slack >= 0):
+            raise ValueError(f"load_slack must be finite and >= 0, got {self.load_slack}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.admin_token is not None and len(self.admin_token) < 8:

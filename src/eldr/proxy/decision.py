@@ -248,15 +248,16 @@ def build_state(config: ServeConfig) -> RoutingState:
         names = config.decode_ids or tuple(f"decode-{i}" for i in range(K))
     policy: Policy
     if L is None and spec.needs & _SHAPE_RESOURCES:
-        policy = LazyCostPolicy(K)
+        policy = LazyCostPolicy(K, load_slack=config.load_slack)
     elif art is not None:  # the artifact's one bundle, decoders in the configured order
         resources = RoutingResources.from_artifact(
-            art, order, random_state=config.random_state).as_kwargs()
+            art, order, random_state=config.random_state,
+            load_slack=config.load_slack).as_kwargs()
         resources["tau"] = tau
         policy = make_policy(config.policy, num_workers=K, **resources)
     else:
         policy = make_policy(config.policy, num_workers=K, tau=0.1,
-                             random_state=config.random_state)
+                             random_state=config.random_state, load_slack=config.load_slack)
     return RoutingState(policy=policy, worker_names=tuple(names), encoder=encoder,
                         num_layers=L, num_experts=E, top_k=k,
                         predictor=art if art is not None and

@@ -63,6 +63,7 @@ class RoutingResources:
     context_weight: float | None = None  # κ: step seconds per context token / per expert
     capacity: float | None = None  # a decoder's batch limit (cost policy's admission)
     decoder_profiles: np.ndarray | None = None  # (K, L, E) cluster mean log(1 − p) (cost)
+    load_slack: float | None = None  # cost policy's bounded-load slack (None: unbounded)
     random_state: int | np.random.Generator | None = None  # seed of random policies
 
     @classmethod
@@ -147,7 +148,7 @@ register_policy("eldr_top1", lambda K, centroids: EldrPolicy(K, centroids=centro
                 needs={"centroids"})
 register_policy("eldr_cost", lambda K, **kw: CostPolicy(K, **kw),
                 needs={"num_layers", "num_experts"},
-                options={"context_weight", "capacity", "decoder_profiles"})
+                options={"context_weight", "capacity", "decoder_profiles", "load_slack"})
 register_policy("oracle_signature",
                 lambda K, decode_centroids, tau=0.1: EldrPolicy(
                     K, centroids=decode_centroids, tau=tau, use_decode_pattern=True,
