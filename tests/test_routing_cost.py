@@ -161,3 +161,24 @@ def test_an_unpickled_policy_owns_writable_state_even_from_read_only_maps(tmp_pa
     pol.on_release("a", "completed")
     pol.on_release("b", "completed")
     assert len(fp) == 0 and not fp.log_miss.any() and fp.typical.flags.writeable
+
+
+def test_loads_are_bounded_only_near_expert_saturation():
+    # one layer of 4 experts; decoder 0 holds 4 requests on experts {0, 1}, decoder 1 one
+    # on {2}. A request on {0, 1} costs nothing more on decoder 0, so it packs there ...
+    def policy(saturation):
+        pol = CostPolicy(2, num_layers=1, num_experts=4, memory=0, saturation=saturation)
+        for i in range(4):
+            pol.on_dispatch(_req(f"a{i}", [0.9, 0.9, 0, 0]), 0)
+        pol.on_dispatch(_req("b", [0, 0, 0.9, 0]), 1)
+        return pol
+
+    x = _req("x", [0.9, 0.9, 0, 0])
+    loads = np.array([4.0, 1.0])
+    assert policy(None).choose(x, loads) == 0
+    # ... unless decoder 0's expected union (≈ 2 of 4 experts) counts as saturated: then
+    # its load 4 > (1 + 0.1) · 2.5 + 1 is out of bounds and the request goes to decoder 1
+    assert policy(0.45).choose(x, loads) == 1
+    assert policy(0.75).choose(x, loads) == 0  # 2 of 4 is not saturated at 75%
+    with pytest.raises(ValueError, match="saturation"):
+        CostPolicy(2, num_layers=1, num_experts=4, saturation=1.5)
