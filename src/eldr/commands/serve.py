@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="locality band width (default: the artifact's)")
     p.add_argument("--load-slack", type=float, default=None, metavar="S",
                    help="eldr_cost only: no decoder may hold more than (1 + S) x the mean "
-                        "load + 1 (bounded loads; protects p99 near saturation at some "
-                        "median cost; default: unbounded)")
+                        "load + 1, at all times (default: S = 0.1 only near expert "
+                        "saturation)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
