@@ -10,7 +10,7 @@ import numpy as np
 from eldr.reproduce.sweeps import LOAD_BALANCERS
 
 if TYPE_CHECKING:
-    from eldr.reproduce.report import Analysis
+    from eldr.reproduce.analysis import Analysis
 
 __all__ = ["plot_bars", "plot_decoders", "plot_main"]
 
