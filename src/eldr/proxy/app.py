@@ -21,14 +21,13 @@ with it the upstream requests (the engines see the connection close and abort).
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
-import json
 import logging
 import time
-from collections import OrderedDict
 
+from eldr.proxy.admin import FailedAttempts, ReloadRefused
 from eldr.proxy.affinity import PrefixAffinity
+from eldr.proxy.bodies import parse_body
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import RoutingState, build_state
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
@@ -337,92 +336,3 @@ class Router:
             log.info("routing artifact reloaded from %s", state.artifact)
             return state
 
-
-class FailedAttempts:
-    """Wrong admin tokens per client address in a sliding window, to slow guessing down.
-
-    ``max_failures`` within ``window`` seconds limit an address until the oldest ages
-    out. At most ``max_peers`` addresses are remembered (the oldest forgotten first), so a
-    flood of addresses cannot grow memory.
-    """
-
-    def __init__(self, *, max_failures: int = 5, window: float = 60.0,
-                 max_peers: int = 4096, clock=time.monotonic) -> None:
-        self.max_failures = max_failures
-        self.window = window
-        self.max_peers = max_peers
-        self.clock = clock
-        self._seen: OrderedDict[str, collections.deque] = OrderedDict()
-
-    def _recent(self, peer: str) -> collections.deque | None:
-        times = self._seen.get(peer)
-        if times is not None:
-            cutoff = self.clock() - self.window
-            while times and times[0] < cutoff:
-                times.popleft()
-        return times
-
-    def is_limited(self, peer: str) -> bool:
-        times = self._recent(peer)
-        return times is not None and len(times) >= self.max_failures
-
-    def record(self, peer: str) -> None:
-        times = self._recent(peer)
-        if times is None:
-            times = self._seen[peer] = collections.deque(maxlen=self.max_failures)
-        times.append(self.clock())
-        self._seen.move_to_end(peer)
-        while len(self._seen) > self.max_peers:
-            self._seen.popitem(last=False)
-
-
-class ReloadRefused(ValueError):
-    """A valid artifact that does not fit the running deployment (HTTP 409)."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def parse_body(raw: bytes, kind: str) -> dict:
-    """The request JSON object, or a 400 naming what is wrong with it.
-
-    UTF-8 only (RFC 8259 §8.1): ``json.loads`` would also take UTF-16/32 bytes, but the
-    router splices the client's raw bytes into the decoder's body next to ASCII, and a
-    mixed-encoding body is rejected by the decoder after a prefill was spent. Nesting
-    deeper than the parser's recursion limit is a client error too (``RecursionError``
-    is not a ``ValueError``).
-    """
-    if b"\x00" in raw[:4]:  # UTF-16/32 without a BOM: JSON text starts with two ASCII chars
-        raise ProxyError(400, "request body looks UTF-16 or UTF-32 encoded: only UTF-8 is "
-                              "accepted", code="invalid_json")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProxyError(400, f"request body is not UTF-8 encoded JSON (byte {exc.start}): "
-                              f"only UTF-8 is accepted", code="invalid_json") from None
-    try:
-        body = json.loads(text)
-    except ValueError as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}",
-                         code="invalid_json") from None
-    except RecursionError:
-        raise ProxyError(400, "request body is not valid JSON: nested too deeply",
-                         code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, f"request body must be a JSON object, got {type(body).__name__}",
-                         code="invalid_json")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ProxyError(400, "'stream' must be true or false", param="stream")
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ProxyError(400, f"'{key}' must be a positive integer, got {value!r}",
-                             param=key)
-    field = "messages" if kind == "chat" else "prompt"
-    if field not in body:
-        raise ProxyError(400, f"'{field}' is required", param=field)
-    if kind == "chat" and not isinstance(body["messages"], list):
-        raise ProxyError(400, "'messages' must be a list", param="messages")
-    return body

@@ -8,7 +8,8 @@ What the request flow (:mod:`eldr.proxy.flow`) does with bytes, kept apart from 
 - :func:`json_object` parses an upstream answer, ``None`` for anything that is not a JSON
   object (``RecursionError`` included);
 - :class:`SSEUsage` and :func:`fix_usage` make ``usage`` count the whole prompt;
-- :func:`decode_body` builds the decoder's request from the client's bytes.
+- :func:`decode_body` builds the decoder's request from the client's bytes;
+- :func:`parse_body` checks a client's request body (a 400 naming what is wrong).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import collections
 import json
 import sys
 
+from eldr.proxy.errors import ProxyError
+
 __all__ = ["MAX_EVENT_BYTES", "SMALL_ANSWER", "BadEvent", "ByteBudget", "SSEUsage",
-           "decode_body", "fix_usage", "json_object", "read_upto", "within"]
+           "decode_body", "fix_usage", "json_object", "parse_body", "read_upto", "within"]
 
 
 def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
@@ -182,3 +185,47 @@ def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
     else:
         dec["kv_transfer_params"] = kv_params
     return json.dumps(dec).encode()
+
+
+def parse_body(raw: bytes, kind: str) -> dict:
+    """The request JSON object, or a 400 naming what is wrong with it.
+
+    UTF-8 only (RFC 8259 §8.1): ``json.loads`` would also take UTF-16/32 bytes, but the
+    router splices the client's raw bytes into the decoder's body next to ASCII, and a
+    mixed-encoding body is rejected by the decoder after a prefill was spent. Nesting
+    deeper than the parser's recursion limit is a client error too (``RecursionError``
+    is not a ``ValueError``).
+    """
+    if b"\x00" in raw[:4]:  # UTF-16/32 without a BOM: JSON text starts with two ASCII chars
+        raise ProxyError(400, "request body looks UTF-16 or UTF-32 encoded: only UTF-8 is "
+                              "accepted", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProxyError(400, f"request body is not UTF-8 encoded JSON (byte {exc.start}): "
+                              f"only UTF-8 is accepted", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}",
+                         code="invalid_json") from None
+    except RecursionError:
+        raise ProxyError(400, "request body is not valid JSON: nested too deeply",
+                         code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"request body must be a JSON object, got {type(body).__name__}",
+                         code="invalid_json")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ProxyError(400, "'stream' must be true or false", param="stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ProxyError(400, f"'{key}' must be a positive integer, got {value!r}",
+                             param=key)
+    field = "messages" if kind == "chat" else "prompt"
+    if field not in body:
+        raise ProxyError(400, f"'{field}' is required", param=field)
+    if kind == "chat" and not isinstance(body["messages"], list):
+        raise ProxyError(400, "'messages' must be a list", param="messages")
+    return body

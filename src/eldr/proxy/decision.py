@@ -30,6 +30,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.proxy.config import ServeConfig
+from eldr.proxy.signatures import (  # noqa: F401  (re-exported: moved there)
+    PAYLOAD_KEY,
+    Reading,
+    SignatureResult,
+    _counted_tokens,
+    _Counts,
+    _read_counts,
+    _routed_experts,
+    _signature,
+    _warn_once,
+    _warned,
+    payload_shape,
+    read_inputs,
+    read_signature,
+    split_kv_params,
+)
 from eldr.routing import (
     POLICIES,
     Decision,
@@ -38,14 +54,11 @@ from eldr.routing import (
     RouteRequest,
     RoutingResources,
     make_policy,
-    prefill_profile,
 )
 
 __all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "build_state",
            "payload_shape", "read_inputs", "read_signature"]
 
-PAYLOAD_KEY = "eldr"  # eldr.capture.payload.PAYLOAD_KEY, repeated to keep this import-light
-_GATE_REPRESENTATIONS = ("gate_prob", "gate_logit")  # built from gate sums: counts won't do
 _SHAPE_RESOURCES = frozenset({"num_layers", "num_experts"})
 
 
@@ -163,35 +176,6 @@ class RoutingState:
         return getattr(self.policy, "shape", None)
 
 
-@dataclass(frozen=True, slots=True)
-class SignatureResult:
-    """The signature read from one prefill response."""
-
-    vector: np.ndarray | None  # (d,) float32 unit row, or None (route by load)
-    source: str  # "payload", "routed_experts" or "none"
-    problem: str | None  # why there is no vector: "missing", "malformed", "mismatch", ...
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """What one prefill response gives the policy (the fields its ``inputs`` name)."""
-
-    signature: np.ndarray | None  # (d,) float32 unit row, or None
-    profile: np.ndarray | None  # (L, E) float32 per-token expert inclusion, or None
-    context_tokens: int  # prompt tokens the decoder reads KV of (0 when unknown)
-    source: str  # where the counts came from: "payload", "routed_experts", "none"
-    problem: str | None  # why a needed input is missing ("missing", "mismatch", ...)
-
-
-@dataclass(frozen=True, slots=True)
-class _Counts:
-    counts: np.ndarray | None  # (L, E) int32 prompt expert counts, or None
-    tokens: int | None  # tokens the counts cover (payload "tokens", routed_experts rows)
-    top_k: int | None  # k, when the counts say it (routed_experts)
-    source: str
-    problem: str | None
-
-
 def _masked_encoder(encoder):
     """The same encoder over only its masked layers (None if it cannot be rebuilt)."""
     try:
@@ -265,162 +249,3 @@ def build_state(config: ServeConfig) -> RoutingState:
                         tau=tau if "signature" in policy.inputs else None,
                         artifact=config.artifact, loaded_at=time.time())
 
-
-def split_kv_params(doc: dict) -> tuple[dict | None, object]:
-    """(kv_transfer_params to relay to the decoder, the eldr payload or None).
-
-    The payload is removed from what is relayed: the decoder has no use for it. Nothing is
-    relayed when the payload was all there was (a connector that returns no parameters,
-    e.g. vLLM's ExampleConnector, with the capture plugin adding the payload).
-    """
-    kvp = doc.get("kv_transfer_params")
-    if not isinstance(kvp, dict):
-        return None, None
-    if PAYLOAD_KEY not in kvp:
-        return kvp, None
-    relay = {k: v for k, v in kvp.items() if k != PAYLOAD_KEY}
-    return relay or None, kvp[PAYLOAD_KEY]
-
-
-def payload_shape(payload: object) -> tuple[int, int] | None:
-    """The (L, E) an eldr payload declares (its shape's last two), or None if malformed.
-
-    Cheap (no decoding): the router records it from every prefill answer as the engines'
-    model fingerprint, which an artifact reload must match.
-    """
-    dims = payload.get("shape") if isinstance(payload, dict) else None
-    if not (isinstance(dims, list) and len(dims) in (2, 3)
-            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                    for x in dims[-2:])):
-        return None
-    return dims[-2], dims[-1]
-
-
-def _read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _Counts:
-    """The prompt's (L, E) counts from a prefill response; ``shape`` None accepts the
-    payload's own (L, E) (vLLM's ``routed_experts`` ids do not say E: refused then)."""
-    from eldr.capture import payload as wire
-
-    if payload is not None:
-        source = "payload"
-        theirs = payload_shape(payload)
-        if theirs is None:
-            return _Counts(None, None, None, source, "malformed")
-        if shape is not None and theirs != tuple(shape):
-            _warn_once(f"prefill payloads have (layers, experts) = {list(theirs)}, the router "
-                       f"expects {list(shape)}: is the artifact fitted for another model? "
-                       f"Routing by load.")
-            return _Counts(None, None, None, source, "mismatch")
-        L, E = theirs
-        try:
-            if len(payload["shape"]) == 3:
-                counts = wire.decode_block_counts(payload, num_layers=L, num_experts=E).sum(0)
-            else:
-                counts = wire.decode_counts(payload, num_layers=L, num_experts=E)
-        except ValueError:
-            return _Counts(None, None, None, source, "malformed")
-        tokens = payload.get("tokens")
-        ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
-        return _Counts(counts, tokens if ok else None, None, source, None)
-    routed = _routed_experts(doc)
-    if routed is None:
-        return _Counts(None, None, None, "none", "missing")
-    source = "routed_experts"
-    if shape is None:
-        return _Counts(None, None, None, source, "unknown_shape")
-    try:
-        ids = wire.decode_routed_experts(routed)
-        if ids.shape[1] != shape[0]:
-            _warn_once(f"routed_experts have {ids.shape[1]} layers, the router expects "
-                       f"{shape[0]}: is the artifact fitted for another model? Routing by "
-                       f"load.")
-            return _Counts(None, None, None, source, "mismatch")
-        counts = wire.topk_to_counts(ids, shape[1])
-    except ValueError:
-        return _Counts(None, None, None, source, "malformed")
-    return _Counts(counts, int(ids.shape[0]), int(ids.shape[2]), source, None)
-
-
-def _signature(counts: _Counts, state: RoutingState) -> SignatureResult:
-    if counts.counts is None:
-        return SignatureResult(None, counts.source, counts.problem)
-    if getattr(state.encoder, "representation", "") in _GATE_REPRESENTATIONS:
-        return SignatureResult(None, counts.source, "unencodable")  # needs gate sums
-    try:
-        vector = state.encode(counts.counts)
-    except ValueError:
-        return SignatureResult(None, counts.source, "unencodable")
-    if not np.isfinite(vector).all():
-        return SignatureResult(None, counts.source, "malformed")
-    return SignatureResult(vector, counts.source, None)
-
-
-def read_signature(doc: dict, payload: object, state: RoutingState) -> SignatureResult:
-    """The prompt's signature from a prefill response ``doc`` (and its eldr ``payload``)."""
-    if state.encoder is None:
-        return SignatureResult(None, "none", "no_encoder")
-    return _signature(_read_counts(doc, payload, (state.num_layers, state.num_experts)),
-                      state)
-
-
-def read_inputs(doc: dict, payload: object, state: RoutingState,
-                prompt_tokens: int | None) -> Reading:
-    """The routing inputs ``state.policy`` declares, from one prefill response.
-
-    The profile (``eldr_cost``) is ``prefill_profile(counts, tokens, k)`` over the tokens
-    the counts cover (the payload's ``tokens``, else the counts' row sum / k, else the
-    prompt): a prefill that found part of the prompt in its prefix cache counted only the
-    rest, and dividing by the whole prompt would shrink every probability. The context is
-    the whole prompt (``usage.prompt_tokens``), whose KV the decoder reads every step. A
-    :class:`LazyCostPolicy` is bound to the first valid payload's (L, E) here.
-    """
-    want_sig, want_profile = state.needs_signature, state.needs_profile
-    if not (want_sig or want_profile):
-        return Reading(None, None, prompt_tokens or 0, "none", "not_used")
-    if want_sig and state.encoder is None:
-        return Reading(None, None, prompt_tokens or 0, "none", "no_encoder")
-    counts = _read_counts(doc, payload, state.shape)
-    signature = profile = None
-    problem = counts.problem
-    if want_sig:
-        sig = _signature(counts, state)
-        signature, problem = sig.vector, sig.problem
-    tokens = _counted_tokens(counts, state.top_k, prompt_tokens)
-    context = prompt_tokens if prompt_tokens is not None else (tokens or 0)
-    if want_profile and counts.counts is not None:
-        bind = getattr(state.policy, "bind", None)
-        if bind is not None:
-            bind(*counts.counts.shape)
-        if state.predictor is not None and counts.counts.shape == state.shape:
-            profile = state.predictor.predict_profile(counts.counts, tokens or 0)
-        else:
-            profile = prefill_profile(counts.counts, tokens or 0,
-                                      counts.top_k or state.top_k)
-    return Reading(signature, profile, int(context), counts.source, problem)
-
-
-def _counted_tokens(counts: _Counts, top_k: int | None, prompt_tokens: int | None
-                    ) -> int | None:
-    if counts.tokens is not None:
-        return counts.tokens
-    k = counts.top_k or top_k
-    if counts.counts is not None and k:
-        return round(float(counts.counts.sum(axis=1).max()) / k)
-    return prompt_tokens
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Log a configuration problem once per process, not once per request."""
-    if message not in _warned:
-        _warned.add(message)
-        logging.getLogger("eldr.serve").warning(message)
-
-
-def _routed_experts(doc: dict) -> object:
-    choices = doc.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("routed_experts")
-    return None

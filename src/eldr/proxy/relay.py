@@ -1,0 +1,221 @@
+"""The decode step of the PD flow (:mod:`eldr.proxy.flow`): the decoder's request, and its
+answer relayed to the client, buffered whole (JSON) or streamed (SSE).
+
+:class:`DecodeRelay` is a mixin of :class:`~eldr.proxy.flow.RequestFlow`, which gives it
+``config``, ``pool``, ``metrics``, ``router`` and ``budget``. A failure before the first
+byte reaches the client raises :class:`_RetryDecode` (the flow tries another decoder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from eldr.proxy.bodies import (
+    SMALL_ANSWER,
+    BadEvent,
+    SSEUsage,
+    decode_body,
+    fix_usage,
+    json_object,
+    read_upto,
+    within,
+)
+from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
+from eldr.proxy.upstream import Instance, error_kind
+from eldr.routing import Outcome
+
+if TYPE_CHECKING:
+    from eldr.proxy.flow import Decision
+
+__all__ = ["DecodeRelay", "reply_id"]
+
+log = logging.getLogger("eldr.serve")
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer kept for relay / logs
+
+
+class _RetryDecode(Exception):  # control flow: try a new prefill + decoder
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+def reply_id(out) -> str:
+    """The client's request id of an answer (for logs)."""
+    return out.headers.get("X-Request-Id", "?")
+
+
+class DecodeRelay:
+    """The decode step and the relay of its answer (methods of ``RequestFlow``)."""
+
+    # -- decode ----------------------------------------------------------------------------
+    async def _decode(self, request, kind: str, body: dict, raw: bytes | None, inst: Instance,
+                      decision: Decision, headers: dict, reply: dict, stream: bool, web):
+        """(the client's response, the outcome to release the dispatch with)."""
+        import aiohttp
+
+        data = decode_body(body, raw, decision.kv_params)
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
+                                        sock_read=self.config.decode_read_timeout)
+        pool = self.pool
+        pool.begin(inst)
+        try:
+            try:
+                resp = await self.router.session.post(
+                    inst.url + path, data=data, headers=headers,
+                    timeout=timeout)
+            except Exception as exc:
+                raise self._decode_failure(inst, error_kind(exc), exc) from None
+            try:
+                if resp.status >= 400:
+                    raw, _ = await read_upto(resp, _ERROR_BODY_LIMIT)
+                    if resp.status >= 500:
+                        raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
+                    raise UpstreamReply(resp.status, raw, resp.content_type)
+                if not stream:
+                    return await self._whole(request, resp, inst, decision, reply, web)
+                return await self._relay(request, resp, inst, decision, reply, web)
+            finally:
+                resp.close()  # an unfinished upstream request is aborted, not pooled
+        finally:
+            pool.end(inst)
+
+    def _decode_failure(self, inst: Instance, kind: str, detail) -> _RetryDecode:
+        self._upstream_error(inst, kind, detail)
+        return _RetryDecode(kind, str(detail) or type(detail).__name__)
+
+    def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
+        self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
+        self.pool.request_failed(inst, kind, str(detail) or type(detail).__name__)
+
+    async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
+                     web):
+        """Buffer the decoder's JSON answer (retryable to its end), then send it whole.
+
+        The answer's bytes are reserved in the router's buffer budget before it is read
+        and given back once the client has it (or was dropped): memory stays bounded by
+        ``max_buffered_bytes`` (times about two: the answer, and the socket buffer holding
+        its unsent part) however many clients wait for large answers.
+        """
+        limit = self.config.max_response_bytes
+        size = resp.content_length
+        if size is not None and size > limit:
+            raise self._too_large(inst, limit)
+        need = limit if size is None else size
+        try:
+            await within(self.budget.acquire(need), self.config.decode_read_timeout)
+        except asyncio.TimeoutError:
+            raise ProxyError(503, "the router's answer buffer stayed full; retry later",
+                             code="router_busy") from None
+        try:
+            return await self._whole_within_budget(request, resp, inst, decision, reply, web)
+        finally:
+            self.budget.release(need)
+
+    def _too_large(self, inst: Instance, limit: int) -> ProxyError:
+        # another decoder would answer as much: not retried
+        self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind="too_large")
+        return ProxyError(502, f"the decoder's answer is larger than {limit} bytes "
+                               f"(--max-response-bytes); stream it instead",
+                          code="upstream_too_large")
+
+    async def _whole_within_budget(self, request, resp, inst: Instance, decision: Decision,
+                                   reply: dict, web):
+        limit = self.config.max_response_bytes
+        try:
+            raw, whole = await read_upto(resp, limit)
+        except Exception as exc:  # nothing was sent yet: retryable
+            raise self._decode_failure(inst, error_kind(exc), exc) from None
+        if not whole:
+            raise self._too_large(inst, limit)
+        doc = json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
+        if doc is None:
+            raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
+        if fix_usage(doc.get("usage"), decision.prompt_tokens):
+            raw = json.dumps(doc).encode()
+        del doc  # only the bytes are sent: the parsed copy must not wait with them
+        self.pool.request_succeeded(inst)
+        if len(raw) <= SMALL_ANSWER:  # never waits on the client (below the write limit)
+            return web.Response(body=raw, status=resp.status, headers=reply,
+                                content_type="application/json"), "completed"
+        out = web.StreamResponse(status=resp.status, headers=reply)
+        out.content_type = "application/json"
+        out.content_length = len(raw)
+        # the decode is over either way: a client that does not read only loses its answer
+        try:
+            await out.prepare(request)
+            if await self._deliver(request, out, raw):
+                await self._deliver(request, out, None)
+        except ConnectionResetError:  # the client left while its answer was being sent
+            self.metrics.client_disconnects.inc()
+        return out, "completed"
+
+    async def _deliver(self, request, out, data: bytes | None) -> bool:
+        """Write ``data`` to the client (None: end the answer) within ``write_timeout``.
+
+        A client that leaves the answer unread that long is dropped (its connection
+        aborted, which frees what was buffered for it) and False is returned: without this,
+        each such client pins a decoder slot, and its unsent answer, for as long as it
+        keeps the connection open.
+        """
+        try:
+            await within(out.write(data) if data is not None else out.write_eof(),
+                          self.config.write_timeout)
+            return True
+        except asyncio.TimeoutError:
+            self.metrics.slow_clients.inc()
+            log.warning("client of %s left its answer unread for %.1f s: dropped",
+                        reply_id(out), self.config.write_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+            return False
+
+    async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
+                     web):
+        """Stream the decoder's SSE to the client: (response, outcome)."""
+        if resp.content_type != "text/event-stream":  # not a stream: nothing sent, retry
+            raise self._decode_failure(inst, "protocol",
+                                       f"stream answered as {resp.content_type!r}")
+        usage = SSEUsage(decision.prompt_tokens)
+        try:
+            raw_first = await resp.content.readany()
+        except Exception as exc:  # nothing was sent yet: retryable
+            raise self._decode_failure(inst, error_kind(exc), exc) from None
+        if not raw_first:
+            raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
+        try:
+            first = usage.feed(raw_first)
+        except BadEvent as exc:
+            raise self._decode_failure(inst, "protocol", exc) from None
+        self.pool.request_succeeded(inst)
+        out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
+        outcome: Outcome = "completed"
+        try:
+            await out.prepare(request)
+            if not await self._deliver(request, out, first):
+                return out, "cancelled"
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                    data = usage.feed(chunk) if chunk else usage.flush()
+                except Exception as exc:  # too late to retry: tell the client
+                    kind = "protocol" if isinstance(exc, BadEvent) else error_kind(exc)
+                    self._upstream_error(inst, kind, exc)
+                    msg = f"decoder {inst.name} failed mid-stream: {kind}"
+                    outcome = "failed"
+                    data = usage.flush() + b"data: " + error_body(502, msg) + b"\n\n"
+                    chunk = b""
+                if not await self._deliver(request, out, data):
+                    return out, "cancelled"  # the decode is aborted with the upstream close
+                if not chunk:
+                    break
+            await self._deliver(request, out, None)
+        except ConnectionResetError:  # the client left: stop reading (closes upstream)
+            self.metrics.client_disconnects.inc()
+            outcome = "cancelled"
+        return out, outcome
