@@ -15,8 +15,8 @@ import argparse
 import time
 
 import numpy as np
-from _learn_data import mix, requests
 
+from _learn_data import mix, requests
 from eldr.fit.signature import SignatureEncoder
 from eldr.learn.drift import DriftDetector
 from eldr.traces.trace import Trace, TraceMeta
