@@ -158,3 +158,31 @@ def test_drift_triggers_a_refit_on_the_new_traffic_and_a_swap(tmp_path):
     refit = [i for n, i in router.events if n == "fit_started"][-1]
     assert refit["reason"] == "drift"
     assert len(router.swaps) == 2 and learner.state["drifts"] == 1
+
+
+def test_a_given_artifact_gets_a_drift_reference_from_the_traffic(tmp_path):
+    """Started with an artifact it did not learn and an empty DIR: no fit, but once
+    min_requests are in, drift is calibrated for that artifact."""
+    from eldr.learn.buffer import records_to_trace
+    from eldr.learn.refit import fit_candidate
+
+    router = FakeRouter()
+    rng = np.random.default_rng(5)
+    trace, known = records_to_trace(records(rng, mix(rng, 80, (1, 1, 0, 0))), model="s",
+                                    top_k=K)
+    router.artifact = str(artifact_io.save(fit_candidate(trace, known, worker_ids=IDS),
+                                           tmp_path / "given"))
+
+    async def go():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learner = router.learner(tmp_path / "learn", executor=pool)
+            await learner.start()
+            _feed(learner, records(rng, mix(rng, 40, (1, 1, 0, 0))), router)
+            await learner.fit_task
+            await learner.stop()
+            return learner
+
+    learner = asyncio.run(go())
+    assert learner.detector is not None and learner.detector.is_calibrated
+    assert learner.state["fits"] == 0 and router.swaps == []
+    assert [n for n, _ in router.events if n == "calibrated"]

@@ -10,7 +10,12 @@ the buffer's writes run in a thread. When to fit:
   a refused first candidate: again once ``min_requests / 2`` more have come);
 - **refit on drift**: an artifact runs, its drift detector declared drift, and
   ``min_requests`` requests have completed since the drift began: the fit then uses those
-  newest requests (the new traffic), not the whole buffer.
+  newest requests (the new traffic), not the whole buffer. If the candidate is refused,
+  the running artifact is at least as good on the new traffic: the drift reference moves
+  to that traffic (the next shift is measured from there);
+- **drift calibration only**: an artifact runs (given with ``--artifact``, or learned
+  before a restart) without a drift reference: one is calibrated on the buffered traffic
+  once ``min_requests`` requests are in.
 
 An accepted candidate is written to ``DIR/artifacts/NNNN`` and handed to ``swap`` (the
 router's own reload, which may still refuse it: counted as a refusal); a refused one is
@@ -84,6 +89,7 @@ class Learner:
         self._persist_task: asyncio.Task | None = None
         self._checks: set[asyncio.Task] = set()
         self._dirty = False
+        self._calibrated_at = -(1 << 62)  # num_seen at the last drift calibration
         self._persist_lock = asyncio.Lock()
         self.state: dict = {"fits": 0, "accepted": 0, "refused": 0, "failed": 0,
                             "drifts": 0, "artifact": None, "drift_point": None,
@@ -107,6 +113,7 @@ class Learner:
                    artifact=self._current())
         if self._current() is not None and self.config.drift and \
                 len(self.buffer) >= self.config.drift_window + 10:
+            self._calibrated_at = self.buffer.num_seen
             self._launch("calibrate", self.buffer.snapshot(), fit=False)
 
     async def stop(self) -> None:
@@ -185,6 +192,12 @@ class Learner:
             since = seen - int(self.state["drift_point"])
             if since >= cfg.min_requests:
                 self._launch("drift", self.buffer.snapshot(last=min(since, cfg.max_requests)))
+        elif cfg.drift and self.detector is None and len(self.buffer) >= cfg.min_requests and \
+                seen - self._calibrated_at >= cfg.min_requests:
+            # an artifact given with --artifact (or learned before a restart) and no drift
+            # reference yet: calibrate on the traffic it has been serving
+            self._calibrated_at = seen
+            self._launch("calibrate", self.buffer.snapshot(), fit=False)
 
     def _launch(self, reason: str, records: list[Record], *, fit: bool = True) -> None:
         self.fit_task = asyncio.ensure_future(self._run_fit(reason, records, fit))
