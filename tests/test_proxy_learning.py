@@ -24,14 +24,26 @@ class TwoDomainEngine(FakeEngine):
     def _prefill_answer(self, prompt: str, n_prompt: int, body: dict) -> dict:
         doc = super()._prefill_answer(prompt, n_prompt, body)
         rng = np.random.default_rng(zlib.crc32(prompt.encode()))
-        counts = token_counts(rng, 0 if "code" in prompt else 1, n_prompt)
+        domain = next((d for d, w in enumerate(DOMAIN_WORDS) if w in prompt), 1)
+        counts = token_counts(rng, domain, n_prompt)
         doc["kv_transfer_params"]["eldr"] = {**encode_counts(counts), "tokens": n_prompt}
         return doc
 
 
-def _prompt(i: int) -> str:
-    words = ["write", "code", "for"] if i % 2 else ["what", "the", "law", "says", "about"]
-    return " ".join(words + [f"w{j}" for j in range(i % 7)])
+DOMAIN_WORDS = ("code", "law", "poem", "math")  # a prompt's word → its synthetic domain
+
+
+def _prompt(i: int, domains=(0, 1)) -> str:
+    word = DOMAIN_WORDS[domains[i % len(domains)]]
+    return " ".join(["please", word, "now"] + [f"w{j}" for j in range(i % 7)])
+
+
+async def _send(client, n: int, domains=(0, 1), start: int = 0) -> None:
+    for first in range(start, start + n, 8):
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": "tiny", "prompt": _prompt(i, domains)})
+            for i in range(first, min(first + 8, start + n))))
+        assert [r.status for r in rs] == [200] * len(rs)
 
 
 async def _cluster(tmp_path, **learn_kw):
@@ -53,10 +65,7 @@ def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
         try:
             assert router.state.artifact is None and router.state.encoder is None
             t0 = time.perf_counter()
-            for start in range(0, 40, 8):
-                rs = await asyncio.gather(*(client.post("/v1/completions", json={
-                    "model": "tiny", "prompt": _prompt(i)}) for i in range(start, start + 8)))
-                assert [r.status for r in rs] == [200] * 8
+            await _send(client, 40)
             learner = router.learner.learner
             assert learner.fit_task is not None  # the 40th request started the fit
             await learner.fit_task
@@ -72,7 +81,9 @@ def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
                 await e.close()
 
     router, page, seconds = asyncio.run(go())
-    print(f"\nfirst fit: 40 requests, {seconds:.2f} s from the first request to the swap")
+    fit = router.learner.learner.state["last"]["seconds"]
+    print(f"\nfirst fit: 40 requests, {seconds:.2f} s from the first request to the swap "
+          f"(the fit itself {fit:.2f} s in its process)")
     art = str(tmp_path / "learn" / "artifacts" / "0001")
     assert router.state.artifact == art and router.config.artifact == art
     assert router.state.policy.name == "eldr_cost" and router.state.predictor is not None
@@ -87,6 +98,38 @@ def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
     # the buffer was written at shutdown, and a restart starts with the learned artifact
     assert (tmp_path / "learn" / "buffer" / "trace.npz").is_file()
     assert learning.start_artifact(LearnConfig(directory=str(tmp_path / "learn"))) == art
+
+
+def test_a_domain_mix_shift_is_detected_and_a_refit_swaps_in(tmp_path):
+    async def go():
+        router, client, engines = await _cluster(tmp_path, drift_window=20)
+        try:
+            learner = router.learner.learner
+            await _send(client, 40, domains=(0, 1))
+            await learner.fit_task
+            assert learner.detector is not None
+            await _send(client, 40, domains=(0, 1), start=40)  # same mix: quiet
+            assert learner.state["drifts"] == 0
+            for start in range(80, 200, 8):  # the mix moves to the other two domains
+                await _send(client, 8, domains=(2, 3), start=start)
+                await asyncio.sleep(0.01)  # let the drift tests (threads) report
+                if learner.state["accepted"] == 2:
+                    break
+            if learner.fit_task is not None:
+                await learner.fit_task
+            page = await (await client.get("/metrics")).text()
+            return router, learner, page
+        finally:
+            await client.close()
+            for e in engines:
+                await e.close()
+
+    router, learner, page = asyncio.run(go())
+    assert learner.state["drifts"] == 1 and learner.state["accepted"] == 2
+    assert learner.state["last"]["reason"] == "drift"
+    assert router.state.artifact == str(tmp_path / "learn" / "artifacts" / "0002")
+    assert 'eldr_learn_drift_detections_total{signal="shift"} 1' in page
+    assert 'eldr_learn_swaps_total 2' in page
 
 
 def test_serve_arguments_and_restart_artifact(tmp_path):
