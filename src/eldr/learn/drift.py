@@ -15,9 +15,11 @@ means the same false-alarm level whatever the model or the traffic:
   basis (a kernel on the projection is still a kernel: the test stays valid, and it costs
   O(N · W · max_dim) per window).
 - **rho** (only where decode counts exist): ρ of the window (signature distances vs decode
-  distances, Eq. 1) against the ρ of ``num_null`` random W-subsets of the calibration; the
-  ``alpha`` quantile is the threshold (ρ falling means the signature no longer predicts the
-  decode pattern it was fitted for).
+  distances, Eq. 1) against the ρ of 100 random W-subsets of the n calibration rows; the
+  ``alpha`` quantile is the threshold, its distance below the median widened by
+  ``1 / sqrt(1 − W/n)`` (subsets of a finite calibration vary less than fresh windows:
+  without it 3.3% of unshifted windows fell past a 1% threshold). ρ falling means the
+  signature no longer predicts the decode pattern it was fitted for.
 - **distinct** (only where the engines report it): the mean distinct experts per layer per
   decoder step over a window of steps against the first window after calibration; past
   ``1 + rise`` times it. Load changes it too (bigger batches select more experts): it is a
@@ -162,7 +164,11 @@ class DriftDetector:
             return
         self.rho_null_ = np.sort(np.array(vals))
         self.rho_center_ = float(np.median(vals))
-        self.rho_threshold_ = float(np.quantile(vals, self.alpha))
+        # W-subsets of n rows vary less than fresh windows by the finite-population factor
+        # (1 - W/n): widen the null's spread back by its square root
+        widen = 1.0 / np.sqrt(max(1.0 - self.window / rows.size, 0.05))
+        self.rho_threshold_ = float(self.rho_center_ - widen * (
+            self.rho_center_ - np.quantile(vals, self.alpha)))
 
     def _project(self, x: np.ndarray) -> np.ndarray:
         return x if self.projection_ is None else x @ self.projection_
