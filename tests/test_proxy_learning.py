@@ -88,6 +88,10 @@ def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
     assert router.state.artifact == art and router.config.artifact == art
     assert router.state.policy.name == "eldr_cost" and router.state.predictor is not None
     assert (router.state.num_layers, router.state.num_experts) == (L, E)
+    recs = router.learner.learner.buffer.snapshot()
+    assert {r.output_tokens for r in recs} == {3}  # the answers' usage.completion_tokens
+    assert {r.decoder for r in recs} <= {"decode-0", "decode-1"}
+    assert all(r.decode_counts is None for r in recs)  # the engines send none (yet)
     got = parse_samples(page, ["eldr_learn_swaps_total", "eldr_learn_fits_total",
                                "eldr_learn_requests_total", "eldr_artifact_reloads_total"])
     assert got["eldr_learn_swaps_total"] == 1 and got["eldr_learn_fits_total"] == 1
