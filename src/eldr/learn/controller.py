@@ -76,7 +76,7 @@ class Learner:
                  on_event: Callable[[str, dict], None] | None = None,
                  executor=None) -> None:
         self.config = config
-        self.directory = Path(config.directory)
+        self.directory = Path(config.directory).absolute()  # saved paths survive a cd
         self.buffer = LearnBuffer(config.max_requests)
         self._worker_ids = worker_ids
         self._current = current_artifact
