@@ -192,8 +192,9 @@ class Learner:
             since = seen - int(self.state["drift_point"])
             if since >= cfg.min_requests:
                 self._launch("drift", self.buffer.snapshot(last=min(since, cfg.max_requests)))
-        elif cfg.drift and self.detector is None and len(self.buffer) >= cfg.min_requests and \
-                seen - self._calibrated_at >= cfg.min_requests:
+        elif cfg.drift and self.detector is None and seen - self._calibrated_at >= \
+                cfg.min_requests and len(self.buffer) >= max(cfg.min_requests,
+                                                             cfg.drift_window + 10):
             # an artifact given with --artifact (or learned before a restart) and no drift
             # reference yet: calibrate on the traffic it has been serving
             self._calibrated_at = seen
