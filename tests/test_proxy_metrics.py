@@ -1,6 +1,8 @@
+from types import SimpleNamespace
+
 import pytest
 
-from eldr.proxy.metrics import Registry, parse_samples
+from eldr.proxy.metrics import Registry, RouterMetrics, parse_samples
 
 
 def test_counter_and_gauge_render_exactly():
@@ -52,3 +54,119 @@ def test_parse_samples_sums_label_sets():
     got = parse_samples(text, ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                "vllm:num_requests_swapped"))
     assert got == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 4.0}
+
+
+# -- the public contract: names, types, help texts and labels of the router's metrics -------
+PINNED = {  # family -> (type, help text, label names of its samples)
+    "eldr_requests_total": ("counter", "Client requests by endpoint and HTTP status.",
+                            ("endpoint", "status")),
+    "eldr_routing_decisions_total": (
+        "counter", "Decode routing decisions by policy and decoder.", ("policy", "decoder")),
+    "eldr_signatures_total": (
+        "counter", "Prefill responses by where the signature came from.", ("source",)),
+    "eldr_partial_signatures_total": (
+        "counter", "Signatures counted over fewer tokens than the prompt (prefix-cache or KV "
+        "connector hits on the prefill instance).", ()),
+    "eldr_routing_fallbacks_total": (
+        "counter", "Requests routed by load only because their signature was missing or "
+        "unusable.", ("reason",)),
+    "eldr_routing_band_size": (
+        "histogram", "Decoders inside the locality band (eldr policies).", ()),
+    "eldr_routing_latency_seconds": (
+        "histogram", "Signature decode + encode + policy decision, per request.", ()),
+    "eldr_retries_total": (
+        "counter", "Fresh prefill + another decoder after a decode failure.", ()),
+    "eldr_prefills_abandoned_total": (
+        "counter", "Prefills whose decode did not complete (their KV may stay held on the "
+        "prefill instance until its connector's timeout), by reason.", ("reason",)),
+    "eldr_kv_releases_total": (
+        "counter", "One-token decodes sent to read (and so free) the KV of a prefill whose "
+        "decoder refused the request, by result.", ("result",)),
+    "eldr_upstream_errors_total": (
+        "counter", "Failures talking to engines, by role and kind.", ("role", "instance", "kind")),
+    "eldr_client_disconnects_total": (
+        "counter", "Clients that left before their answer ended.", ()),
+    "eldr_slow_clients_total": (
+        "counter", "Clients dropped for leaving an answer unread past the write timeout (their "
+        "decode aborted).", ()),
+    "eldr_artifact_reloads_total": ("counter", "Routing artifact reloads by result.", ("result",)),
+    "eldr_decoder_in_flight": ("gauge", "Requests of this router at each decoder.", ("decoder",)),
+    "eldr_decoder_load": (
+        "gauge", "Load the policy sees per decoder (in-flight, or the engine's running + "
+        "waiting when scraped).", ("decoder",)),
+    "eldr_decoder_breaker_open": (
+        "gauge", "1 while the decoder's circuit breaker holds requests off (open), 0.5 "
+        "half-open (one probe allowed), 0 closed.", ("decoder",)),
+    "eldr_decoder_breaker_opens": ("gauge", "Times the decoder's breaker opened.", ("decoder",)),
+    "eldr_prefill_in_flight": (
+        "gauge", "Requests of this router at each prefill instance.", ("instance",)),
+    "eldr_upstream_healthy": (
+        "gauge", "1 if the instance is taking requests, else 0.", ("role", "instance")),
+}
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _fake_pool(num_decoders: int = 2):
+    def inst(role, i):
+        return SimpleNamespace(role=role, name=f"{role}-{i}", index=i, in_flight=i, healthy=True,
+                               breaker=SimpleNamespace(state="closed", num_opened=0))
+    decode = [inst("decode", i) for i in range(num_decoders)]
+    return SimpleNamespace(decode=decode, prefill=[inst("prefill", 0)],
+                           tracker=SimpleNamespace(loads=[0.0] * num_decoders))
+
+
+def _record_one_of_each(m) -> None:
+    m.requests.inc(endpoint="completions", status="200")
+    m.decisions.inc(policy="eldr", decoder="decode-0")
+    m.signatures.inc(source="payload")
+    m.partial.inc()
+    m.fallbacks.inc(reason="missing")
+    m.band.observe(2)
+    m.latency.observe(1e-4)
+    m.retries.inc()
+    m.abandoned.inc(reason="decode_failed")
+    m.kv_releases.inc(result="ok")
+    m.upstream_errors.inc(role="decode", instance="decode-0", kind="connect")
+    m.client_disconnects.inc()
+    m.slow_clients.inc()
+    m.reloads.inc(result="ok")
+
+
+def _families(text: str) -> dict[str, tuple[str, str, set[tuple[str, ...]]]]:
+    """family -> (type, help, label-name tuples of its samples) from an exposition page."""
+    helps: dict[str, str] = {}
+    types: dict[str, str] = {}
+    labels: dict[str, set[tuple[str, ...]]] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_text = line[7:].partition(" ")
+            helps[name] = help_text
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            types[name] = kind
+            labels[name] = set()
+        elif line and not line.startswith("#"):
+            name, brace, rest = line.partition("{")
+            name = name.split(" ")[0]
+            keys = tuple(p.split("=")[0] for p in rest.rpartition("}")[0].split('",')
+                         if p) if brace else ()
+            family = name
+            if types.get(name) is None:
+                for suffix in HISTOGRAM_SUFFIXES:
+                    if name.endswith(suffix) and types.get(name[: -len(suffix)]) == "histogram":
+                        family = name[: -len(suffix)]
+                        keys = tuple(k for k in keys if k != "le")
+            assert family in types, f"sample {name} has no # TYPE line"
+            labels[family].add(keys)
+    assert helps.keys() == types.keys()
+    return {n: (types[n], helps[n], labels[n]) for n in types}
+
+
+def test_router_metric_names_types_help_and_labels_are_pinned():
+    m = RouterMetrics(_fake_pool())
+    _record_one_of_each(m)
+    got = _families(m.registry.render())
+    assert sorted(got) == sorted(PINNED)
+    for name, (kind, help_text, labelnames) in PINNED.items():
+        assert got[name][:2] == (kind, help_text), name
+        assert got[name][2] == {labelnames}, name
