@@ -111,7 +111,7 @@ def test_models_health_and_metrics_pages():
     assert healths == [(200, "ok"), (200, "degraded"), (503, "unavailable"), (200, "ok")]
     assert refused == (503, "no_decoder")
     assert ctype == "text/plain"
-    assert 'eldr_upstream_healthy{role="decode",instance="w-code"} 1' in page
+    assert 'eldr_upstream_healthy{instance="w-code",role="decode"} 1.0' in page
 
 
 def _swapped_state(router):

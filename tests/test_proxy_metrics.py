@@ -12,12 +12,14 @@ def test_counter_and_gauge_render_exactly():
     c.inc(2, policy="eldr")
     c.inc(policy='a"b')
     reg.gauge("g", "Live.", ("k",), collect=lambda: {("w0",): 1.5})
-    assert reg.render() == (
+    assert reg.render() == (  # no x_created series: the page holds the pinned names only
         "# HELP x_total Things.\n# TYPE x_total counter\n"
-        'x_total{policy="a\\"b"} 1\nx_total{policy="eldr"} 3\n'
+        'x_total{policy="eldr"} 3.0\nx_total{policy="a\\"b"} 1.0\n'
         "# HELP g Live.\n# TYPE g gauge\n"
         'g{k="w0"} 1.5\n')
     assert c.get(policy="eldr") == 3
+    assert c.get(policy="never") == 0
+    assert c.values == {("eldr",): 3.0, ('a"b',): 1.0}
 
 
 def test_histogram_buckets_are_cumulative_and_inclusive():
@@ -26,22 +28,57 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     for v in (0.5, 1.0, 1.5, 3.0):
         h.observe(v)
     lines = reg.render().splitlines()[2:]
-    assert lines == ['lat_bucket{le="1"} 2', 'lat_bucket{le="2"} 3', 'lat_bucket{le="+Inf"} 4',
-                     "lat_sum 6", "lat_count 4"]
+    assert lines == ['lat_bucket{le="1.0"} 2.0', 'lat_bucket{le="2.0"} 3.0',
+                     'lat_bucket{le="+Inf"} 4.0', "lat_count 4.0", "lat_sum 6.0"]
     assert h.count() == 4
+
+
+def test_primed_label_sets_print_zero_and_stay_out_of_values():
+    reg = Registry()
+    c = reg.counter("r_total", "R.", ("result",))
+    c.prime(("ok",), ("error",))
+    assert reg.render().splitlines()[2:] == ['r_total{result="ok"} 0.0',
+                                             'r_total{result="error"} 0.0']
+    assert c.values == {}
+    c.inc(result="error")
+    assert c.values == {("error",): 1.0}
+
+
+def test_settable_gauge():
+    reg = Registry()
+    g = reg.gauge("temp", "T.", ("room",))
+    g.set(2.5, room="a")
+    g.set(-1, room="a")
+    assert g.get(room="a") == -1.0
+    assert reg.render().splitlines()[2:] == ['temp{room="a"} -1.0']
+
+
+def test_registries_are_separate():
+    a, b = Registry(), Registry()
+    ca = a.counter("same_total", "S.")
+    cb = b.counter("same_total", "S.")
+    ca.inc(5)
+    assert (ca.get(), cb.get()) == (5.0, 0.0)
+    assert "same_total 0.0" in b.render()
 
 
 def test_registry_refuses_duplicates_and_bad_use():
     reg = Registry()
-    c = reg.counter("a", "A.", ("x",))
-    with pytest.raises(ValueError, match="already registered"):
-        reg.counter("a", "A.")
+    c = reg.counter("a_total", "A.", ("x",))
+    with pytest.raises(ValueError, match="Duplicated"):
+        reg.counter("a_total", "A.")
     with pytest.raises(ValueError, match="labels"):
         c.inc(y="1")
+    with pytest.raises(ValueError, match="labels"):
+        c.inc()
+    with pytest.raises(ValueError, match="labels"):
+        c.get(x="1", y="2")
     with pytest.raises(ValueError, match="cannot decrease"):
         c.inc(-1, x="1")
     with pytest.raises(ValueError, match="buckets"):
         reg.histogram("h", "H.", buckets=(2.0, 1.0))
+    with pytest.raises(ValueError, match="_total"):
+        reg.counter("b", "B.")
 
 
 def test_parse_samples_sums_label_sets():
@@ -111,7 +148,8 @@ def _fake_pool(num_decoders: int = 2):
         return SimpleNamespace(role=role, name=f"{role}-{i}", index=i, in_flight=i, healthy=True,
                                breaker=SimpleNamespace(state="closed", num_opened=0))
     decode = [inst("decode", i) for i in range(num_decoders)]
-    return SimpleNamespace(decode=decode, prefill=[inst("prefill", 0)],
+    return SimpleNamespace(config=SimpleNamespace(policy="eldr"), decode=decode,
+                           prefill=[inst("prefill", 0)],
                            tracker=SimpleNamespace(loads=[0.0] * num_decoders))
 
 
@@ -148,8 +186,8 @@ def _families(text: str) -> dict[str, tuple[str, str, set[tuple[str, ...]]]]:
         elif line and not line.startswith("#"):
             name, brace, rest = line.partition("{")
             name = name.split(" ")[0]
-            keys = tuple(p.split("=")[0] for p in rest.rpartition("}")[0].split('",')
-                         if p) if brace else ()
+            keys = tuple(sorted(p.split("=")[0] for p in rest.rpartition("}")[0].split('",')
+                                if p)) if brace else ()
             family = name
             if types.get(name) is None:
                 for suffix in HISTOGRAM_SUFFIXES:
@@ -169,4 +207,18 @@ def test_router_metric_names_types_help_and_labels_are_pinned():
     assert sorted(got) == sorted(PINNED)
     for name, (kind, help_text, labelnames) in PINNED.items():
         assert got[name][:2] == (kind, help_text), name
-        assert got[name][2] == {labelnames}, name
+        assert got[name][2] == {tuple(sorted(labelnames))}, name  # order is not semantic
+
+
+def test_a_fresh_router_prints_every_counter_from_the_start():
+    text = RouterMetrics(_fake_pool()).registry.render()
+    families = _families(text)
+    for name, (_, _, labels) in families.items():
+        assert labels, f"{name} prints no sample before its first event"
+    assert 'eldr_routing_decisions_total{decoder="decode-1",policy="eldr"} 0.0' in text
+    assert 'eldr_requests_total{endpoint="chat",status="200"} 0.0' in text
+    assert 'eldr_upstream_errors_total{instance="prefill-0",kind="timeout",role="prefill"} 0.0' \
+        in text
+    assert 'eldr_routing_fallbacks_total{reason="missing"} 0.0' in text
+    assert "eldr_partial_signatures_total 0.0" in text
+    assert "eldr_routing_latency_seconds_count 0.0" in text
