@@ -4,8 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from eldr.proxy.bodies import (BadEvent, ByteBudget, SSEUsage, decode_body, fix_usage, json_object,
-                               parse_body)
+from eldr.proxy.bodies import (
+    BadEvent,
+    ByteBudget,
+    SSEUsage,
+    decode_body,
+    fix_usage,
+    json_object,
+    parse_body,
+)
 from eldr.proxy.errors import ProxyError
 
 

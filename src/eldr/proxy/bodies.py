@@ -271,16 +271,17 @@ def parse_body(raw: bytes, kind: str) -> dict:
     """The request JSON object, refused (a 400) exactly when vLLM would refuse it.
 
     The router checks only what it must before the prefill: that the body is a JSON object,
-    ``stream`` (it decides how to relay the answer) and ``max_tokens`` /
+    ``stream`` (it decides how to relay the answer), ``max_tokens`` /
     ``max_completion_tokens`` (the prefill runs with 1, so the decoder alone would see
-    them), plus the prompt or messages vLLM requires (a prefill saved). It reads them as vLLM's request models do (pydantic's lax mode: ``"yes"`` is
-    true, ``"5"`` and ``5.0`` are 5, a chat's ``max_completion_tokens`` wins over
-    ``max_tokens``, ``max_tokens`` 0 is allowed with ``echo``) and writes the values read
-    back into the returned dict; its refusals carry vLLM's body field for field
-    (tests/data/vllm_error_bodies.json was recorded from vLLM 0.32). Everything else (a
-    prompt of the wrong type, empty messages...) is left to the prefill engine, whose 4xx is relayed
-    verbatim. Encodings are JSON's (UTF-8, -16 or -32, as ``json.loads`` detects them);
-    nesting deeper than the parser's recursion limit is a client error too.
+    them), and the prompt or messages vLLM requires (a prefill saved). It reads them as
+    vLLM's request models do (pydantic's lax mode: ``"yes"`` is true, ``"5"`` and ``5.0``
+    are 5, a chat's ``max_completion_tokens`` wins over ``max_tokens``, ``max_tokens`` 0 is
+    allowed with ``echo``) and writes the values read back into the returned dict; its
+    refusals carry vLLM's body field for field (tests/data/vllm_error_bodies.json was
+    recorded from vLLM 0.32). Everything else (a prompt of the wrong type, empty
+    messages...) is left to the prefill engine, whose 4xx is relayed verbatim. Encodings
+    are JSON's (UTF-8, -16 or -32, as ``json.loads`` detects them); nesting deeper than the
+    parser's recursion limit is a client error too.
     """
     if not raw:
         raise _invalid("missing", "body", "Field required", None)
