@@ -235,9 +235,9 @@ _BREAKER_VALUE = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
 # still count; they appear with their first event.
 ENDPOINTS = ("completions", "chat")  # eldr.proxy.app's generation routes
 SIGNATURE_SOURCES = ("payload", "routed_experts", "none")  # eldr.proxy.signatures
+# eldr.proxy.signatures' problems, and "unbound" from the flow
 FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_shape",
-                    "no_encoder",
-                    "unbound")  # eldr.proxy.signatures problems, "unbound" from the flow
+                    "no_encoder", "unbound")
 ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.flow
 KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
