@@ -16,18 +16,17 @@ DEEP_974 = b'{"prompt":"x","x":' + b"[" * 974 + b"]" * 974 + b"}"
 DEEP_50K = b'{"prompt":"x","x":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
 
 
-@pytest.mark.parametrize("raw, kind, status, match", [
-    (b"{not json", "completions", 400, "not valid JSON"),
-    (b"\xff\xfe", "completions", 400, "not UTF-8"),
-    ('{"prompt": "x"}'.encode("utf-16"), "completions", 400, "only UTF-8"),
-    ('{"prompt": "x"}'.encode("utf-32-le"), "completions", 400, "only UTF-8"),
+@pytest.mark.parametrize("raw, kind, status, match", [  # vLLM's messages (test_proxy_bodies)
+    (b"{not json", "completions", 400, "json_invalid"),
+    (b"\xff\xfe", "completions", 400, "json_invalid"),
+    (b'{"prompt": "\xff"}', "completions", 400, "error parsing the body"),
     (DEEP_974, "completions", 400, "nested too deeply"),
-    (b"[1, 2]", "completions", 400, "JSON object"),
-    (b'{"model": "m"}', "completions", 400, "'prompt' is required"),
-    (b'{"prompt": "x", "stream": "yes"}', "completions", 400, "'stream'"),
-    (b'{"messages": "hi"}', "chat", 400, "'messages' must be a list"),
-    (b'{"prompt": "x", "max_tokens": 0}', "completions", 400, "'max_tokens' must be"),
-    (b'{"messages": [], "max_completion_tokens": 1.5}', "chat", 400, "'max_completion_tokens'"),
+    (b"[1, 2]", "completions", 400, "valid dictionary"),
+    (b'{"model": "m"}', "completions", 400, "Either prompt or prompt_embeds"),
+    (b'{"prompt": "x", "stream": "maybe"}', "completions", 400, "body.stream"),
+    (b'{"messages": "hi"}', "chat", 400, "valid list"),
+    (b'{"prompt": "x", "max_tokens": 0}', "completions", 400, "max_tokens must be"),
+    (b'{"messages": [], "max_completion_tokens": 1.5}', "chat", 400, "max_completion_tokens"),
 ])
 def test_parse_body_errors(raw, kind, status, match):
     with pytest.raises(ProxyError, match=match) as info:
@@ -56,7 +55,7 @@ def test_client_errors_are_openai_shaped_4xx():
 
     router, out, prefills = run(go())
     assert [s for s, _ in out] == [400, 404, 413, 400, 404, 405]
-    assert out[1][1]["error"]["code"] == "model_not_found"
+    assert out[1][1]["error"]["code"] == 404  # vLLM's shape: the status
     assert all(set(doc["error"]) == {"message", "type", "param", "code"} for _, doc in out)
     assert prefills[0].requests == []  # nothing reached an engine
     assert router.metrics.requests.get(endpoint="completions", status="400") == 1
@@ -109,9 +108,9 @@ def test_models_health_and_metrics_pages():
     models, healths, refused, ctype, page = run(go())
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert healths == [(200, "ok"), (200, "degraded"), (503, "unavailable"), (200, "ok")]
-    assert refused == (503, "no_decoder")
+    assert refused == (503, 503)
     assert ctype == "text/plain"
-    assert 'eldr_upstream_healthy{role="decode",instance="w-code"} 1' in page
+    assert 'eldr_upstream_healthy{instance="w-code",role="decode"} 1.0' in page
 
 
 def _swapped_state(router):
@@ -147,7 +146,7 @@ def test_admin_disabled_without_a_token():
             return r.status, await r.json()
 
     status, doc = run(go())
-    assert status == 403 and doc["error"]["code"] == "admin_disabled"
+    assert status == 403 and doc["error"]["code"] == 403
 
 
 def test_failed_reload_keeps_the_running_artifact(monkeypatch):
@@ -189,16 +188,16 @@ def test_reload_does_not_drop_requests_in_flight(monkeypatch):
 
 # -- issue 12: no 5xx and no traceback on any input -----------------------------------------
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-32-le"])
-def test_non_utf8_bodies_are_refused_before_any_prefill(encoding):
+def test_utf16_and_utf32_bodies_are_accepted_as_vllm_does(encoding):
     async def go():
         async with cluster() as (_, client, prefills, _d):
             data = json.dumps({**CODE, "prompt": "héllo wörld"}).encode(encoding)
             r = await client.post("/v1/completions", data=data)
             return r.status, await r.json(), prefills
 
-    status, doc, prefills = run(go())
-    assert status == 400 and "only UTF-8" in doc["error"]["message"]
-    assert prefills[0].requests == []
+    status, doc, prefills = run(go())  # json.loads (so vLLM) detects JSON's encodings
+    assert status == 200 and doc["choices"]
+    assert len(prefills[0].requests) == 1
 
 
 @pytest.mark.parametrize("raw", [DEEP_974, DEEP_50K])
@@ -210,7 +209,7 @@ def test_deeply_nested_bodies_are_a_400_before_any_prefill(raw):
 
     _router, status, ctype, doc, prefills = run(go())
     assert (status, ctype) == (400, "application/json")
-    assert doc["error"]["code"] == "invalid_json"
+    assert doc["error"]["code"] == 400
     assert prefills[0].requests == []
 
 
@@ -227,7 +226,7 @@ def test_an_unexpected_error_is_a_json_500_naming_no_internals(monkeypatch, capl
     router, status, ctype, text = run(go())
     assert (status, ctype) == (500, "application/json")
     doc = json.loads(text)
-    assert doc["error"]["code"] == "internal_error" and "secret" not in text
+    assert doc["error"]["code"] == 500 and "secret" not in text
     assert "RuntimeError" not in text and "Traceback" not in text
     assert router.metrics.requests.get(endpoint="completions", status="500") == 1
     assert any("secret" in r.getMessage() or r.exc_info for r in caplog.records
@@ -257,7 +256,7 @@ def test_reload_refuses_an_artifact_for_another_model(monkeypatch, fingerprint, 
             return router, old, r.status, await r.json(), after.status
 
     router, old, status, doc, after = run(go())
-    assert status == 409 and doc["error"]["code"] == "artifact_model_mismatch"
+    assert status == 409 and doc["error"]["code"] == 409
     assert re_search(match, doc["error"]["message"])
     assert router.state is old and after == 200
     assert router.metrics.reloads.get(result="error") == 1
@@ -282,7 +281,7 @@ def test_a_reload_failing_in_any_way_is_a_json_error_and_counted(monkeypatch, ex
 
     router, status, ctype, doc = run(go())
     assert (status, ctype) == (500, "application/json")
-    assert doc["error"]["code"] == "reload_failed"
+    assert doc["error"]["code"] == 500
     assert router.metrics.reloads.get(result="error") == 1
 
 
@@ -321,7 +320,7 @@ def test_wrong_admin_tokens_are_rate_limited_per_address(monkeypatch):
 
     statuses, right, code, again = run(go())
     assert statuses == [401] * 5 + [429]
-    assert (right, code) == (429, "rate_limited")  # even the right token waits
+    assert (right, code) == (429, 429)  # even the right token waits
     assert again == 200
 
 
@@ -453,5 +452,5 @@ def test_what_the_decoder_would_refuse_is_refused_before_the_prefill(body, param
 
     status, doc, ok, prefills = run(go())
     assert (status, doc["error"]["param"], doc["error"]["code"]) == \
-        (400, param, "context_exceeded")
+        (400, param, 400)
     assert ok == 200 and len(prefills[0].requests) == 1  # only the valid one was prefilled

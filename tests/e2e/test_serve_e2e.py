@@ -175,7 +175,7 @@ def _text(raw: bytes, *, chat: bool, stream: bool) -> str:
 
 
 def _metric(page: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as prometheus_client
     line_start = f"{name}{{{want}}} " if labels else f"{name} "
     for line in page.splitlines():
         if line.startswith(line_start):
