@@ -192,6 +192,7 @@ class LocalCluster:
         spec = self.spec
         self.workdir = Path(tempfile.mkdtemp(prefix="eldr-cluster-"))
         self.store.mkdir()
+        self.log(f"workdir: {self.workdir} (connector store, artifact; removed on stop)")
         logs = Path(self.spec.log_dir) if self.spec.log_dir else self.workdir
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = logs
