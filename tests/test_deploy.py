@@ -95,3 +95,25 @@ def test_cluster_command_is_registered():
 
     args = build_parser().parse_args(["cluster", "--prefill", "2", "--decode", "3"])
     assert (args.prefill, args.decode, args.model) == (2, 3, "tiny")
+
+
+def test_the_grafana_dashboard_charts_only_metrics_the_router_exports():
+    """docs/grafana/eldr-router.json: valid JSON, every metric it queries is one of the
+    router's families, and every family is on some panel."""
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from eldr.proxy.metrics import RouterMetrics
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "eldr-router.json"
+    dash = json.loads(path.read_text())
+    used = {re.sub(r"_(bucket|sum|count)$", "", name)
+            for panel in dash["panels"] for target in panel["targets"]
+            for name in re.findall(r"\beldr_[a-z_]+", target["expr"])}
+    metrics = RouterMetrics(SimpleNamespace(prefill=[], decode=[]))
+    exported = set(metrics.registry._families)
+    assert used <= exported, used - exported
+    assert exported <= used, exported - used
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))

@@ -123,10 +123,11 @@ def engine_command(spec: ClusterSpec, port: int, store: Path | None,
 
 
 def engine_env(core: int, pythonpath: str) -> dict[str, str]:
-    """The environment of one engine pinned to ``core``."""
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-            "ELDR_CAPTURE": "prefill", "PYTHONPATH": pythonpath}
+    """The environment of one engine pinned to ``core`` (the defaults below yield to the
+    caller's environment; the core and the path do not)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "ELDR_CAPTURE": "prefill", **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": str(core), "PYTHONPATH": pythonpath}
 
 
 def plugin_pythonpath(workdir: Path) -> str:
