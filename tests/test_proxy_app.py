@@ -56,7 +56,10 @@ def test_client_errors_are_openai_shaped_4xx():
     router, out, prefills = run(go())
     assert [s for s, _ in out] == [400, 404, 413, 400, 404, 405]
     assert out[1][1]["error"]["code"] == 404  # vLLM's shape: the status
-    assert all(set(doc["error"]) == {"message", "type", "param", "code"} for _, doc in out)
+    assert all(set(doc["error"]) == {"message", "type", "param", "code"} for _, doc in out[:4])
+    # a route nobody has, a wrong method: vLLM's own (FastAPI) answers
+    assert [doc for _, doc in out[4:]] == [{"detail": "Not Found"},
+                                           {"detail": "Method Not Allowed"}]
     assert prefills[0].requests == []  # nothing reached an engine
     assert router.metrics.requests.get(endpoint="completions", status="400") == 1
     assert router.metrics.requests.get(endpoint="other", status="404") == 1
@@ -454,3 +457,111 @@ def test_what_the_decoder_would_refuse_is_refused_before_the_prefill(body, param
     assert (status, doc["error"]["param"], doc["error"]["code"]) == \
         (400, param, 400)
     assert ok == 200 and len(prefills[0].requests) == 1  # only the valid one was prefilled
+
+
+# -- the API surface beyond the PD flow (issue 14) -------------------------------------------
+def test_models_relays_every_field_the_engines_report():
+    from _proxy_fakes import MODEL_CARD
+
+    async def go():
+        async with cluster() as (_router, client, prefills, decoders):
+            r1 = await client.get("/v1/models")
+            doc1 = await r1.json()
+            for e in (*prefills, *decoders):  # no engine answers the call itself now
+                e.api_key = "k"
+            r2 = await client.get("/v1/models")
+            return doc1, r2.status, await r2.json()
+
+    relayed, status, fallback = run(go())
+    assert relayed == {"object": "list", "data": [MODEL_CARD]}  # root, permission, ... kept
+    card = fallback["data"][0]  # learned by the health checks: still vLLM's card shape
+    assert status == 200 and card["id"] == "tiny" and card["root"] == "tiny"
+    assert card["max_model_len"] == 128 and card["permission"] == []
+
+
+def test_auxiliary_routes_are_forwarded_to_a_healthy_prefill_instance():
+    async def go():
+        async with cluster(num_prefill=2, max_body_bytes=1000) as (router, client, prefills,
+                                                                   decoders):
+            out = {}
+            r = await client.post("/tokenize", json={"model": "tiny", "prompt": "ab cde"},
+                                  headers={"X-Request-Id": "mine"})
+            out["tokenize"] = (r.status, await r.json(), r.headers["X-Request-Id"])
+            r = await client.post("/detokenize", json={"model": "tiny", "tokens": [1, 2]})
+            out["detokenize"] = (r.status, await r.json())
+            r = await client.get("/version?x=1")
+            out["version"] = (r.status, await r.json())
+            out["ping"] = (await client.get("/ping")).status
+            r = await client.get("/v1/no-such-route")
+            out["unknown"] = (r.status, await r.json())
+            r = await client.post("/tokenize", data=b"x" * 2000)
+            out["too_big"] = r.status
+            prefills[0].healthy = False  # the other prefill instance answers
+            await _until(lambda: not router.pool.prefill[0].healthy)
+            out["after"] = (await client.get("/version")).status
+            prefills[1].healthy = False
+            await _until(lambda: not router.pool.prefill[1].healthy)
+            out["none"] = (await client.get("/version")).status
+            return router, out, prefills, decoders
+
+    router, out, prefills, decoders = run(go())
+    assert out["tokenize"] == (200, {"count": 2, "max_model_len": 128, "tokens": [2, 3],
+                                     "token_strs": None}, "mine")
+    assert out["detokenize"] == (200, {"prompt": "t1 t2"})
+    assert out["version"][0] == 200 and out["version"][1]["version"] == "0.0-fake"
+    assert out["ping"] == 200
+    assert out["unknown"] == (404, {"detail": "Not Found"})  # the engine's own 404
+    assert out["too_big"] == 413
+    assert (out["after"], out["none"]) == (200, 503)
+    calls = [c for p in prefills for c in p.aux]
+    assert ("GET", "/version?x=1", b"") in calls
+    assert all(not d.aux and not d.requests for d in decoders)  # decoders are never asked
+    assert router.metrics.requests.get(endpoint="/tokenize", status="200") == 1
+    assert router.metrics.requests.get(endpoint="other", status="404") == 1
+
+
+@pytest.mark.parametrize("method, path, status, what", [
+    ("POST", "/sleep", 403, "Forbidden"),
+    ("POST", "/v1/load_lora_adapter", 403, "Forbidden"),
+    ("POST", "/admin/anything", 403, "Forbidden"),
+    ("GET", "/admin/reload", 405, "Method Not Allowed"),
+    ("POST", "/v1/responses", 501, "NotImplementedError"),
+    ("POST", "/v1/audio/transcriptions", 501, "NotImplementedError"),
+    ("PUT", "/tokenize", 405, "Method Not Allowed"),
+    ("GET", "/v1/chat/completions", 405, "Method Not Allowed"),
+    ("POST", "/metrics", 405, "Method Not Allowed"),
+])
+def test_control_generation_and_own_routes_are_never_forwarded(method, path, status, what):
+    async def go():
+        async with cluster() as (_router, client, prefills, decoders):
+            r = await client.request(method, path, json={})
+            return r.status, await r.json(), prefills + decoders
+
+    got, doc, engines = run(go())
+    assert got == status
+    assert (doc.get("detail") or doc["error"]["type"]) == what
+    assert all(not e.aux and not e.requests for e in engines)
+
+
+def test_own_routes_keep_priority_over_forwarding():
+    async def go():
+        async with cluster() as (_, client, prefills, _d):
+            health = await client.get("/health")
+            metrics = await client.get("/metrics")
+            return (health.status, (await health.json())["status"], metrics.status,
+                    prefills[0].aux)
+
+    assert run(go()) == (200, "ok", 200, [])
+
+
+def test_a_forwarded_answer_over_its_cap_is_a_502(monkeypatch):
+    from eldr.proxy import forward
+
+    monkeypatch.setattr(forward, "FORWARD_ANSWER_LIMIT", 10)
+
+    async def go():
+        async with cluster() as (_, client, _p, _d):
+            r = await client.post("/tokenize", json={"prompt": "a b c d e f g h"})
+            return r.status, (await r.json())["error"]["type"]
+
+    assert run(go()) == (502, "Bad Gateway")

@@ -244,6 +244,64 @@ def test_client_disconnect_aborts_the_upstream_stream():
     assert _metric(router, "client_disconnects") == 1
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_client_closing_right_after_done_is_a_completed_request(chat):
+    """Issue 14: clients (openai's among them) close as soon as they read ``[DONE]``, while
+    the decoder's stream may still be open (its end in a later TCP segment; ``linger``
+    holds it 0.3 s). That is a completed request: counted 200, released ``completed``,
+    and the decoder's stream ends on its own, never aborted."""
+    async def go():
+        async with cluster(engine_kw={"tokens": 5}) as (router, client, _, decoders):
+            for d in decoders:
+                d.mode = "linger"
+            events = _spy_events(router.state.policy)
+            path, body = (("/v1/chat/completions",
+                           {"model": "tiny", "messages": [{"role": "user", "content": "code"}]})
+                          if chat else ("/v1/completions", CODE))
+            r = await client.post(path, json={**body, "stream": True})
+            got = b""
+            while b"data: [DONE]" not in got:
+                got += await r.content.readany()
+            r.close()  # right after [DONE], before the decoder's end of stream
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if sum(d.finished_streams + d.aborted for d in decoders) and \
+                        not router.pool.tracker.loads.any() and not router.flow._background:
+                    break
+            return router, decoders, events, got
+
+    router, decoders, events, got = run(go())
+    assert got.rstrip().endswith(b"data: [DONE]")
+    endpoint = "chat" if chat else "completions"
+    assert _metric(router, "requests", endpoint=endpoint, status="200") == 1
+    assert _metric(router, "client_disconnects") == 0
+    assert [e[2] for e in events if e[0] == "release"] == ["completed"]
+    assert sum(d.finished_streams for d in decoders) == 1  # upstream ended cleanly
+    assert sum(d.aborted for d in decoders) == 0
+
+
+def test_a_client_closing_before_done_is_still_a_disconnect():
+    async def go():
+        async with cluster(engine_kw={"tokens": 50}) as (router, client, _, decoders):
+            for d in decoders:
+                d.mode = "slow"
+            events = _spy_events(router.state.policy)
+            r = await client.post("/v1/completions", json={**CODE, "stream": True})
+            await r.content.readany()
+            r.close()
+            for _ in range(300):
+                await asyncio.sleep(0.02)
+                if any(d.aborted for d in decoders) and not router.pool.tracker.loads.any():
+                    break
+            return router, decoders, events
+
+    router, decoders, events = run(go())
+    assert _metric(router, "client_disconnects") == 1
+    assert _metric(router, "requests", endpoint="completions", status="200") == 0
+    assert [e[2] for e in events if e[0] == "release"] == ["cancelled"]
+    assert sum(d.aborted for d in decoders) == 1
+
+
 # -- the stateful policy contract (dispatch / release) ---------------------------------------
 def _spy_events(policy):
     """Record (event, request id, worker or outcome) of ``policy`` (wrapping its methods)."""

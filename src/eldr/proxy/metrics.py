@@ -161,21 +161,26 @@ class Registry:
     def __init__(self) -> None:
         self.collector_registry = prometheus_client.CollectorRegistry(auto_describe=False)
         self._view = _WithoutCreated(self.collector_registry)
+        self.names: list[str] = []  # family names, in registration order
+
+    def _named(self, name: str):
+        self.names.append(name)
+        return name
 
     def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Counter:
         if not name.endswith("_total"):
             raise ValueError(f"counter {name!r}: counter names end in '_total'")
-        metric = prometheus_client.Counter(name, help_text, labelnames,
+        metric = prometheus_client.Counter(self._named(name), help_text, labelnames,
                                            registry=self.collector_registry)
         return Counter(metric, name, labelnames)
 
     def gauge(self, name: str, help_text: str, labelnames: Sequence[str] = (),
               collect: Callable[[], dict[LabelValues, float]] | None = None):
         if collect is not None:
-            family = _CollectedGauge(name, help_text, labelnames, collect)
+            family = _CollectedGauge(self._named(name), help_text, labelnames, collect)
             self.collector_registry.register(family)
             return family
-        metric = prometheus_client.Gauge(name, help_text, labelnames,
+        metric = prometheus_client.Gauge(self._named(name), help_text, labelnames,
                                          registry=self.collector_registry)
         return Gauge(metric, name, labelnames)
 
@@ -185,8 +190,8 @@ class Registry:
         if not bounds or bounds != sorted(set(bounds)) or not all(map(math.isfinite, bounds)):
             raise ValueError(f"{name}: buckets must be finite, strictly increasing and "
                              f"non-empty, got {list(buckets)}")
-        metric = prometheus_client.Histogram(name, help_text, labelnames, buckets=bounds,
-                                             registry=self.collector_registry)
+        metric = prometheus_client.Histogram(self._named(name), help_text, labelnames,
+                                             buckets=bounds, registry=self.collector_registry)
         return Histogram(metric, name, labelnames)
 
     def render(self) -> str:
