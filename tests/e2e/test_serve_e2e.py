@@ -319,7 +319,7 @@ def test_requests_a_decoder_would_refuse_cost_no_prefill(deployment):
     good = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
     bad = [b'{"prompt":"x","x":' + b"[" * 5000 + b"]" * 5000 + b"}",
            json.dumps(good).encode("utf-16"),
-           json.dumps({**good, "max_tokens": 1024}).encode()]  # --max-model-len 1024
+           json.dumps({**good, "max_tokens": 1025}).encode()]  # --max-model-len 1024
     before = prefilled()
     statuses = [_request(url, data=data)[0] for data in bad]
     after = prefilled()

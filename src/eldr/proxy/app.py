@@ -175,25 +175,31 @@ class Router:
         return await self.flow.run(request, body, kind, raw)
 
     def _check_context(self, body: dict, kind: str) -> None:
-        """400 before the prefill for what the decoder is sure to refuse after it: more
-        tokens than the context holds (a prompt of token ids is counted exactly; any
-        prompt has at least one token)."""
+        """400 before the prefill for what the engines are sure to refuse after it, with
+        vLLM 0.32's own messages: an output budget over the context
+        (``max_tokens > max_model_len``) or a prompt of token ids longer than the context.
+        A prompt plus ``max_tokens`` over the context is NOT refused: vLLM clamps
+        ``max_tokens`` to what is left, and so must the router accept it."""
         limit = self.pool.max_model_len()
         if limit is None:
             return
+        keys = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+        key = next((k for k in keys if body.get(k) is not None), None)
+        value = body.get(key) if key else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise ProxyError(400, f"{key}={value} cannot be greater than max_model_len={limit}. "
+                                  f"Please request fewer output tokens. (parameter={key}, "
+                                  f"value={value})", param=key, code="context_exceeded")
         prompt = body.get("prompt") if kind == "completions" else None
-        is_ids = isinstance(prompt, list) and bool(prompt) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        prompt_tokens = len(prompt) if is_ids else 1
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if isinstance(value, int) and prompt_tokens + value > limit:
-                raise ProxyError(400, f"'{key}' is {value}, but the model's context holds "
-                                      f"{limit} tokens and the prompt takes at least "
-                                      f"{prompt_tokens}", param=key, code="context_exceeded")
-        if is_ids and prompt_tokens >= limit:
-            raise ProxyError(400, f"the prompt has {prompt_tokens} tokens, the model's context "
-                                  f"holds {limit}", param="prompt", code="context_exceeded")
+        if isinstance(prompt, list) and len(prompt) > limit and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            n = len(prompt)
+            raise ProxyError(400, f"This model's maximum context length is {limit} tokens. "
+                                  f"However, your prompt contains {n} input tokens, which "
+                                  f"exceeds this limit even without any output tokens. Please "
+                                  f"reduce the length of the input prompt. (parameter="
+                                  f"input_tokens, value={n})", param="input_tokens",
+                             code="context_exceeded")
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -203,7 +209,7 @@ class Router:
         if not isinstance(model, str):
             raise ProxyError(400, "'model' must be a string", param="model")
         if known and model not in known:
-            raise ProxyError(404, f"the model {model!r} does not exist; served: {list(known)}",
+            raise ProxyError(404, f"The model `{model}` does not exist.",
                              code="model_not_found", param="model")
 
     async def models(self, request):
