@@ -15,8 +15,9 @@ FORBIDDEN = {
     "fit": ("routing", "sim", "reproduce", "proxy", "commands", "learn"),
     "routing": ("sim", "reproduce", "proxy", "commands", "capture", "learn"),
     "sim": ("reproduce", "proxy", "commands", "learn"),
-    "learn": ("sim", "reproduce", "proxy", "commands", "capture", "cache"),
+    "learn": ("sim", "reproduce", "proxy", "commands", "capture", "cache", "deploy"),
     "proxy": ("reproduce", "commands", "sim"),
+    "deploy": ("reproduce", "commands", "sim", "proxy", "routing", "learn"),
 }
 
 
@@ -46,5 +47,5 @@ def test_no_flat_modules_left_but_the_entry_points():
     flat = sorted(p.name for p in SRC.glob("*.py"))
     assert flat == ["__init__.py", "__main__.py", "_progress.py", "cli.py", "fileio.py"]
     for stage in ("traces", "fit", "routing", "cache", "sim", "reproduce", "capture",
-                  "proxy", "commands", "learn"):
+                  "proxy", "deploy", "commands", "learn"):
         assert (SRC / stage / "__init__.py").is_file(), stage

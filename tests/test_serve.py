@@ -110,10 +110,12 @@ def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm(policy, wit
     status, doc, metrics, rc, err = asyncio.run(go())
     assert status == 200
     assert doc["choices"][0]["text"] == "tok0tok1tok2"
-    assert 'eldr_artifact_reloads_total{result="ok"} 1' in metrics
+    assert 'eldr_artifact_reloads_total{result="ok"} 1.0' in metrics
     decoder = "e" if with_artifact else "decode-0"
-    assert f'eldr_routing_decisions_total{{policy="{policy}",decoder="{decoder}"}} 1' in metrics
-    assert "eldr_routing_fallbacks_total{" not in metrics  # eldr_cost bound before deciding
+    assert f'eldr_routing_decisions_total{{decoder="{decoder}",policy="{policy}"}} 1.0' in metrics
+    fallbacks = [ln for ln in metrics.splitlines()
+                 if ln.startswith("eldr_routing_fallbacks_total{")]
+    assert fallbacks and all(ln.endswith(" 0.0") for ln in fallbacks)  # eldr_cost bound first
     assert rc == 0, err
     assert "listening on http://127.0.0.1" in err
 
