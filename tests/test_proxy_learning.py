@@ -64,6 +64,9 @@ def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
         router, client, engines = await _cluster(tmp_path)
         try:
             assert router.state.artifact is None and router.state.encoder is None
+            before = await (await client.get("/metrics")).text()
+            assert 'eldr_learn_fits_total{result="refused"} 0' in before
+            assert "eldr_learn_swaps_total 0" in before
             t0 = time.perf_counter()
             await _send(client, 40)
             learner = router.learner.learner

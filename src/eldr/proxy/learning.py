@@ -108,6 +108,8 @@ class LiveLearning:
                                     "Candidate artifacts refused, by reason.", ("reason",))
         self.drifts = reg.counter("eldr_learn_drift_detections_total",
                                   "Drift declared, by signal.", ("signal",))
+        self.requests.prime(("collected",))  # zero series, on the page before any event
+        self.fits.prime(("accepted",), ("refused",), ("failed",))
         reg.gauge("eldr_learn_buffer_requests", "Requests in the learn buffer (all, and "
                   "those with decode counts).", ("kind",),
                   collect=lambda: {("all",): float(len(buf)),
