@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "doubled after each failed probe (up to 120 s)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
+    from eldr.proxy import learning
+
+    learning.add_arguments(p)  # --learn DIR and its settings (docs/learn.md)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -175,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ModuleNotFoundError as exc:
         raise ValueError("eldr serve needs aiohttp: pip install 'eldr[serve]'") from exc
+    from eldr.proxy import learning
     from eldr.proxy.app import Router
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(config_from_args(args))
+    config, learn = learning.configure(config_from_args(args), args)
+    router = Router(config)
+    learning.attach(router, learn)
     try:
         import uvloop  # optional: a faster event loop when installed
     except ModuleNotFoundError:
