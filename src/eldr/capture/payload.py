@@ -152,7 +152,7 @@ def encode_payload(counts: np.ndarray, *, tokens: int | None = None,
         raise ValueError(f"encode_payload: empty shape {arr.shape}")
     obj: dict = {"v": 2, "shape": [int(L), int(E)]}
     if layers is not None:
-        rows = _check_layers(layers, L)
+        rows = _cached_layers(layers, L)
         arr = arr[rows]
         obj["layers"] = rows.tolist()
     if tokens is not None:
@@ -278,7 +278,8 @@ _LAYER_MEMO: dict[tuple, np.ndarray] = {}  # (layers..., L) -> validated rows: o
 
 def _cached_layers(layers: object, num_layers: int) -> np.ndarray:
     """:func:`_check_layers`, memoised: a router asks every engine for the same mask."""
-    key = (*layers, num_layers) if isinstance(layers, list) else None
+    key = ((*layers, num_layers) if isinstance(layers, list)
+           and all(type(x) is int for x in layers) else None)
     rows = _LAYER_MEMO.get(key) if key is not None else None
     if rows is None:
         rows = _check_layers(layers, num_layers)
