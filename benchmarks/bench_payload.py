@@ -64,6 +64,29 @@ def main(argv=None) -> None:
                 detail = f" {obj['enc']} w={obj['w']}" if obj["v"] == 2 else ""
                 print(f"{name:34} {tokens:>6} {label:>13} {len(json.dumps(obj)):>10} "
                       f"{t_enc:>9.1f} {t_dec:>9.1f} {t_enc + t_dec:>7.1f}{detail}")
+    _router_side(args.repeat)
+
+
+def _router_side(repeat: int) -> None:
+    """The router's signature path before the decision: payload decode + signature encode
+    (count_idf over a 16-of-48 layer mask, as RoutingState.encode does it)."""
+    from eldr.fit.signature import SignatureEncoder
+
+    L, E, tokens = 48, 128, 2048
+    c = _counts(tokens, L, E, 8)
+    mask = np.arange(0, L, 3)
+    idf = np.random.default_rng(1).random((L, E)) + 0.1
+    masked = SignatureEncoder.from_state({"representation": "count_idf",
+                                          "num_layers": mask.size, "num_experts": E,
+                                          "layers": np.arange(mask.size), "idf": idf[mask]})
+    print(f"\nrouter side, {L}x{E}, {tokens} tokens: payload decode + signature encode "
+          f"(count_idf, {mask.size}-layer mask)")
+    for label, obj, _enc, dec in _variants(c, tokens, mask.tolist()):
+        def path(obj=obj, dec=dec):
+            return masked.transform(dec(obj)[mask])
+        t_sig = _us(partial(masked.transform, c[mask]), repeat)
+        print(f"  {label:13} {_us(path, repeat):7.1f} us  (signature encode alone "
+              f"{t_sig:.1f} us)")
 
 
 def _variants(c: np.ndarray, tokens: int, mask: list[int]):

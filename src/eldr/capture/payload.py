@@ -152,9 +152,9 @@ def encode_payload(counts: np.ndarray, *, tokens: int | None = None,
         raise ValueError(f"encode_payload: empty shape {arr.shape}")
     obj: dict = {"v": 2, "shape": [int(L), int(E)]}
     if layers is not None:
-        rows = _cached_layers(layers, L)
-        arr = arr[rows]
-        obj["layers"] = rows.tolist()
+        rows, listed = _cached_layers(layers, L)
+        obj["layers"] = list(listed)  # the memo's list stays ours
+        arr = np.take(arr, rows, axis=0)
     if tokens is not None:
         obj["tokens"] = int(tokens)
     low, top = int(arr.min()), int(arr.max())
@@ -210,7 +210,7 @@ def _decode_v2(obj: dict, L: int, E: int, tokens: int | None) -> Payload:
     if obj.get("shape") != [L, E]:
         raise ValueError(f"eldr payload: shape {obj.get('shape')!r}, expected [{L}, {E}]")
     layers = obj.get("layers")
-    rows = None if layers is None else _cached_layers(layers, L)
+    rows = None if layers is None else _cached_layers(layers, L)[0]
     S = L if rows is None else rows.size
     width, data, enc = obj.get("w"), obj.get("data"), obj.get("enc")
     if type(width) is not int or width not in (1, 2, 3):
@@ -273,19 +273,21 @@ def _bad_values(values: np.ndarray, bound: int) -> str:
     return f"eldr payload: count {int(values.max())} is over {bound} (the tokens counted)"
 
 
-_LAYER_MEMO: dict[tuple, np.ndarray] = {}  # (layers..., L) -> validated rows: one mask a router
+_LAYER_MEMO: dict[tuple, tuple[np.ndarray, list]] = {}  # a router asks for one mask
 
 
-def _cached_layers(layers: object, num_layers: int) -> np.ndarray:
-    """:func:`_check_layers`, memoised: a router asks every engine for the same mask."""
-    key = ((*layers, num_layers) if isinstance(layers, list)
-           and all(type(x) is int for x in layers) else None)
-    rows = _LAYER_MEMO.get(key) if key is not None else None
-    if rows is None:
+def _cached_layers(layers: object, num_layers: int) -> tuple[np.ndarray, list]:
+    """(rows, rows as a list) of :func:`_check_layers`, memoised: every request carries
+    the same mask. A hit needs an equal list of ints (``1.0 == 1`` would also hit: the same
+    rows, so harmless); a miss is validated in full."""
+    key = (num_layers, *layers) if isinstance(layers, list) else None
+    hit = _LAYER_MEMO.get(key) if key is not None else None
+    if hit is None:
         rows = _check_layers(layers, num_layers)
+        hit = (rows, rows.tolist())
         if key is not None and len(_LAYER_MEMO) < 64:
-            _LAYER_MEMO[key] = rows
-    return rows
+            _LAYER_MEMO[key] = hit
+    return hit
 
 
 def _check_layers(layers: object, num_layers: int) -> np.ndarray:
