@@ -44,8 +44,9 @@ kilobytes, against 0.4 / 1.6 / 6.3 MB of raw int16 per-token ids.
 
 Re-exported from :mod:`eldr.capture.routed`: the decoder of vLLM's own
 ``routed_experts`` response field (GPU builds started with
-``--enable-return-routed-experts``) and ``topk_to_counts``. Everything that comes off the network is validated; malformed input raises ``ValueError``
-naming the problem, never anything else, and nothing is ever unpickled.
+``--enable-return-routed-experts``) and ``topk_to_counts``. Everything that comes off the
+network is validated; malformed input raises ``ValueError`` naming the problem, never
+anything else, and nothing is ever unpickled.
 """
 
 from __future__ import annotations
