@@ -52,6 +52,7 @@ from functools import wraps
 
 import numpy as np
 
+from eldr.capture.decode import DecodeStep, decode_step, is_decode_leg
 from eldr.capture.enginecache import (
     POOL_HOOKS,
     BlockRowCache,
@@ -61,6 +62,7 @@ from eldr.capture.enginecache import (
     store_rows,
 )
 from eldr.capture.payload import LAYERS_KEY, PAYLOAD_KEY, encode_counts, encode_payload
+from eldr.capture.vllm_decode import absorb_decode, attach_decode, install_api_server_hooks
 
 __all__ = ["register"]
 
@@ -83,16 +85,34 @@ def register() -> None:
     try:
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as exc:  # another vLLM build: do nothing, loudly
-        logger.warning("eldr capture plugin: vLLM-CPU classes not found (%s); disabled", exc)
+        logger.warning("eldr capture plugin: vLLM's v1 classes not found (%s); disabled", exc)
         return
-    _patch(CPUModelRunner, "load_model", _wrap_load_model)
-    _patch(CPUModelRunner, "execute_model", _wrap_execute_model)
-    _patch(CPUModelRunner, "sample_tokens", _wrap_sample_tokens)
+    # The base class carries execute_model / sample_tokens / load_model for every build;
+    # vLLM-CPU's runner derives from it and overrides load_model, so it is wrapped too
+    # (_attach is idempotent, in case the override calls the base one).
+    for cls in _runner_classes(GPUModelRunner):
+        if "load_model" in cls.__dict__:
+            _patch(cls, "load_model", _wrap_load_model)
+    _patch(GPUModelRunner, "execute_model", _wrap_execute_model)
+    _patch(GPUModelRunner, "sample_tokens", _wrap_sample_tokens)
     _patch(Scheduler, "update_from_output", _wrap_update_from_output)
+    install_api_server_hooks()
     for name, wrapper in POOL_HOOKS.items():  # rows are evicted with their blocks
         _patch(BlockPool, name, wrapper)
+
+
+def _runner_classes(base) -> list:
+    """``base`` and the runner subclasses this build ships that override its methods
+    (vLLM-CPU's ``CPUModelRunner``; absent from GPU builds' imports, which is fine)."""
+    classes = [base]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        classes.append(CPUModelRunner)
+    except Exception:  # a GPU build without the CPU runner, or one that fails to import
+        pass
+    return classes
 
 
 def _patch(cls, name: str, wrapper) -> None:
@@ -115,6 +135,9 @@ class _Capture:
         self.block_size = block_size
         self.pending: dict[str, PrefillStep] = {}  # req_id -> what goes out with the step
         self.carry: dict = {}  # req_id -> BlockCarry of a block split across chunks
+        self.decode_all = False  # ELDR_CAPTURE=all: decode rows of every batch
+        self.decode_reqs: dict[str, bool] = {}  # req_id -> is a decode leg (memo)
+        self.decode_steps: list[DecodeStep] = []  # steps not yet handed to the engine core
 
 
 def _moe_routers(model) -> list:
@@ -132,6 +155,8 @@ def _moe_routers(model) -> list:
 def _attach(runner) -> None:
     import torch
 
+    if getattr(runner, "_eldr_capture", None) is not None:
+        return  # already attached (a subclass's load_model called the base one)
     routers = _moe_routers(runner.get_model())
     if not routers:
         logger.warning("eldr capture plugin: no MoE router found; nothing is recorded")
@@ -139,7 +164,9 @@ def _attach(runner) -> None:
     top_k = int(runner.model_config.get_num_experts_per_tok())
     num_experts = int(runner.model_config.get_num_experts())
     max_tokens = int(runner.scheduler_config.max_num_batched_tokens)
-    buffer = torch.zeros((max_tokens, len(routers), top_k), dtype=torch.int32)
+    # on the model's device: the hook is a device-side copy (inside CUDA graphs on GPUs)
+    device = getattr(runner, "device", None) or "cpu"
+    buffer = torch.zeros((max_tokens, len(routers), top_k), dtype=torch.int32, device=device)
 
     def make_hook(layer: int):
         def capture(topk_ids) -> None:  # inside the forward pass: one slice copy, no Python
@@ -152,6 +179,7 @@ def _attach(runner) -> None:
     caching = bool(getattr(cache_config, "enable_prefix_caching", False))
     block_size = int(cache_config.block_size) if caching else None
     runner._eldr_capture = _Capture(buffer, num_experts, block_size)
+    runner._eldr_capture.decode_all = os.environ.get("ELDR_CAPTURE") == "all"
     mode = os.environ.get("ELDR_CAPTURE", "prefill")
     logger.info(
         "eldr capture plugin active: prefill expert counts of %d MoE layers (top-%d of %d "
@@ -178,6 +206,7 @@ def _collect(runner, scheduler_output) -> None:
         return
     for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
         cap.carry.pop(req_id, None)
+        cap.decode_reqs.pop(req_id, None)
     total = int(scheduler_output.total_num_scheduled_tokens)
     if total == 0:
         return
@@ -194,16 +223,49 @@ def _collect(runner, scheduler_output) -> None:
         return
     rows = None
     offset = 0
+    spans = []  # (req_id, first row, rows) of decode positions
+    wanted = cap.decode_all
     for req_id, n in zip(req_ids, sizes, strict=True):
         state = runner.requests.get(req_id)
         start = start_of.get(req_id)
-        if state is not None and start is not None and start < state.num_prompt_tokens:
-            m = min(n, state.num_prompt_tokens - start)  # prompt positions in this chunk
-            if rows is None:
-                rows = cap.buffer[:total].numpy()  # one copy per step, outside the hook
-            _count_chunk(cap, req_id, rows[offset : offset + m], int(start),
-                         req_id in first_chunk)
+        if state is not None and start is not None:
+            m = max(0, min(n, state.num_prompt_tokens - start))  # prompt positions
+            if m:
+                if rows is None:
+                    rows = _rows(cap, total)
+                _count_chunk(cap, req_id, rows[offset : offset + m], int(start),
+                             req_id in first_chunk)
+            if m < n:
+                spans.append((req_id, offset + m, n - m))
+                wanted = wanted or _is_decode_leg(cap, req_id, state)
         offset += n
+    if os.environ.get("ELDR_DEBUG"):
+        logger.info("eldr debug: spans %s wanted %s start_of %s sizes %s prompts %s", spans,
+                    wanted, start_of, sizes,
+                    [getattr(runner.requests.get(r), "num_prompt_tokens", None)
+                     for r in req_ids])
+    if spans and wanted:  # a decode engine: its batch's decode rows go to the engine core
+        if rows is None:
+            rows = _rows(cap, total)
+        step = decode_step(rows, spans, cap.num_experts)
+        if step is not None:
+            cap.decode_steps.append(step)
+
+
+def _rows(cap: _Capture, total: int) -> np.ndarray:
+    """The step's (total, L, k) rows as numpy: one copy per step, outside the hook (a
+    device-to-host copy on GPUs)."""
+    return cap.buffer[:total].cpu().numpy()
+
+
+def _is_decode_leg(cap: _Capture, req_id: str, state) -> bool:
+    """The request is the decode leg of a PD pair (``do_remote_prefill``), memoised."""
+    hit = cap.decode_reqs.get(req_id)
+    if hit is None:
+        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+        params = extra.get("kv_transfer_params") or {}
+        hit = cap.decode_reqs[req_id] = is_decode_leg(params)
+    return hit
 
 
 def _count_chunk(cap: _Capture, req_id: str, ids: np.ndarray, start: int,
@@ -234,7 +296,7 @@ def _bincount(ids: np.ndarray, num_experts: int) -> np.ndarray:
 
 def _hand_over(runner, output):
     cap: _Capture | None = getattr(runner, "_eldr_capture", None)
-    if cap is None or not cap.pending:
+    if cap is None or not (cap.pending or cap.decode_steps):
         return output
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -242,8 +304,12 @@ def _hand_over(runner, output):
         return output  # keep pending until a ModelRunnerOutput goes out
     if output is EMPTY_MODEL_RUNNER_OUTPUT:
         output = copy(output)  # never mutate vLLM's shared empty output
-    output.eldr_prefill = cap.pending
-    cap.pending = {}
+    if cap.pending:
+        output.eldr_prefill = cap.pending
+        cap.pending = {}
+    if cap.decode_steps:
+        output.eldr_decode = cap.decode_steps
+        cap.decode_steps = []
     return output
 
 
@@ -287,7 +353,18 @@ def _wrap_update_from_output(original):
                 _absorb(self, acc, prefill)
             except Exception:  # never take the engine down for a measurement
                 logger.exception("eldr capture plugin: absorbing a step failed")
+        decode = getattr(model_runner_output, "eldr_decode", None)
+        if decode:
+            try:
+                absorb_decode(self, decode)
+            except Exception:  # never take the engine down for a measurement
+                logger.exception("eldr capture plugin: absorbing decode rows failed")
         outputs = original(self, scheduler_output, model_runner_output)
+        if decode or self.__dict__.get("_eldr_dec"):
+            try:
+                attach_decode(self, outputs)
+            except Exception:
+                logger.exception("eldr capture plugin: attaching a decode payload failed")
         if acc:
             try:
                 _attach_payloads(acc, outputs)

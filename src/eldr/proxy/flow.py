@@ -48,6 +48,7 @@ from eldr.proxy.decision import (
     read_inputs,
     split_kv_params,
 )
+from eldr.proxy.decodepayload import decode_report
 from eldr.proxy.errors import ProxyError, UpstreamReply
 from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
     _ERROR_BODY_LIMIT,
@@ -171,7 +172,8 @@ class RequestFlow(DecodeRelay):
                 resp, outcome = await self._decode(request, kind, body, raw, decoder,
                                                    decision, headers, reply, stream, web)
                 if self.router.learner is not None and outcome == "completed":
-                    self.router.learner.on_request_done(doc, decoder.name, resp)
+                    self.router.learner.on_request_done(doc, decoder.name, resp,
+                                                        decode=decode_report(request))
                 return resp
             except asyncio.CancelledError:  # the client left (handler cancellation)
                 # after [DONE] the client had its whole answer: the decode completed

@@ -322,6 +322,14 @@ class RouterMetrics:
                   ("role", "instance"),
                   collect=lambda: {(i.role, i.name): float(i.healthy)
                                    for i in (*pool.prefill, *pool.decode)})
+        self.decode_payloads = reg.counter(
+            "eldr_decode_payloads_total", "Decode answers by what their engine's decode "
+            "payload was (read, invalid: stripped and ignored).", ("result",))
+        reg.gauge("eldr_decoder_distinct_experts", "Measured mean distinct experts per MoE "
+                  "layer per decode step of each decoder: from its decode payloads "
+                  "(source=requests, moving average) or its engine's live footprint "
+                  "(source=engine, scraped).", ("decoder", "source"),
+                  collect=lambda: _distinct(pool))
         self._prime(pool)
 
     def _prime(self, pool) -> None:
@@ -335,5 +343,16 @@ class RouterMetrics:
         self.abandoned.prime(*((r,) for r in ABANDON_REASONS))
         self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
         self.reloads.prime(*((r,) for r in RELOAD_RESULTS))
+        self.decode_payloads.prime(("read",), ("invalid",))
         self.upstream_errors.prime(*((i.role, i.name, k) for i in (*pool.prefill, *pool.decode)
                                      for k in UPSTREAM_ERROR_KINDS))
+
+
+def _distinct(pool) -> dict:
+    out = {}
+    for inst in pool.decode:
+        for source, value in (("requests", inst.measured_distinct),
+                              ("engine", inst.engine_distinct)):
+            if value is not None:
+                out[(inst.name, source)] = float(value)
+    return out

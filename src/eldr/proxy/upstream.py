@@ -39,6 +39,8 @@ __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
 log = logging.getLogger("eldr.serve")
 
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# the eldr plugin's live footprint of a decode engine (docs/capture.md), read when present
+ENGINE_DISTINCT_METRIC = "eldr_engine_step_distinct_experts"
 # bytes read of an engine's answers to the router's own calls (never the whole of a runaway)
 _HEALTH_BODY_LIMIT = 64 * 1024
 _MODELS_BODY_LIMIT = 1024 * 1024
@@ -61,6 +63,10 @@ class Instance:
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
     max_model_len: int | None = None  # context length its /v1/models reports, if any
     breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
+    # mean distinct experts per layer per decode step: the engine's own live footprint
+    # (scraped; shared by every router replica), and the mean its decode payloads reported
+    engine_distinct: float | None = None
+    measured_distinct: float | None = None
 
     def describe(self) -> dict:
         doc = {"name": self.name, "url": self.url, "healthy": self.healthy,
@@ -274,7 +280,8 @@ class UpstreamPool:
         except Exception as exc:  # health checks decide about health
             log.debug("scrape of %s failed: %s", inst.url, exc)
             return
-        samples = parse_samples(text, ENGINE_LOAD_METRICS)
+        samples = parse_samples(text, (*ENGINE_LOAD_METRICS, ENGINE_DISTINCT_METRIC))
+        inst.engine_distinct = samples.pop(ENGINE_DISTINCT_METRIC, inst.engine_distinct)
         if not samples:
             return
         inst.engine_load = sum(samples.values())
