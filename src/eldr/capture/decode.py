@@ -34,11 +34,14 @@ import numpy as np
 
 from eldr.capture.payload import decode_payload, encode_payload
 
-__all__ = ["DECODE_KEY", "DecodeReport", "DecodeStep", "DecodeTally", "Footprint",
+__all__ = ["DECODE_KEY", "REPORT_KEY", "DecodeReport", "DecodeStep", "DecodeTally", "Footprint",
            "decode_decode_payload", "decode_step", "distinct_per_layer",
            "encode_decode_payload", "is_decode_leg"]
 
 DECODE_KEY = "eldr_decode"  # key in kv_transfer_params (JSON) and of the SSE event
+# set by the router in a decode leg's kv_transfer_params: "report this request's decode"
+# (connectors such as vLLM's ExampleConnector send the decode leg no other mark)
+REPORT_KEY = "eldr_report"
 
 
 class DecodeStep(NamedTuple):
@@ -51,11 +54,12 @@ class DecodeStep(NamedTuple):
 
 
 def is_decode_leg(params: object) -> bool:
-    """A request's ``kv_transfer_params`` mark it as the decode leg of a PD pair: it names
-    ``do_remote_prefill`` (True as sent; connectors such as NIXL set it to False once the
-    KV is pulled, so the key, not its value, is the mark) and is not a prefill leg."""
-    return (isinstance(params, dict) and "do_remote_prefill" in params
-            and not params.get("do_remote_decode"))
+    """A request's ``kv_transfer_params`` mark it as the decode leg of a PD pair: the
+    router's :data:`REPORT_KEY`, or ``do_remote_prefill`` named (True as sent; connectors
+    such as NIXL set it to False once the KV is pulled, so the key, not its value, is the
+    mark), and it is not a prefill leg."""
+    return (isinstance(params, dict) and not params.get("do_remote_decode")
+            and (bool(params.get(REPORT_KEY)) or "do_remote_prefill" in params))
 
 
 def _compact(ids: np.ndarray, num_experts: int) -> np.ndarray:

@@ -52,7 +52,7 @@ __all__ = ["FOOTPRINT_PERIOD", "absorb_decode", "attach_decode", "footprint_path
            "install_api_server_hooks"]
 
 logger = logging.getLogger("vllm.eldr_capture")
-FOOTPRINT_PERIOD = 0.5  # seconds between writes of the footprint file
+FOOTPRINT_PERIOD = 0.2  # seconds between writes of the footprint file
 _WINDOW = int(os.environ.get("ELDR_FOOTPRINT_WINDOW", "32"))  # steps in the footprint
 _PATCHED = "_eldr_decode_patched"
 

@@ -52,7 +52,7 @@ from functools import wraps
 
 import numpy as np
 
-from eldr.capture.decode import DecodeStep, decode_step, is_decode_leg
+from eldr.capture.decode import DecodeStep, decode_step
 from eldr.capture.enginecache import (
     POOL_HOOKS,
     BlockRowCache,
@@ -136,7 +136,9 @@ class _Capture:
         self.pending: dict[str, PrefillStep] = {}  # req_id -> what goes out with the step
         self.carry: dict = {}  # req_id -> BlockCarry of a block split across chunks
         self.decode_all = False  # ELDR_CAPTURE=all: decode rows of every batch
-        self.decode_reqs: dict[str, bool] = {}  # req_id -> is a decode leg (memo)
+        # a KV connector is configured: decode rows are shipped (the worker cannot tell a
+        # decode leg, vLLM does not send it kv_transfer_params; the engine core can)
+        self.pd = False
         self.decode_steps: list[DecodeStep] = []  # steps not yet handed to the engine core
 
 
@@ -180,6 +182,7 @@ def _attach(runner) -> None:
     block_size = int(cache_config.block_size) if caching else None
     runner._eldr_capture = _Capture(buffer, num_experts, block_size)
     runner._eldr_capture.decode_all = os.environ.get("ELDR_CAPTURE") == "all"
+    runner._eldr_capture.pd = getattr(runner.vllm_config, "kv_transfer_config", None) is not None
     mode = os.environ.get("ELDR_CAPTURE", "prefill")
     logger.info(
         "eldr capture plugin active: prefill expert counts of %d MoE layers (top-%d of %d "
@@ -206,7 +209,6 @@ def _collect(runner, scheduler_output) -> None:
         return
     for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
         cap.carry.pop(req_id, None)
-        cap.decode_reqs.pop(req_id, None)
     total = int(scheduler_output.total_num_scheduled_tokens)
     if total == 0:
         return
@@ -224,7 +226,7 @@ def _collect(runner, scheduler_output) -> None:
     rows = None
     offset = 0
     spans = []  # (req_id, first row, rows) of decode positions
-    wanted = cap.decode_all
+    wanted = cap.decode_all or cap.pd  # the engine core picks the decode legs
     for req_id, n in zip(req_ids, sizes, strict=True):
         state = runner.requests.get(req_id)
         start = start_of.get(req_id)
@@ -237,13 +239,7 @@ def _collect(runner, scheduler_output) -> None:
                              req_id in first_chunk)
             if m < n:
                 spans.append((req_id, offset + m, n - m))
-                wanted = wanted or _is_decode_leg(cap, req_id, state)
         offset += n
-    if os.environ.get("ELDR_DEBUG"):
-        logger.info("eldr debug: spans %s wanted %s start_of %s sizes %s prompts %s", spans,
-                    wanted, start_of, sizes,
-                    [getattr(runner.requests.get(r), "num_prompt_tokens", None)
-                     for r in req_ids])
     if spans and wanted:  # a decode engine: its batch's decode rows go to the engine core
         if rows is None:
             rows = _rows(cap, total)
@@ -256,16 +252,6 @@ def _rows(cap: _Capture, total: int) -> np.ndarray:
     """The step's (total, L, k) rows as numpy: one copy per step, outside the hook (a
     device-to-host copy on GPUs)."""
     return cap.buffer[:total].cpu().numpy()
-
-
-def _is_decode_leg(cap: _Capture, req_id: str, state) -> bool:
-    """The request is the decode leg of a PD pair (``do_remote_prefill``), memoised."""
-    hit = cap.decode_reqs.get(req_id)
-    if hit is None:
-        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
-        params = extra.get("kv_transfer_params") or {}
-        hit = cap.decode_reqs[req_id] = is_decode_leg(params)
-    return hit
 
 
 def _count_chunk(cap: _Capture, req_id: str, ids: np.ndarray, start: int,

@@ -40,6 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from eldr.capture.decode import REPORT_KEY
 from eldr.proxy.bodies import ByteBudget, json_object, read_upto
 from eldr.proxy.decision import (
     Reading,
@@ -333,6 +334,7 @@ class RequestFlow(DecodeRelay):
         t0 = time.perf_counter()
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
+        kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
         if payload is not None:
             self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
         usage = doc.get("usage")
