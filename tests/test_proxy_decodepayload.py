@@ -1,5 +1,6 @@
 """The router strips the decode engines' payload: clients get a plain instance's bytes."""
 
+import asyncio
 import json
 
 import numpy as np
@@ -122,4 +123,33 @@ def test_clients_get_plain_bytes_and_the_router_reads_the_payload(stream):
             finally:
                 await eng.close()
                 del old
+    run(go())
+
+
+def test_the_engine_footprint_is_scraped_into_the_decoder_state():
+    async def footprint_metrics(request):
+        return web.Response(text='vllm:num_requests_running{model_name="tiny"} 1.0\n'
+                                 "eldr_engine_step_distinct_experts 6.25\n"
+                                 'eldr_engine_footprint_experts{layer="0"} 20.0\n')
+
+    async def go():
+        async with cluster(num_decode=1, policy="round_robin", scrape_interval=0.05) as (
+                router, _, _, _):
+            eng = _DecodeEngine("d0", send="none")
+            eng._metrics = footprint_metrics  # before start(): routes bind it there
+            await eng.start()
+            router.pool.decode[0].url = eng.url
+            try:
+                for _ in range(100):
+                    if router.pool.decode[0].engine_distinct is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                inst = router.pool.decode[0]
+                assert inst.engine_distinct == 6.25
+                assert inst.engine_load == 1.0  # the load is not mixed with it
+                page = router.metrics.registry.render()
+                assert ('eldr_decoder_distinct_experts{decoder="w-code",source="engine"} 6.25'
+                        in page)
+            finally:
+                await eng.close()
     run(go())
