@@ -76,7 +76,8 @@ def deployment(tmp_path_factory):
             sys.executable, "-m", "eldr", "serve", "--prefill", urls["prefill"],
             "--decode", urls["decode"], "--policy", "round_robin", "--port", str(port),
             "--scrape-interval", "1", "--learn", str(tmp / "learn"),
-            "--learn-min-requests", "100000"], dict(os.environ), tmp / "router.log")
+            "--learn-min-requests", "1000", "--learn-max-requests", "2000"],
+            dict(os.environ), tmp / "router.log")
         urls["router"] = f"http://127.0.0.1:{port}"
         procs["router"].start()
         procs["router"].wait_ready(urls["router"] + "/health", time.monotonic() + 60)
@@ -210,10 +211,9 @@ def test_router_reads_payloads_and_the_engine_footprint(deployment):
     assert _metric(page, "eldr_decode_payloads_total", result="read") >= 2
     assert _metric(page, "eldr_decode_payloads_total", result="invalid") == 0
     assert _metric(page, "eldr_learn_buffer_requests", kind="with_decode") >= 2
-    measured = _metric(page, "eldr_decoder_distinct_experts", decoder="decode-0",
-                       source="requests")
-    engine = _metric(page, "eldr_decoder_distinct_experts", decoder="decode-0",
-                     source="engine")
+    measured = (_metric(page, "eldr_decoder_distinct_experts_sum", decoder="decode-0")
+                / _metric(page, "eldr_decoder_distinct_experts_count", decoder="decode-0"))
+    engine = _metric(page, "eldr_decoder_engine_distinct_experts", decoder="decode-0")
     _, _, own = _request(urls["decode"] + "/metrics")
     footprint = [float(line.split()[-1]) for line in own.decode().splitlines()
                  if line.startswith("eldr_engine_footprint_experts{")]

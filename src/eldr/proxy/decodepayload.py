@@ -23,8 +23,6 @@ from eldr.proxy.bodies import MAX_EVENT_BYTES, BadEvent
 
 __all__ = ["DecodeStripper", "decode_report", "read_report", "record_payload", "strip_json"]
 
-_EWMA = 0.1  # weight of the newest request in a decoder's measured distinct experts
-
 _KEY = b'"' + DECODE_KEY.encode() + b'"'
 _EVENT = b"data: {" + _KEY + b":"
 _KV = re.compile(rb'"kv_transfer_params"\s*:\s*\{\s*$')
@@ -47,14 +45,13 @@ def _report_key():
 
 
 def record_payload(request, metrics, inst, payload: object) -> DecodeReport | None:
-    """Read a stripped payload: count it, fold its distinct experts into the decoder's
-    measured mean, and keep the report on the client's request for the learner."""
+    """Read a stripped payload: count it, observe its measured distinct experts for the
+    decoder, and keep the report on the client's request for the learner."""
     report = read_report(payload)
     metrics.decode_payloads.inc(result="invalid" if report is None else "read")
     if report is not None:
         if report.steps:
-            d, old = report.mean_distinct, inst.measured_distinct
-            inst.measured_distinct = d if old is None else old + _EWMA * (d - old)
+            metrics.decode_distinct.observe(report.mean_distinct, decoder=inst.name)
         request[_report_key()] = report
     return report
 

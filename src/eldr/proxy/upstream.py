@@ -63,10 +63,9 @@ class Instance:
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
     max_model_len: int | None = None  # context length its /v1/models reports, if any
     breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
-    # mean distinct experts per layer per decode step: the engine's own live footprint
-    # (scraped; shared by every router replica), and the mean its decode payloads reported
+    # mean distinct experts per layer per decode step over the engine's last steps: its own
+    # live footprint (eldr plugin), scraped; the same for every router replica
     engine_distinct: float | None = None
-    measured_distinct: float | None = None
 
     def describe(self) -> dict:
         doc = {"name": self.name, "url": self.url, "healthy": self.healthy,
