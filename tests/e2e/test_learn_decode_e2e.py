@@ -6,7 +6,7 @@ distinct experts per layer per step are then compared with JSQ on the same traff
 One prefill and two decode engines (ExampleConnector, the eldr plugin). Phase 1: ``eldr
 serve --learn DIR --learn-min-requests 40`` (policy ``eldr_cost``, no artifact) serves
 prompts of four domains until its first learned artifact is swapped in. Phase 2: the same
-router serves an evaluation set (other prompts of the same domains, 8 in flight). Phase 3:
+router serves an evaluation set (other prompts of the same domains, 12 in flight). Phase 3:
 a second router with ``--policy jsq`` serves the same evaluation set on the same engines.
 The figure is the mean, over the evaluation requests, of the decode engine's measured mean
 distinct experts per MoE layer per decode step of the batches each request decoded in
@@ -38,7 +38,7 @@ from _engines import (
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
-IN_FLIGHT = 8
+IN_FLIGHT = 12
 DOMAINS = {  # written for this test: four domains the tiny MoE was trained on
     "code": "def {w}(items):\n    total = 0\n    for item in items:\n        if item.{w}:\n"
             "            total += item.size\n    return",
@@ -50,7 +50,8 @@ DOMAINS = {  # written for this test: four domains the tiny MoE was trained on
 }
 WORDS = ["museum", "contract", "parser", "garden", "station", "library", "market", "bridge",
          "theatre", "harbour", "archive", "school", "tower", "castle", "factory", "studio",
-         "lake", "temple", "palace", "office"]
+         "lake", "temple", "palace", "office", "forest", "village", "airport", "hospital",
+         "church", "prison", "river", "mountain"]
 
 
 def _prompts(words) -> list[str]:
@@ -117,7 +118,11 @@ def _distinct(url: str) -> tuple[float, float]:
     return total, count
 
 
-def _phase(url: str, prompts: list[str]) -> float:
+def _phase(url: str, prompts: list[str], kv_dir) -> float:
+    # Each phase prefills from scratch: the ExampleConnector's store would otherwise let a
+    # later phase's prefills hit (faster arrivals, bigger batches: not the same traffic).
+    for path in kv_dir.iterdir():
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
     s0, c0 = _distinct(url)
     _serve(url, prompts)
     s1, c1 = _distinct(url)
@@ -149,10 +154,10 @@ def test_learned_routing_lowers_measured_distinct_experts_against_jsq(engines):
     assert with_decode >= 40
     assert swapped >= 1, f"no learned artifact swapped in: {fits}\n{log[-3000:]}"
 
-    evaluation = _prompts(WORDS[12:])  # 32 other requests of the same domains
-    learned = _phase(learner, evaluation)
+    evaluation = _prompts(WORDS[12:])  # 48 other requests of the same domains
+    learned = _phase(learner, evaluation, tmp / "kv")
     procs.pop("learner").stop()
-    jsq = _phase(_router(tmp, urls, procs, "jsq", ["--policy", "jsq"]), evaluation)
+    jsq = _phase(_router(tmp, urls, procs, "jsq", ["--policy", "jsq"]), evaluation, tmp / "kv")
     print(f"measured distinct experts per layer per decode step ({IN_FLIGHT} in flight, "
           f"{len(evaluation)} requests, {MAX_TOKENS} tokens each): learned {learned:.3f}, "
           f"JSQ {jsq:.3f} ({100 * (learned / jsq - 1):+.1f} %)")

@@ -32,6 +32,7 @@ API-server process:
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import logging
@@ -232,4 +233,12 @@ def _register_collector() -> None:
     except ValueError:  # already registered by an earlier load of this module
         return
     _COLLECTOR.append(collector)
+    atexit.register(_remove_footprint, footprint_path())  # this server's file, if any
+
+
+def _remove_footprint(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:  # none was written (not a decode engine), or already gone
+        pass
 
