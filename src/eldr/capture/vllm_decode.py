@@ -81,6 +81,7 @@ def absorb_decode(sched, steps: list) -> None:
         E = int(sched.vllm_config.model_config.get_num_experts())
         fp = d["_eldr_footprint"] = Footprint(max(_WINDOW, 1), L, E)
         d["_eldr_fp_written"] = 0.0
+        atexit.register(_remove_footprint, footprint_path(os.getppid()))
     for step in steps:
         fp.push(step.ids)
         for i, req_id in enumerate(step.req_ids):
