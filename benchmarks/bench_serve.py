@@ -272,7 +272,7 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
     if workers > 1:
         from eldr.proxy.workers import run_workers
 
-        run_workers(config, make_router=lambda: Router(config, state=make_state()))
+        run_workers(config, lambda: Router(config, state=make_state()), serve)
         return
     router = Router(config, state=make_state())
     try:
@@ -395,10 +395,10 @@ def _signature_path(prefill_answer: bytes, repeat: int = 2000) -> dict[str, floa
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts) * 1e6
 
-    kvp, payload = split_kv_params(doc)
+    _, payload = split_kv_params(doc)
 
     def decide():
-        kv, pl = split_kv_params(doc)
+        _, pl = split_kv_params(doc)
         r = read_inputs(doc, pl, state, 260)
         state.policy.decide(RouteRequest("x", signature=r.signature, profile=r.profile,
                                          context_tokens=r.context_tokens), loads, None)

@@ -32,7 +32,7 @@ from eldr.proxy.bodies import json_object, read_upto
 from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
-from eldr.routing.loads import LoadTracker
+from eldr.proxy.workers import make_tracker
 
 __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
 
@@ -98,7 +98,8 @@ class UpstreamPool:
                            failures=config.breaker_failures, backoff=config.breaker_backoff,
                            max_backoff=config.breaker_max_backoff))
                        for k, u in enumerate(config.decode_urls)]
-        self.tracker = LoadTracker(len(self.decode))  # decode loads + health, for policies
+        # decode loads + health, for policies (shared by the workers of --workers N)
+        self.tracker = make_tracker(len(self.decode))
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
         self.prefill_healthy = np.ones(len(self.prefill), dtype=bool)  # (P,)
         self.on_recover = None  # callback(instance) when an instance comes back
