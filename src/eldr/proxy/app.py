@@ -33,7 +33,7 @@ from eldr.proxy.decision import RoutingState, build_state
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.flow import RequestFlow
 from eldr.proxy.metrics import RouterMetrics
-from eldr.proxy.upstream import UpstreamPool
+from eldr.proxy.upstream import UpstreamPool, make_session
 
 __all__ = ["Router"]
 
@@ -97,10 +97,10 @@ class Router:
 
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
         # No Accept-Encoding: engines answer uncompressed, and bytes are relayed as they come.
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",
-                                                                "Accept-Encoding"),
-                                             cookie_jar=aiohttp.DummyCookieJar())
+        self.session = make_session(aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar()))
         await self.pool.start(self.session)
 
     async def _cleanup(self, app) -> None:
