@@ -84,6 +84,8 @@ def test_posts_reuse_one_keep_alive_connection_and_send_the_body_as_given():
             resp = await s.post(srv.url + "/x", json={"a": 1})
             assert await resp.read() == b'{"echo": {"a": 1}}'
             resp.close()
+            async with s.request("GET", srv.url + "/v1/models?x=1") as resp:
+                assert await resp.read() == b'{"echo": }'  # (no body: the echo is empty)
             return srv.connections, srv.heads
         finally:
             await s.close()
@@ -94,6 +96,7 @@ def test_posts_reuse_one_keep_alive_connection_and_send_the_body_as_given():
     assert heads[1].startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
     assert b"X-Request-Id: r1\r\n" in heads[1] and b"Content-Length: 8\r\n" in heads[1]
     assert b"Content-Type: application/json" in heads[3]  # json= sets it
+    assert heads[4].startswith(b"GET /v1/models?x=1 HTTP/1.1\r\n")
 
 
 def test_a_chunked_stream_arrives_piece_by_piece():
@@ -214,7 +217,10 @@ def test_what_it_does_not_do_goes_to_aiohttp():
     s = UpstreamSession(fb)
     assert s.post("https://engine:8000/v1/completions", data=b"{}") == "from aiohttp"
     assert s.get("http://engine:8000/health", params={"a": "1"}) == "from aiohttp"
+    assert s.request("HEAD", "http://engine:8000/health") == "from aiohttp"
+    assert s.request("POST", "http://engine:8000/x", data=iter([b"{}"])) == "from aiohttp"
     _run(s.close())
     assert fb.calls[0][:2] == ("POST", "https://engine:8000/v1/completions")
-    assert "params" in fb.calls[1][2] and fb.calls[-1] == "closed"
+    assert "params" in fb.calls[1][2] and fb.calls[2][0] == "HEAD"
+    assert fb.calls[3][0] == "POST" and fb.calls[-1] == "closed"
     assert isinstance(make_session(fb), UpstreamSession)

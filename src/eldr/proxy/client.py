@@ -10,9 +10,9 @@ engine, a request written as one buffer, the answer parsed by ``httptools`` (llh
 parser of Node.js and uvicorn: chunked bodies, keep-alive rules).
 
 It offers exactly the subset of ``aiohttp.ClientSession`` the router uses, with the same
-meaning, so the request flow is unchanged: ``post``/``get(url, data=|json=, headers=,
-timeout=aiohttp.ClientTimeout)`` usable as ``async with`` or awaited; a response with
-``status``, ``headers``, ``content_type``, ``content_length``, ``read()``,
+meaning, so the request flow is unchanged: ``post``/``get``/``request(method, url,
+data=|json=, headers=, timeout=aiohttp.ClientTimeout)`` usable as ``async with`` or
+awaited; a response with ``status``, ``headers``, ``content_type``, ``content_length``, ``read()``,
 ``content.readany()``/``iter_any()``, ``release()`` and ``close()`` (which aborts an
 unfinished answer: the engine sees the connection close and stops). Errors are aiohttp's
 kinds (``asyncio.TimeoutError`` for every timeout, ``aiohttp.ServerDisconnectedError``,
@@ -293,6 +293,14 @@ class UpstreamSession:
 
     def get(self, url: str, *, headers=None, timeout=None, **kw):
         return self._request("GET", url, None, None, headers, timeout, kw)
+
+    def request(self, method: str, url: str, *, data=None, json=None, headers=None,
+                timeout=None, **kw):
+        """Any method; GET and POST take the fast path, the rest (HEAD...) aiohttp."""
+        if method not in ("GET", "POST"):
+            return self.fallback.request(method, url, data=data, json=json, headers=headers,
+                                         timeout=timeout, **kw)
+        return self._request(method, url, data, json, headers, timeout, kw)
 
     def _request(self, method, url, data, json, headers, timeout, kw):
         target = None if kw else self._target(url)
