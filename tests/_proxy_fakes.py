@@ -27,9 +27,24 @@ from eldr.routing import make_policy
 L, E, TOP_K = 2, 8, 4  # fingerprint of the fake model (domain_counts: 4 experts a token)
 MODEL = "tiny"
 MAX_MODEL_LEN = 128  # context length the fake engines report in /v1/models
+MODEL_CARD = {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "vllm",
+              "root": "/models/tiny", "parent": None, "max_model_len": MAX_MODEL_LEN,
+              "permission": [{"id": "modelperm-1", "object": "model_permission",
+                              "allow_sampling": True, "organization": "*"}]}
 # a JSON document with usage, nested deeper than json.loads can recurse (RecursionError)
 _DEEP_DOC = (b'{"usage": {"prompt_tokens": 1}, "x": ' + b"[" * 100_000 + b"]" * 100_000
              + b"}")
+
+
+@web.middleware
+async def _fastapi_errors(request, handler):
+    """A route or method the fake lacks answers as vLLM's FastAPI server does."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
 
 
 def domain_counts(prompt: str) -> np.ndarray:
@@ -74,7 +89,12 @@ class FakeEngine:
     ``mode``: ok | 500 | 400 | hang | drop | empty | break | slow | deep (answers, and the
     SSE usage event, nested 100,000 deep) | notjson (a 200 that is not JSON / not SSE) |
     flood (streams 64 KiB events until its client goes away) | big (a JSON answer of
-    ``big_bytes``; as a prefill too).
+    ``big_bytes``; as a prefill too) | linger (a stream that stays open 0.3 s after
+    ``data: [DONE]``, as a TCP segment boundary can make any stream do).
+
+    Besides the completion routes it answers vLLM's ``/tokenize``, ``/detokenize``,
+    ``/version`` and ``/ping`` (recorded in ``aux``), and a route it lacks or a wrong
+    method as vLLM's FastAPI server does (``{"detail": "Not Found"}``).
     """
 
     def __init__(self, name: str, *, tokens: int = 3, payload: str = "counts",
@@ -92,6 +112,8 @@ class FakeEngine:
         self.aborted = 0  # decodes whose client (the router) went away mid-answer
         self.big_bytes = 1 << 20  # size of a "big" answer
         self.api_key: str | None = None  # like vllm --api-key: /v1/* needs this bearer key
+        self.aux: list[tuple[str, str, bytes]] = []  # (method, path_qs, body) of aux calls
+        self.finished_streams = 0  # streams written to their end (incl. [DONE]) unaborted
         self.server: TestServer | None = None
 
     @property
@@ -99,8 +121,13 @@ class FakeEngine:
         return str(self.server.make_url("")).rstrip("/")
 
     async def start(self) -> FakeEngine:
-        app = web.Application()
+        app = web.Application(middlewares=[_fastapi_errors])
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
+        app.router.add_get("/version", self._aux)
+        app.router.add_get("/ping", self._aux)
+        app.router.add_post("/ping", self._aux)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._complete)
@@ -122,8 +149,23 @@ class FakeEngine:
     async def _models(self, request):
         if self._refused(request):
             return web.json_response({"error": "Unauthorized"}, status=401)
-        return web.json_response({"object": "list",
-                                  "data": [{"id": MODEL, "max_model_len": MAX_MODEL_LEN}]})
+        return web.json_response({"object": "list", "data": [MODEL_CARD]})
+
+    async def _aux(self, request):
+        self.aux.append((request.method, request.path_qs, await request.read()))
+        if request.path == "/version":
+            return web.json_response({"version": "0.0-fake", "engine": self.name})
+        return web.Response(status=200)
+
+    async def _tokenize(self, request):
+        raw = await request.read()
+        self.aux.append((request.method, request.path_qs, raw))
+        body = json.loads(raw)
+        if request.path == "/detokenize":
+            return web.json_response({"prompt": " ".join(f"t{t}" for t in body["tokens"])})
+        tokens = [len(w) for w in str(body.get("prompt", "")).split()]
+        return web.json_response({"count": len(tokens), "max_model_len": MAX_MODEL_LEN,
+                                  "tokens": tokens, "token_strs": None})
 
     async def _metrics(self, request):
         return web.Response(text='vllm:num_requests_running{model_name="tiny"} 5.0\n'
@@ -239,9 +281,12 @@ class FakeEngine:
                 await resp.write(b"data: " + json.dumps(
                     {"id": "x", "choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
+            if self.mode == "linger":
+                await asyncio.sleep(0.3)
         except (asyncio.CancelledError, ConnectionResetError):
             self.aborted += 1
             raise
+        self.finished_streams += 1
         return resp
 
 

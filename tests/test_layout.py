@@ -15,6 +15,7 @@ FORBIDDEN = {
     "routing": ("sim", "reproduce", "proxy", "commands", "capture"),
     "sim": ("reproduce", "proxy", "commands"),
     "proxy": ("reproduce", "commands", "sim"),
+    "deploy": ("reproduce", "commands", "sim", "proxy", "routing"),
 }
 
 
@@ -44,5 +45,5 @@ def test_no_flat_modules_left_but_the_entry_points():
     flat = sorted(p.name for p in SRC.glob("*.py"))
     assert flat == ["__init__.py", "__main__.py", "_progress.py", "cli.py", "fileio.py"]
     for stage in ("traces", "fit", "routing", "cache", "sim", "reproduce", "capture",
-                  "proxy", "commands"):
+                  "proxy", "deploy", "commands"):
         assert (SRC / stage / "__init__.py").is_file(), stage

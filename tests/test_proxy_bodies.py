@@ -1,9 +1,19 @@
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
-from eldr.proxy.bodies import BadEvent, ByteBudget, SSEUsage, decode_body, fix_usage, json_object
+from eldr.proxy.bodies import (
+    BadEvent,
+    ByteBudget,
+    SSEUsage,
+    decode_body,
+    fix_usage,
+    json_object,
+    parse_body,
+)
+from eldr.proxy.errors import ProxyError
 
 
 def run(coro):
@@ -74,3 +84,76 @@ def test_a_usage_event_that_does_not_parse_is_a_bad_event():
         fixer.feed(b'data: {"usage": {"prompt_tokens": 1}, "x": [}\n\n')
     with pytest.raises(BadEvent, match="longer than"):
         SSEUsage(5).feed(b"data: " + b"y" * (5 << 20))
+
+
+# -- parse_body: vLLM's refusals, recorded from vLLM 0.32 by scripts/record_vllm_errors.py --
+VLLM = json.loads((Path(__file__).parent / "data" / "vllm_error_bodies.json").read_text())
+ROUTER_CHECKED = {"body", "body.stream", "body.max_tokens", "body.max_completion_tokens",
+                  "max_tokens", "max_completion_tokens"}
+
+
+def _probe_id(row):
+    return f"{row['endpoint']}-{json.dumps(row['body'])[:60]}"
+
+
+@pytest.mark.parametrize("row", VLLM, ids=_probe_id)
+def test_parse_body_refuses_what_vllm_refuses_and_nothing_it_accepts(row):
+    kind = "chat" if row["endpoint"] == "chat" else "completions"
+    raw = row["body"].encode("latin-1") if row["raw"] else json.dumps(row["body"]).encode()
+    try:
+        parse_body(raw, kind)
+    except ProxyError as exc:
+        assert row["status"] == exc.status == 400, "the router refused what vLLM accepts"
+        answer = row["answer"]
+        if "error" in answer:  # else FastAPI's own {"detail"} for undecodable bytes
+            assert json.loads(exc.body()) == answer  # field for field, message included
+        return
+    # accepted: vLLM accepted too, or refuses it itself at the prefill (relayed verbatim),
+    # or it is the context-length check the application makes with the engine's limit
+    if row["status"] != 200:
+        err = row["answer"]["error"]
+        assert err["param"] not in ROUTER_CHECKED or "max_model_len" in err["message"], err
+
+
+def test_error_parity_examples_from_issue_14():
+    with pytest.raises(ProxyError) as info:
+        parse_body(b'{"prompt": "x", "max_tokens": -5}', "completions")
+    assert json.loads(info.value.body()) == {"error": {
+        "message": "max_tokens must be at least 1, got -5. (parameter=max_tokens, value=-5)",
+        "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    body = parse_body(b'{"prompt": "x", "stream": "yes", "max_tokens": "5"}', "completions")
+    assert body["stream"] is True and body["max_tokens"] == 5  # read as vLLM reads them
+    body = parse_body(b'{"messages": [], "max_tokens": -5, "max_completion_tokens": 3}', "chat")
+    assert body["max_completion_tokens"] == 3  # the one vLLM uses
+
+
+def test_parse_body_matches_pydantic_lax_reading():
+    pydantic = pytest.importorskip("pydantic")
+    as_int = pydantic.TypeAdapter(int | None)
+    as_bool = pydantic.TypeAdapter(bool | None)
+    values = ["5", " 5 ", "+5", "-5", "5.0", "5.00", "5.5", "1e3", "0x10", "5_000", "5__0", "",
+              "٥", "yes", "YES", " yes", "t", "on", "off", "n", "0", "1", "1.0", 5.0, 5.5, 0.0,
+              1.0, 2, -1, 0, 1, True, False, None, [], {}, float("inf"), 10 ** 30]
+    for key, adapter in (("max_tokens", as_int), ("stream", as_bool)):
+        for v in values:
+            try:
+                want = adapter.validate_python(v)
+            except pydantic.ValidationError as exc:
+                want = exc.errors()[0]["type"]
+            try:
+                got = parse_body(json.dumps({"prompt": "x", "echo": True, key: v}).encode(),
+                                 "completions")[key]
+            except ProxyError as exc:
+                got = exc.message.split("'type': '")[1].split("'")[0] \
+                    if "validation error" in exc.message else "range"
+            if want is not None and key == "max_tokens" and not isinstance(want, str) \
+                    and want < 0:
+                want = "range"
+            assert got == want, (key, v)
+
+
+def test_utf16_bodies_are_accepted_and_reencoded_for_the_decoder():
+    raw = json.dumps({"prompt": "héllo"}).encode("utf-16")
+    body = parse_body(raw, "completions")
+    out = decode_body(body, raw, {"k": 1})
+    assert json.loads(out) == {"prompt": "héllo", "kv_transfer_params": {"k": 1}}

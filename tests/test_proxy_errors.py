@@ -1,21 +1,25 @@
 import json
 
-from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
+from eldr.proxy.errors import ProxyError, UpstreamReply, error_body, error_type
 
 
-def test_error_body_is_openai_shaped():
+def test_error_body_is_vllm_shaped():
     doc = json.loads(error_body(404, "no such model", code="model_not_found", param="model"))
-    assert doc == {"object": "error", "error": {"message": "no such model",
-                                                "type": "not_found_error",
-                                                "param": "model", "code": "model_not_found"}}
+    assert doc == {"error": {"message": "no such model", "type": "NotFoundError",
+                             "param": "model", "code": 404}}
 
 
-def test_unknown_status_is_a_server_error():
-    assert json.loads(error_body(599, "x"))["error"]["type"] == "server_error"
+def test_types_follow_vllm_names_then_status_phrases():
+    assert [error_type(s) for s in (400, 404, 500, 503)] == [
+        "BadRequestError", "NotFoundError", "InternalServerError", "ServiceUnavailableError"]
+    assert (error_type(405), error_type(502), error_type(599)) == (
+        "Method Not Allowed", "Bad Gateway", "InternalServerError")
 
 
 def test_proxy_error_and_upstream_reply_carry_status():
-    e = ProxyError(400, "bad", param="prompt")
-    assert e.status == 400 and json.loads(e.body())["error"]["param"] == "prompt"
+    e = ProxyError(400, "bad", param="prompt", code="why", err_type="Bad Request")
+    assert e.status == 400 and e.code == "why"
+    assert json.loads(e.body()) == {"error": {"message": "bad", "type": "Bad Request",
+                                              "param": "prompt", "code": 400}}
     r = UpstreamReply(422, b"{}", "application/json")
     assert (r.status, r.body, r.content_type) == (422, b"{}", "application/json")

@@ -110,10 +110,12 @@ def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm(policy, wit
     status, doc, metrics, rc, err = asyncio.run(go())
     assert status == 200
     assert doc["choices"][0]["text"] == "tok0tok1tok2"
-    assert 'eldr_artifact_reloads_total{result="ok"} 1' in metrics
+    assert 'eldr_artifact_reloads_total{result="ok"} 1.0' in metrics
     decoder = "e" if with_artifact else "decode-0"
-    assert f'eldr_routing_decisions_total{{policy="{policy}",decoder="{decoder}"}} 1' in metrics
-    assert "eldr_routing_fallbacks_total{" not in metrics  # eldr_cost bound before deciding
+    assert f'eldr_routing_decisions_total{{decoder="{decoder}",policy="{policy}"}} 1.0' in metrics
+    fallbacks = [ln for ln in metrics.splitlines()
+                 if ln.startswith("eldr_routing_fallbacks_total{")]
+    assert fallbacks and all(ln.endswith(" 0.0") for ln in fallbacks)  # eldr_cost bound first
     assert rc == 0, err
     assert "listening on http://127.0.0.1" in err
 
@@ -212,7 +214,7 @@ def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
     assert len(out["processes"]) == 2, out["processes"]  # served by both workers
     assert out["reload"]["reloaded"] is True
     for page in out["metrics"]:  # every worker reloaded exactly once
-        assert 'eldr_artifact_reloads_total{result="ok"} 1' in page, page
+        assert 'eldr_artifact_reloads_total{result="ok"} 1.0' in page, page
     assert out["loads"] == [1.0] * 16  # both workers see the other's in-flight decode
     assert rc == 0, err
     assert "2 workers on http://127.0.0.1" in err

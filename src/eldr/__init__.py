@@ -1,6 +1,6 @@
 """ELDR: expert-locality-aware decode routing for PD-disaggregated MoE LLM serving.
 
-The core (trace, signature, cluster, routing, cache, simulator) needs numpy and scipy only;
+The core (trace, signature, cluster, routing, cache, simulator) needs numpy, joblib and tqdm;
 torch/transformers (capture), the HTTP stack (serve) and vLLM are optional extras that are
 imported lazily by the modules that need them.
 """

@@ -1,14 +1,15 @@
-"""A dependency-free progress bar on stderr for long commands.
+"""Progress bars on stderr for long commands: a thin wrapper over ``tqdm``.
 
-Shown only when stderr is a terminal, or when ``ELDR_PROGRESS=1``; silent in tests and CI
-logs unless asked for.
+Shown only when stderr is a terminal, or when ``ELDR_PROGRESS=1`` (``ELDR_PROGRESS=0``
+silences them on a terminal too); silent in tests and CI logs unless asked for. ``tqdm``
+is imported only when a bar is shown, and a hidden bar's ``update`` is one addition (the
+simulator calls it every step).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -23,48 +24,38 @@ def _enabled() -> bool:
 
 
 class Progress:
-    """``with Progress(total, "fitting") as bar: bar.update(1)``."""
+    """``with Progress(total, "fitting") as bar: bar.update(1)``.
+
+    ``enabled`` None follows :func:`_enabled` (a terminal, or ``ELDR_PROGRESS``); False
+    hides the bar whatever the environment says.
+    """
 
     def __init__(self, total: int | None, desc: str, *, enabled: bool | None = None) -> None:
         self.total = total
         self.desc = desc
         self.done = 0
         self.enabled = _enabled() if enabled is None else enabled
-        self._start = time.perf_counter()
-        self._last = 0.0
+        self._bar = None  # the tqdm bar while open and shown
 
     def __enter__(self) -> Progress:
-        self._draw(force=True)
+        if self.enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr,
+                             dynamic_ncols=True, mininterval=0.1, leave=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._draw(force=True)
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def update(self, n: int = 1, note: str = "") -> None:
         self.done += n
-        self._draw(note=note)
-
-    def _draw(self, *, force: bool = False, note: str = "") -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last < 0.1:
-            return
-        self._last = now
-        elapsed = now - self._start
-        if self.total:
-            frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(frac * 30)
-            eta = elapsed / frac - elapsed if frac > 0 else 0.0
-            text = (f"\r{self.desc}: [{bar:<30}] {self.done}/{self.total} "
-                    f"{elapsed:5.1f}s eta {eta:5.1f}s {note}")
-        else:
-            text = f"\r{self.desc}: {self.done} {elapsed:5.1f}s {note}"
-        sys.stderr.write(text[:160])
-        sys.stderr.flush()
+        if self._bar is not None:
+            if note:
+                self._bar.set_postfix_str(note, refresh=False)
+            self._bar.update(n)
 
 
 def track(items: Iterable[T], total: int | None, desc: str) -> Iterator[T]:

@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "simulate",
     "capture",
     "serve",
+    "cluster",
 )
 
 

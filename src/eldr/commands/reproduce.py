@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from eldr.reproduce import FULL, QUICK, headline_text, run_plan, with_overrides, write_report
+    from eldr.reproduce.plots import require_matplotlib
 
+    require_matplotlib()  # the report ends in plots: fail now, not after the whole run
     plan = QUICK if args.quick else FULL
     workloads = None
     if args.workloads:

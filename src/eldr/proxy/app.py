@@ -4,14 +4,17 @@ Routes::
 
     POST /v1/completions         the PD flow (eldr.proxy.flow), JSON or SSE
     POST /v1/chat/completions    the same for chat
-    GET  /v1/models              the upstream model list
+    GET  /v1/models              the engines' model list, every field (relayed)
     GET  /health                 200 while >= 1 prefill and >= 1 decode instance are healthy
                                  (URLs, artifact path, last errors: admin token only)
     GET  /metrics                Prometheus text (eldr.proxy.metrics.RouterMetrics)
     POST /admin/reload           re-read the routing artifact (bearer token required)
+    GET|POST anything else       vLLM's auxiliary routes (/tokenize, /version, ...), forwarded
+                                 to a healthy prefill instance (eldr.proxy.forward)
 
 Every error is an OpenAI-style JSON document (:mod:`eldr.proxy.errors`): malformed JSON or
-a non-object body → 400, an unknown model → 404, a body over ``max_body_bytes`` → 413,
+a non-object body → 400, an unknown model → 404, a route neither the router nor the
+engines have → vLLM's own 404, a body over ``max_body_bytes`` → 413,
 no healthy engine → 503, engines failing on every attempt → 502; anything unexpected is
 logged with its traceback and answered as a JSON 500 that names no internals. The app runs with
 aiohttp's handler cancellation on, so a client that disconnects cancels its handler and
@@ -23,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
 
 from eldr.proxy.admin import FailedAttempts, ReloadRefused
 from eldr.proxy.affinity import PrefixAffinity
@@ -32,7 +34,9 @@ from eldr.proxy.config import ServeConfig
 from eldr.proxy.decision import RoutingState, build_state
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.flow import RequestFlow
+from eldr.proxy.forward import KNOWN_ROUTES, OWN_ROUTES, Forwarder, classify, vllm_detail
 from eldr.proxy.metrics import RouterMetrics
+from eldr.proxy.relay import is_stream_done
 from eldr.proxy.upstream import UpstreamPool, make_session
 
 __all__ = ["Router"]
@@ -62,6 +66,7 @@ class Router:
         self.pool.on_recover = self._on_recover
         self.metrics = RouterMetrics(self.pool)
         self.flow = RequestFlow(self)
+        self.forwarder = Forwarder(self)
         self.session = None
         self._reload_lock = asyncio.Lock()
         self._failed_tokens = FailedAttempts()  # wrong admin tokens per client address
@@ -88,6 +93,7 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_post("/admin/reload", self.admin_reload)
+        app.router.add_route("*", "/{tail:.*}", self.other_route)  # last: ours win
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -132,17 +138,28 @@ class Router:
             resp = web.Response(status=exc.status, body=error_body(exc.status, msg),
                                 content_type="application/json", headers=allow)
         except asyncio.CancelledError:
-            self.metrics.client_disconnects.inc()
+            if is_stream_done(request):  # closed right after [DONE]: a completed request
+                self._count(request, 200)
+                log.debug("%s %s completed; the client closed after [DONE]",
+                          request.method, request.path)
+            else:
+                self.metrics.client_disconnects.inc()
+                log.debug("%s %s: the client left before the end of its answer",
+                          request.method, request.path)
             raise
         except Exception:  # a bug of ours: logged in full, answered without internals
             log.exception("unexpected error on %s %s", request.method, request.path)
             resp = web.Response(status=500, body=error_body(
                 500, "internal error of the router; it was logged", code="internal_error"),
                 content_type="application/json")
-        endpoint = _ENDPOINTS.get(request.path) or (
-            request.path if request.path in _OTHER_ROUTES else "other")
-        self.metrics.requests.inc(endpoint=endpoint, status=str(resp.status))
+        self._count(request, resp.status)
         return resp
+
+    def _count(self, request, status: int) -> None:
+        path = request.path
+        endpoint = _ENDPOINTS.get(path) or (
+            path if path in _OTHER_ROUTES or path in KNOWN_ROUTES else "other")
+        self.metrics.requests.inc(endpoint=endpoint, status=str(status))
 
     # -- handlers --------------------------------------------------------------------------
     async def generate(self, request):
@@ -158,25 +175,31 @@ class Router:
         return await self.flow.run(request, body, kind, raw)
 
     def _check_context(self, body: dict, kind: str) -> None:
-        """400 before the prefill for what the decoder is sure to refuse after it: more
-        tokens than the context holds (a prompt of token ids is counted exactly; any
-        prompt has at least one token)."""
+        """400 before the prefill for what the engines are sure to refuse after it, with
+        vLLM 0.32's own messages: an output budget over the context
+        (``max_tokens > max_model_len``) or a prompt of token ids longer than the context.
+        A prompt plus ``max_tokens`` over the context is NOT refused: vLLM clamps
+        ``max_tokens`` to what is left, and so must the router accept it."""
         limit = self.pool.max_model_len()
         if limit is None:
             return
+        keys = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+        key = next((k for k in keys if body.get(k) is not None), None)
+        value = body.get(key) if key else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise ProxyError(400, f"{key}={value} cannot be greater than max_model_len={limit}. "
+                                  f"Please request fewer output tokens. (parameter={key}, "
+                                  f"value={value})", param=key, code="context_exceeded")
         prompt = body.get("prompt") if kind == "completions" else None
-        is_ids = isinstance(prompt, list) and bool(prompt) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        prompt_tokens = len(prompt) if is_ids else 1
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if isinstance(value, int) and prompt_tokens + value > limit:
-                raise ProxyError(400, f"'{key}' is {value}, but the model's context holds "
-                                      f"{limit} tokens and the prompt takes at least "
-                                      f"{prompt_tokens}", param=key, code="context_exceeded")
-        if is_ids and prompt_tokens >= limit:
-            raise ProxyError(400, f"the prompt has {prompt_tokens} tokens, the model's context "
-                                  f"holds {limit}", param="prompt", code="context_exceeded")
+        if isinstance(prompt, list) and len(prompt) > limit and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            n = len(prompt)
+            raise ProxyError(400, f"This model's maximum context length is {limit} tokens. "
+                                  f"However, your prompt contains {n} input tokens, which "
+                                  f"exceeds this limit even without any output tokens. Please "
+                                  f"reduce the length of the input prompt. (parameter="
+                                  f"input_tokens, value={n})", param="input_tokens",
+                             code="context_exceeded")
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -186,19 +209,45 @@ class Router:
         if not isinstance(model, str):
             raise ProxyError(400, "'model' must be a string", param="model")
         if known and model not in known:
-            raise ProxyError(404, f"the model {model!r} does not exist; served: {list(known)}",
+            raise ProxyError(404, f"The model `{model}` does not exist.",
                              code="model_not_found", param="model")
 
     async def models(self, request):
+        """The engines' own ``/v1/models`` (every field: ``root``, ``max_model_len``,
+        ``permission``, ...), from a healthy prefill instance; when none answers, cards in
+        vLLM's shape built from what the health checks learned."""
         from aiohttp import web
 
-        known = self.pool.models()
-        if not known:
-            raise ProxyError(503, "no model list yet: no engine has answered /v1/models",
-                             code="no_models")
-        now = int(time.time())
-        data = [{"id": m, "object": "model", "created": now, "owned_by": "eldr"} for m in known]
-        return web.json_response({"object": "list", "data": data})
+        doc = await self.forwarder.model_list()
+        if doc is None:
+            known = self.pool.models()
+            if not known:
+                raise ProxyError(503, "no model list yet: no engine has answered /v1/models",
+                                 code="no_models")
+            doc = self.forwarder.fallback_model_list(known, self.pool.max_model_len())
+        return web.json_response(doc)
+
+    async def other_route(self, request):
+        """Every path but the router's own: vLLM's auxiliary routes are forwarded to a
+        prefill instance; generations outside the PD flow and engine control routes are
+        refused (:mod:`eldr.proxy.forward` says which and why)."""
+        from aiohttp import web
+
+        what = classify(request.method, request.path)
+        if what == "forward":
+            return await self.forwarder.forward(request)
+        if what == "control":
+            raise ProxyError(403, f"{request.path} changes an engine's state and is not "
+                                  f"forwarded by the router: call the engine directly",
+                             code="engine_control_route")
+        if what == "generation":
+            raise ProxyError(501, f"{request.path} is not routed: eldr serve runs the PD flow "
+                                  f"for /v1/completions and /v1/chat/completions only",
+                             code="route_not_routed")
+        allow = (("POST" if request.path not in ("/v1/models", "/health", "/metrics")
+                  else "GET") if request.path in OWN_ROUTES else "GET, POST")
+        return web.Response(status=405, body=vllm_detail("Method Not Allowed"),
+                            content_type="application/json", headers={"Allow": allow})
 
     async def health(self, request):
         """Status and per-instance health; internals only for the admin token.

@@ -9,7 +9,8 @@ What the request flow (:mod:`eldr.proxy.flow`) does with bytes, kept apart from 
   object (``RecursionError`` included);
 - :class:`SSEUsage` and :func:`fix_usage` make ``usage`` count the whole prompt;
 - :func:`decode_body` builds the decoder's request from the client's bytes;
-- :func:`parse_body` checks a client's request body (a 400 naming what is wrong).
+- :func:`parse_body` checks a client's request body, refusing what vLLM refuses (a 400 in
+  vLLM's error shape) and nothing it accepts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
+import re
 import sys
 
 from eldr.proxy.errors import ProxyError
@@ -166,14 +169,20 @@ class SSEUsage:
         return event + b"\n\n"
 
 
+def _is_utf8(raw: bytes) -> bool:
+    """True unless ``raw`` is UTF-16/32 JSON (a NUL in its first four bytes, or their BOM)."""
+    return b"\x00" not in raw[:4] and not raw.startswith((b"\xff\xfe", b"\xfe\xff"))
+
+
 def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
     """The decode request: the client's body plus the relayed ``kv_transfer_params``.
 
     When the client's JSON (``raw``, already parsed into ``body``) has no
     ``kv_transfer_params`` key, the field is spliced in before its closing brace instead of
-    re-serialising the whole body: a long prompt is then never encoded twice.
+    re-serialising the whole body: a long prompt is then never encoded twice. A UTF-16 or
+    -32 body is re-serialised (as UTF-8): ASCII spliced into it would be garbage.
     """
-    if raw is not None and "kv_transfer_params" not in body and body:
+    if raw is not None and "kv_transfer_params" not in body and body and _is_utf8(raw):
         if kv_params is None:
             return raw
         end = raw.rstrip()
@@ -187,45 +196,134 @@ def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
     return json.dumps(dec).encode()
 
 
-def parse_body(raw: bytes, kind: str) -> dict:
-    """The request JSON object, or a 400 naming what is wrong with it.
+def _summary(value: object) -> str:
+    """The ``input`` vLLM shows in a validation error (bounded, containers described)."""
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + "...[truncated]"
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= 200 else text[:200] + "...[truncated]"
 
-    UTF-8 only (RFC 8259 §8.1): ``json.loads`` would also take UTF-16/32 bytes, but the
-    router splices the client's raw bytes into the decoder's body next to ASCII, and a
-    mixed-encoding body is rejected by the decoder after a prefill was spent. Nesting
-    deeper than the parser's recursion limit is a client error too (``RecursionError``
-    is not a ``ValueError``).
+
+def _invalid(kind: str, loc: str, msg: str, value: object, **extra: object) -> ProxyError:
+    """The 400 vLLM answers when pydantic refuses one field: type "Bad Request", param
+    ``body.<field>``, the message listing the error as vLLM formats it."""
+    err = {"type": kind, "loc": loc, "msg": msg, "input": _summary(value), **extra}
+    return ProxyError(400, f"1 validation error:\n  {err}", param=loc, err_type="Bad Request",
+                      code="invalid_request")
+
+
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0*)?")
+_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def _lax_int(key: str, value: object) -> int | None:
+    """``value`` as pydantic's lax ``int | None`` reads it (vLLM's request models)."""
+    if value is None or isinstance(value, int):  # bool included: True is 1
+        return None if value is None else int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _invalid("finite_number", f"body.{key}", "Input should be a finite number",
+                           value)
+        if not value.is_integer():
+            raise _invalid("int_from_float", f"body.{key}", "Input should be a valid integer, "
+                           "got a number with a fractional part", value)
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip(" \t\n\r")
+        if _INT_TEXT.fullmatch(text):
+            return int(text.split(".")[0])
+        raise _invalid("int_parsing", f"body.{key}", "Input should be a valid integer, unable "
+                       "to parse string as an integer", value)
+    raise _invalid("int_type", f"body.{key}", "Input should be a valid integer", value)
+
+
+def _lax_bool(key: str, value: object) -> bool | None:
+    """``value`` as pydantic's lax ``bool | None`` reads it: "yes", 1, 0.0... are accepted."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value in (0, 1):
+            return bool(value)
+        if abs(value) >= 2 ** 63:  # past pydantic's i64: not a number it parses
+            raise _invalid("bool_type", f"body.{key}", "Input should be a valid boolean",
+                           value)
+    elif isinstance(value, float):
+        if value in (0.0, 1.0):
+            return bool(value)
+        if not value.is_integer():  # 2.0 is read as the integer 2: a parsing error below
+            raise _invalid("bool_type", f"body.{key}", "Input should be a valid boolean",
+                           value)
+    elif isinstance(value, str):
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+    else:
+        raise _invalid("bool_type", f"body.{key}", "Input should be a valid boolean", value)
+    raise _invalid("bool_parsing", f"body.{key}", "Input should be a valid boolean, unable to "
+                   "interpret input", value)
+
+
+def parse_body(raw: bytes, kind: str) -> dict:
+    """The request JSON object, refused (a 400) exactly when vLLM would refuse it.
+
+    The router checks only what it must before the prefill: that the body is a JSON object,
+    ``stream`` (it decides how to relay the answer), ``max_tokens`` /
+    ``max_completion_tokens`` (the prefill runs with 1, so the decoder alone would see
+    them), and the prompt or messages vLLM requires (a prefill saved). It reads them as
+    vLLM's request models do (pydantic's lax mode: ``"yes"`` is true, ``"5"`` and ``5.0``
+    are 5, a chat's ``max_completion_tokens`` wins over ``max_tokens``, ``max_tokens`` 0 is
+    allowed with ``echo``) and writes the values read back into the returned dict; its
+    refusals carry vLLM's body field for field (tests/data/vllm_error_bodies.json was
+    recorded from vLLM 0.32). Everything else (a prompt of the wrong type, empty
+    messages...) is left to the prefill engine, whose 4xx is relayed verbatim. Encodings
+    are JSON's (UTF-8, -16 or -32, as ``json.loads`` detects them); nesting deeper than the
+    parser's recursion limit is a client error too.
     """
-    if b"\x00" in raw[:4]:  # UTF-16/32 without a BOM: JSON text starts with two ASCII chars
-        raise ProxyError(400, "request body looks UTF-16 or UTF-32 encoded: only UTF-8 is "
-                              "accepted", code="invalid_json")
+    if not raw:
+        raise _invalid("missing", "body", "Field required", None)
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProxyError(400, f"request body is not UTF-8 encoded JSON (byte {exc.start}): "
-                              f"only UTF-8 is accepted", code="invalid_json") from None
-    try:
-        body = json.loads(text)
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ProxyError(400, "There was an error parsing the body: it is not UTF-8, -16 or "
+                              "-32 encoded JSON", code="invalid_json") from None
     except ValueError as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}",
-                         code="invalid_json") from None
+        pos = getattr(exc, "pos", 0)
+        raise _invalid("json_invalid", f"body.{pos}", "JSON decode error", {},
+                       ctx={"error": getattr(exc, "msg", str(exc))}) from None
     except RecursionError:
         raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                          code="invalid_json") from None
     if not isinstance(body, dict):
-        raise ProxyError(400, f"request body must be a JSON object, got {type(body).__name__}",
-                         code="invalid_json")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ProxyError(400, "'stream' must be true or false", param="stream")
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ProxyError(400, f"'{key}' must be a positive integer, got {value!r}",
-                             param=key)
-    field = "messages" if kind == "chat" else "prompt"
-    if field not in body:
-        raise ProxyError(400, f"'{field}' is required", param=field)
-    if kind == "chat" and not isinstance(body["messages"], list):
-        raise ProxyError(400, "'messages' must be a list", param="messages")
+        raise _invalid("model_attributes_type", "body", "Input should be a valid dictionary "
+                       "or object to extract fields from", body)
+    if "stream" in body:
+        body["stream"] = _lax_bool("stream", body["stream"])
+    max_tokens = _lax_int("max_tokens", body.get("max_tokens"))
+    effective, name = max_tokens, "max_tokens"
+    if "max_tokens" in body:
+        body["max_tokens"] = max_tokens
+    if kind == "chat":
+        completion = _lax_int("max_completion_tokens", body.get("max_completion_tokens"))
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = completion
+        if completion is not None:
+            effective = completion
+    if kind == "chat":
+        if "messages" not in body:
+            raise _invalid("missing", "body.messages", "Field required", body)
+        if body["messages"] is not None and not isinstance(body["messages"], list):
+            raise _invalid("list_type", "body.messages", "Input should be a valid list",
+                           body["messages"])
+    elif body.get("prompt") in (None, "") and body.get("prompt_embeds") in (None, []):
+        raise ProxyError(400, "Either prompt or prompt_embeds must be provided and non-empty. "
+                              "(parameter=prompt)", param="prompt", code="invalid_request")
+    echo = kind != "chat" and _lax_bool("echo", body.get("echo")) is True
+    if effective is not None and effective < 1 and not (effective == 0 and echo):
+        raise ProxyError(400, f"{name} must be at least 1, got {effective}. "
+                              f"(parameter={name}, value={effective})", param=name,
+                         code="invalid_request")
     return body

@@ -54,6 +54,7 @@ from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
     _SSE_HEADERS,
     DecodeRelay,
     _RetryDecode,
+    is_stream_done,
     reply_id,
 )
 from eldr.proxy.upstream import Instance, error_kind
@@ -170,7 +171,8 @@ class RequestFlow(DecodeRelay):
                                                    decision, headers, reply, stream, web)
                 return resp
             except asyncio.CancelledError:  # the client left (handler cancellation)
-                outcome = "cancelled"
+                # after [DONE] the client had its whole answer: the decode completed
+                outcome = "completed" if is_stream_done(request) else "cancelled"
                 raise
             except UpstreamReply:
                 self.metrics.abandoned.inc(reason="decoder_4xx")

@@ -1,199 +1,201 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: no client library needed.
+"""The router's Prometheus metrics, on ``prometheus_client`` with one registry per router.
 
-Three metric kinds, each a family of label sets::
+A thin layer over the client library keeps the call sites short (``hits.inc(policy="eldr")``
+instead of ``hits.labels(policy="eldr").inc()``) and adds what the router needs::
 
-    reg = Registry()
+    reg = Registry()                      # its own CollectorRegistry: routers never collide
     hits = reg.counter("eldr_x_total", "What it counts.", ("policy",))
+    hits.prime(("eldr",), ("jsq",))       # zero-valued series, printed before any event
     hits.inc(policy="eldr")
     lat = reg.histogram("eldr_latency_seconds", "Routing latency.", buckets=(1e-4, 1e-3))
     lat.observe(2e-4)
-    reg.render()  # -> str, served at GET /metrics
+    reg.render()  # -> str, Prometheus text format 0.0.4, served at GET /metrics
 
 A gauge may also be computed at scrape time (``reg.gauge(..., collect=fn)`` where ``fn()``
 returns ``{label_values_tuple: value}``), so live values such as in-flight counts are read
-where they are kept instead of being mirrored. Everything runs on the event loop thread:
-no locks.
+where they are kept instead of being mirrored. The ``*_created`` series the client library
+adds to counters and histograms are left out of the page (the names on it are the public
+contract, docs/serve.md). :func:`parse_samples` reads an engine's own ``/metrics``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-__all__ = ["Counter", "Gauge", "Histogram", "Registry", "parse_samples"]
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily
+
+__all__ = ["Counter", "Gauge", "Histogram", "Registry", "RouterMetrics", "parse_samples"]
 
 LabelValues = tuple[str, ...]
 
 DEFAULT_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
 class _Family:
-    kind = ""
+    """One metric family with labelled children looked up once per label set."""
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str]) -> None:
+    def __init__(self, metric, name: str, labelnames: Sequence[str]) -> None:
+        self.metric = metric  # the prometheus_client object
         self.name = name
-        self.help = help_text
         self.labelnames = tuple(labelnames)
+        self._children: dict[tuple, object] = {}  # kwargs items -> child: no lock per call
 
-    def _key(self, labels: dict[str, str]) -> LabelValues:
-        try:
-            if len(labels) == len(self.labelnames):
-                return tuple([str(labels[n]) for n in self.labelnames])
-        except KeyError:
-            pass
-        raise ValueError(f"{self.name}: labels {sorted(labels)} given, "
-                         f"expected {list(self.labelnames)}")
+    def _child(self, labels: dict[str, str]):
+        key = tuple(labels.items())
+        child = self._children.get(key)
+        if child is None:
+            if not labels and not self.labelnames:
+                child = self.metric
+            elif set(labels) != set(self.labelnames):
+                raise ValueError(f"{self.name}: labels {sorted(labels)} given, "
+                                 f"expected {list(self.labelnames)}")
+            else:
+                child = self.metric.labels(**{k: str(v) for k, v in labels.items()})
+            self._children[key] = child
+        return child
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+    def prime(self, *label_values: Sequence[str]) -> None:
+        """Create these label sets at zero, so their series show before any event."""
+        for values in label_values:
+            self._child(dict(zip(self.labelnames, map(str, values), strict=True)))
 
-    def lines(self) -> Iterable[str]:
-        raise NotImplementedError
+    def _sample(self, suffix: str, labels: dict[str, str]) -> float:
+        """The value of sample ``name + suffix`` with ``labels`` (0 when never created)."""
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name}: labels {sorted(labels)} given, "
+                             f"expected {list(self.labelnames)}")
+        want = {k: str(v) for k, v in labels.items()}
+        for fam in self.metric.collect():
+            for s in fam.samples:
+                if s.name.endswith(suffix) and s.labels == want:
+                    return s.value
+        return 0.0
 
 
 class Counter(_Family):
-    """A monotonically increasing count per label set."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.values: dict[LabelValues, float] = {}
+    """A monotonically increasing count per label set (its name ends in ``_total``)."""
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
             raise ValueError(f"{self.name}: a counter cannot decrease (inc by {amount})")
-        key = self._key(labels)
-        self.values[key] = self.values.get(key, 0.0) + amount
+        self._child(labels).inc(amount)
 
     def get(self, **labels: str) -> float:
-        return self.values.get(self._key(labels), 0.0)
+        return self._sample("_total", labels)
 
-    def lines(self) -> Iterable[str]:
-        for key, v in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.labelnames, key)} {_fmt(v)}"
+    @property
+    def values(self) -> dict[LabelValues, float]:
+        """Label values -> count, for the label sets that counted something (primed zeros
+        left out)."""
+        return {tuple(s.labels[n] for n in self.labelnames): s.value
+                for fam in self.metric.collect() for s in fam.samples
+                if s.name.endswith("_total") and s.value}
 
 
 class Gauge(_Family):
-    """A value per label set that goes up and down, set directly or collected on scrape."""
-
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                 collect: Callable[[], dict[LabelValues, float]] | None = None) -> None:
-        super().__init__(name, help_text, labelnames)
-        self.values: dict[LabelValues, float] = {}
-        self._collect = collect
+    """A value per label set that goes up and down, set directly."""
 
     def set(self, value: float, **labels: str) -> None:
-        self.values[self._key(labels)] = float(value)
+        self._child(labels).set(float(value))
 
     def get(self, **labels: str) -> float:
-        key = self._key(labels)
-        values = self._collect() if self._collect else self.values
-        return values.get(key, 0.0)
+        return self._sample(self.name, labels)
 
-    def lines(self) -> Iterable[str]:
-        values = self._collect() if self._collect else self.values
-        for key, v in sorted(values.items()):
-            yield f"{self.name}{_labels(self.labelnames, key)} {_fmt(v)}"
+
+class _CollectedGauge:
+    """A gauge family whose label sets and values come from ``collect()`` at scrape time."""
+
+    def __init__(self, name: str, help_text: str, labelnames: Sequence[str],
+                 collect: Callable[[], dict[LabelValues, float]]) -> None:
+        self.name = name
+        self.help = help_text
+        self.labelnames = tuple(labelnames)
+        self._collect = collect
+
+    def describe(self) -> list[GaugeMetricFamily]:  # names for the registry, no values read
+        return [GaugeMetricFamily(self.name, self.help, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(self.name, self.help, labels=self.labelnames)
+        for key, value in sorted(self._collect().items()):
+            fam.add_metric([str(k) for k in key], float(value))
+        yield fam
+
+    def get(self, **labels: str) -> float:
+        key = tuple(str(labels[n]) for n in self.labelnames)
+        return float(self._collect().get(key, 0.0))
 
 
 class Histogram(_Family):
     """Cumulative buckets, sum and count per label set (upper bounds inclusive)."""
 
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-                 buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS) -> None:
-        super().__init__(name, help_text, labelnames)
-        bounds = [float(b) for b in buckets]
-        if not bounds or bounds != sorted(set(bounds)) or not all(math.isfinite(b)
-                                                                  for b in bounds):
-            raise ValueError(f"{name}: buckets must be finite, strictly increasing and "
-                             f"non-empty, got {list(buckets)}")
-        self.bounds = tuple(bounds)
-        self.series: dict[LabelValues, list[float]] = {}  # key -> [count per bucket.., +Inf, sum]
-
     def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        row = self.series.get(key)
-        if row is None:
-            row = self.series[key] = [0.0] * (len(self.bounds) + 2)
-        i = 0
-        for i, b in enumerate(self.bounds):  # noqa: B007 - i is used after the loop
-            if value <= b:
-                break
-        else:
-            i = len(self.bounds)
-        row[i] += 1
-        row[-1] += value
+        self._child(labels).observe(value)
 
     def count(self, **labels: str) -> int:
-        row = self.series.get(self._key(labels))
-        return 0 if row is None else int(sum(row[:-1]))
+        return int(self._sample("_count", labels))
 
-    def lines(self) -> Iterable[str]:
-        for key, row in sorted(self.series.items()):
-            cum = 0.0
-            for b, n in zip((*self.bounds, math.inf), row[:-1], strict=True):
-                cum += n
-                le = f'le="{_fmt(b)}"'
-                yield f"{self.name}_bucket{_labels(self.labelnames, key, le)} {_fmt(cum)}"
-            yield f"{self.name}_sum{_labels(self.labelnames, key)} {_fmt(row[-1])}"
-            yield f"{self.name}_count{_labels(self.labelnames, key)} {_fmt(cum)}"
+
+class _WithoutCreated:
+    """The registry's families minus their ``*_created`` samples (a view for rendering)."""
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self):
+        for fam in self._registry.collect():
+            if fam.type in ("counter", "histogram"):
+                fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+            yield fam
 
 
 class Registry:
-    """The metric families of one process, rendered in registration order."""
+    """The metric families of one router, rendered in registration order.
+
+    Each instance owns a ``prometheus_client.CollectorRegistry`` (never the library's global
+    one), so several routers in one process (tests) keep separate counts.
+    """
 
     def __init__(self) -> None:
-        self._families: dict[str, _Family] = {}
+        self.collector_registry = prometheus_client.CollectorRegistry(auto_describe=False)
+        self._view = _WithoutCreated(self.collector_registry)
+        self.names: list[str] = []  # family names, in registration order
 
-    def _add(self, family: _Family) -> _Family:
-        if family.name in self._families:
-            raise ValueError(f"metric {family.name!r} is already registered")
-        self._families[family.name] = family
-        return family
+    def _named(self, name: str):
+        self.names.append(name)
+        return name
 
     def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Counter:
-        return self._add(Counter(name, help_text, labelnames))  # type: ignore[return-value]
+        if not name.endswith("_total"):
+            raise ValueError(f"counter {name!r}: counter names end in '_total'")
+        metric = prometheus_client.Counter(self._named(name), help_text, labelnames,
+                                           registry=self.collector_registry)
+        return Counter(metric, name, labelnames)
 
     def gauge(self, name: str, help_text: str, labelnames: Sequence[str] = (),
-              collect: Callable[[], dict[LabelValues, float]] | None = None) -> Gauge:
-        return self._add(Gauge(name, help_text, labelnames, collect))  # type: ignore[return-value]
+              collect: Callable[[], dict[LabelValues, float]] | None = None):
+        if collect is not None:
+            family = _CollectedGauge(self._named(name), help_text, labelnames, collect)
+            self.collector_registry.register(family)
+            return family
+        metric = prometheus_client.Gauge(self._named(name), help_text, labelnames,
+                                         registry=self.collector_registry)
+        return Gauge(metric, name, labelnames)
 
     def histogram(self, name: str, help_text: str, labelnames: Sequence[str] = (),
                   buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS) -> Histogram:
-        return self._add(Histogram(name, help_text, labelnames, buckets))  # type: ignore[return-value]
+        bounds = [float(b) for b in buckets]
+        if not bounds or bounds != sorted(set(bounds)) or not all(map(math.isfinite, bounds)):
+            raise ValueError(f"{name}: buckets must be finite, strictly increasing and "
+                             f"non-empty, got {list(buckets)}")
+        metric = prometheus_client.Histogram(self._named(name), help_text, labelnames,
+                                             buckets=bounds, registry=self.collector_registry)
+        return Histogram(metric, name, labelnames)
 
     def render(self) -> str:
-        out: list[str] = []
-        for fam in self._families.values():
-            out += fam.header()
-            out += fam.lines()
-        return "\n".join(out) + "\n"
+        return prometheus_client.generate_latest(self._view).decode()
 
 
 def parse_samples(text: str, names: Sequence[str]) -> dict[str, float]:
@@ -201,7 +203,9 @@ def parse_samples(text: str, names: Sequence[str]) -> dict[str, float]:
 
     Used to read an engine's own load (``vllm:num_requests_running``...). Label sets are
     summed (an engine may report one series per model or engine index); a metric absent
-    from the page is absent from the result; unparsable values are skipped.
+    from the page is absent from the result; unparsable values are skipped. Hand-written
+    rather than ``prometheus_client.parser``: it looks only at the lines it needs, which
+    is much cheaper on a full vLLM page (``benchmarks/bench_metrics.py``).
     """
     wanted = set(names)
     out: dict[str, float] = {}
@@ -231,9 +235,27 @@ def parse_samples(text: str, names: Sequence[str]) -> dict[str, float]:
 
 _BREAKER_VALUE = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
 
+# Label values known at start-up, primed at zero so dashboards show a series from the first
+# scrape (a counter with no sample reads "no data", not 0). Values outside these lists
+# still count; they appear with their first event.
+ENDPOINTS = ("completions", "chat")  # eldr.proxy.app's generation routes
+SIGNATURE_SOURCES = ("payload", "routed_experts", "none")  # eldr.proxy.signatures
+# eldr.proxy.signatures' problems, and "unbound" from the flow
+FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_shape",
+                    "no_encoder", "unbound")
+ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.flow
+KV_RELEASE_RESULTS = ("ok", "refused", "failed")
+RELOAD_RESULTS = ("ok", "error")
+UPSTREAM_ERROR_KINDS = ("timeout", "connect", "disconnect", "protocol", "http_5xx",
+                        "too_large", "other")  # eldr.proxy.upstream.error_kind and the flow
+
 
 class RouterMetrics:
-    """The router's metric families (names are the public contract; docs/serve.md)."""
+    """The router's metric families (names are the public contract; docs/serve.md).
+
+    ``pool`` is the :class:`~eldr.proxy.upstream.UpstreamPool`: its instances name the
+    per-engine label sets, and its ``config.policy`` the decisions primed at zero.
+    """
 
     def __init__(self, pool) -> None:
         reg = self.registry = Registry()
@@ -300,3 +322,18 @@ class RouterMetrics:
                   ("role", "instance"),
                   collect=lambda: {(i.role, i.name): float(i.healthy)
                                    for i in (*pool.prefill, *pool.decode)})
+        self._prime(pool)
+
+    def _prime(self, pool) -> None:
+        """Zero-valued series for every label set known at start-up."""
+        self.requests.prime(*((e, "200") for e in ENDPOINTS))
+        policy = getattr(getattr(pool, "config", None), "policy", None)
+        if policy is not None:
+            self.decisions.prime(*((policy, i.name) for i in pool.decode))
+        self.signatures.prime(*((s,) for s in SIGNATURE_SOURCES))
+        self.fallbacks.prime(*((r,) for r in FALLBACK_REASONS))
+        self.abandoned.prime(*((r,) for r in ABANDON_REASONS))
+        self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
+        self.reloads.prime(*((r,) for r in RELOAD_RESULTS))
+        self.upstream_errors.prime(*((i.role, i.name, k) for i in (*pool.prefill, *pool.decode)
+                                     for k in UPSTREAM_ERROR_KINDS))

@@ -9,6 +9,7 @@ byte reaches the client raises :class:`_RetryDecode` (the flow tries another dec
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -30,12 +31,32 @@ from eldr.routing import Outcome
 if TYPE_CHECKING:
     from eldr.proxy.flow import Decision
 
-__all__ = ["DecodeRelay", "reply_id"]
+__all__ = ["SSE_DONE", "DecodeRelay", "is_stream_done", "mark_stream_done", "reply_id"]
 
 log = logging.getLogger("eldr.serve")
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer kept for relay / logs
+SSE_DONE = b"data: [DONE]"  # the last event of an OpenAI stream
+
+
+@functools.cache
+def _done_key():
+    from aiohttp import web
+
+    return (web.RequestKey("eldr_stream_done", bool) if hasattr(web, "RequestKey")
+            else "eldr_stream_done")
+
+
+def mark_stream_done(request) -> None:
+    """The client was sent ``[DONE]``: it has its whole answer, and a close from then on is
+    a completed request, not a disconnect (clients close right after ``[DONE]``, often
+    before the engine's stream has ended)."""
+    request[_done_key()] = True
+
+
+def is_stream_done(request) -> bool:
+    return bool(request.get(_done_key(), False))
 
 
 class _RetryDecode(Exception):  # control flow: try a new prefill + decoder
@@ -81,7 +102,10 @@ class DecodeRelay:
                     return await self._whole(request, resp, inst, decision, reply, web)
                 return await self._relay(request, resp, inst, decision, reply, web)
             finally:
-                resp.close()  # an unfinished upstream request is aborted, not pooled
+                if is_stream_done(request):  # the stream is over: let it end cleanly
+                    self._finish_later(resp)
+                else:
+                    resp.close()  # an unfinished upstream request is aborted, not pooled
         finally:
             pool.end(inst)
 
@@ -195,11 +219,21 @@ class DecodeRelay:
         self.pool.request_succeeded(inst)
         out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
         outcome: Outcome = "completed"
+        tail = b""  # the last bytes sent: "data: [DONE]" may arrive split over two reads
         try:
             await out.prepare(request)
-            if not await self._deliver(request, out, first):
-                return out, "cancelled"
+            data, chunk = first, raw_first
             while True:
+                if not await self._deliver(request, out, data):
+                    return out, "cancelled"  # the decode is aborted with the upstream close
+                tail = (tail + data)[-32:]
+                if outcome == "completed" and tail.rstrip().endswith(SSE_DONE):
+                    # The client has the whole answer: a close from now on is no disconnect,
+                    # and the decoder's end of stream is awaited apart (_finish_later).
+                    mark_stream_done(request)
+                    break
+                if not chunk:
+                    break
                 try:
                     chunk = await resp.content.readany()
                     data = usage.feed(chunk) if chunk else usage.flush()
@@ -210,12 +244,31 @@ class DecodeRelay:
                     outcome = "failed"
                     data = usage.flush() + b"data: " + error_body(502, msg) + b"\n\n"
                     chunk = b""
-                if not await self._deliver(request, out, data):
-                    return out, "cancelled"  # the decode is aborted with the upstream close
-                if not chunk:
-                    break
             await self._deliver(request, out, None)
         except ConnectionResetError:  # the client left: stop reading (closes upstream)
+            if is_stream_done(request):
+                return out, outcome
             self.metrics.client_disconnects.inc()
             outcome = "cancelled"
         return out, outcome
+
+    def _finish_later(self, resp) -> None:
+        """Read the decoder's stream to its end after ``[DONE]``, in the background.
+
+        Only the chunked terminator is left, but it may come in a later TCP segment, and
+        the client usually closes as soon as it has ``[DONE]``: that cancels the handler,
+        and closing the upstream then would abort a request the engine has finished. Read
+        to its end, the connection goes back to the pool; a decoder that sends more, or
+        keeps the stream open past ``connect_timeout``, is cut off.
+        """
+        task = asyncio.ensure_future(self._finish_upstream(resp))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _finish_upstream(self, resp) -> None:
+        try:
+            await within(read_upto(resp, _ERROR_BODY_LIMIT), self.config.connect_timeout)
+        except Exception as exc:  # the answer is complete: the close aborts nothing
+            log.debug("decoder stream after [DONE] did not end cleanly: %s", exc)
+        finally:
+            resp.close()  # after the end of the stream: the connection is already pooled

