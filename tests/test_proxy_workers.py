@@ -69,3 +69,20 @@ def test_reserve_port_lets_workers_bind_the_same_port():
         assert same == port > 0
     finally:
         holder.close()
+
+
+def test_workers_that_cannot_start_stop_the_parent_with_status_1():
+    from eldr.proxy.config import ServeConfig
+
+    config = ServeConfig(prefill_urls=("http://127.0.0.1:9",), decode_urls=(
+        "http://127.0.0.1:9",), policy="jsq", port=0, workers=2)
+
+    def broken_router():
+        raise ValueError("no artifact here")
+
+    async def never(router, **kw):  # pragma: no cover - the router never gets built
+        raise AssertionError("serve called")
+
+    ports = []
+    assert workers.run_workers(config, broken_router, never, ready=ports.append) == 1
+    assert ports and ports[0] > 0

@@ -20,7 +20,8 @@ balancers see a single router. How they share it:
   every other worker, which re-reads the same artifact path. ``SIGHUP`` to the parent
   reloads all of them.
 - **Lifetime.** ``SIGTERM``/``SIGINT`` to the parent stop every worker; a worker that dies
-  is started again (its row of the load table zeroed first: its requests died with it).
+  is started again (its row of the load table zeroed first: its requests died with it),
+  unless it died within 5 s of its start (it cannot start: all stop, exit status 1).
 
 Per-worker, not shared: health checks and circuit breakers (each worker checks every
 engine itself; they agree within a health interval), the prefix-affinity table, metrics
@@ -49,6 +50,7 @@ __all__ = ["SharedLoadTracker", "SharedLoads", "make_tracker", "reserve_port", "
 log = logging.getLogger("eldr.serve")
 
 _current: tuple[SharedLoads, int] | None = None  # (table, this worker's row) in a worker
+_MIN_LIFETIME = 5.0  # seconds: a worker ending sooner cannot start (port, artifact): stop
 
 
 class SharedLoads:
@@ -135,10 +137,10 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
 
 def run_workers(config, make_router, serve, *, ready=None) -> int:
     """Run ``config.workers`` router processes on ``config.host:config.port``; returns the
-    exit status when stopped (SIGTERM/SIGINT). ``make_router()`` builds one worker's
-    :class:`~eldr.proxy.app.Router` (called in each worker, after ``fork``); ``serve`` is
-    :func:`eldr.commands.serve.serve`; ``ready(port)`` is called in the parent once the
-    port is known."""
+    exit status when stopped (0 after SIGTERM/SIGINT, 1 when a worker could not start).
+    ``make_router()`` builds one worker's :class:`~eldr.proxy.app.Router` (called in each
+    worker, after ``fork``); ``serve`` is :func:`eldr.commands.serve.serve`; ``ready(port)``
+    is called in the parent once the port is known."""
     if not hasattr(socket, "SO_REUSEPORT") or not hasattr(os, "fork"):
         raise ValueError("--workers > 1 needs SO_REUSEPORT and fork (Linux, BSD, macOS)")
     n = config.workers
@@ -155,9 +157,10 @@ def run_workers(config, make_router, serve, *, ready=None) -> int:
         except OSError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+    previous = {sig: signal.signal(sig, on_signal)
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     children: dict[int, tuple[int, int]] = {}  # row -> (pid, read end of its relay pipe)
+    started: dict[int, float] = {}  # row -> when its worker was started
 
     def spawn(row: int) -> None:
         table.clear_row(row)
@@ -182,6 +185,7 @@ def run_workers(config, make_router, serve, *, ready=None) -> int:
                 os._exit(status)
         os.close(w)
         children[row] = (pid, r)
+        started[row] = time.monotonic()
 
     for row in range(n):
         spawn(row)
@@ -189,7 +193,7 @@ def run_workers(config, make_router, serve, *, ready=None) -> int:
           flush=True)
     if ready is not None:
         ready(port)
-    stopping = False
+    stopping, exit_status = False, 0
     try:
         while children:
             fds = [wake_r, *(fd for _, fd in children.values())]
@@ -220,18 +224,26 @@ def run_workers(config, make_router, serve, *, ready=None) -> int:
                     continue
                 os.close(fd)
                 del children[row]
-                if not stopping:
-                    log.error("worker %d (pid %d) ended (status %d): starting it again",
+                if stopping:
+                    continue
+                if time.monotonic() - started[row] < _MIN_LIFETIME:  # it cannot start: stop
+                    log.error("worker %d (pid %d) ended at start-up (status %d): stopping",
                               row, pid, status)
-                    time.sleep(0.2)
-                    spawn(row)
+                    stopping, exit_status = True, 1
+                    _signal_all(children, signal.SIGTERM)
+                    continue
+                log.error("worker %d (pid %d) ended (status %d): starting it again",
+                          row, pid, status)
+                spawn(row)
     finally:
         if children:
             _signal_all(children, signal.SIGKILL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         holder.close()
         os.close(wake_r)
         os.close(wake_w)
-    return 0
+    return exit_status
 
 
 def _signal_all(children: dict[int, tuple[int, int]], sig: int, but: int | None = None
