@@ -1,5 +1,5 @@
 """The package tree shows the pipeline, and imports run one way along it:
-commands → reproduce / proxy / sim → routing → fit → traces (cache beside fit)."""
+commands → reproduce / proxy / sim → (learn →) routing → fit → traces (cache beside fit)."""
 
 import ast
 from pathlib import Path
@@ -9,13 +9,15 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "eldr"
 # stage → stages it must never import (directly or lazily)
 FORBIDDEN = {
-    "traces": ("fit", "routing", "cache", "sim", "reproduce", "proxy", "commands", "capture"),
-    "cache": ("fit", "routing", "sim", "reproduce", "proxy", "commands"),
-    "fit": ("routing", "sim", "reproduce", "proxy", "commands"),
-    "routing": ("sim", "reproduce", "proxy", "commands", "capture"),
-    "sim": ("reproduce", "proxy", "commands"),
+    "traces": ("fit", "routing", "cache", "sim", "reproduce", "proxy", "commands", "capture",
+               "learn"),
+    "cache": ("fit", "routing", "sim", "reproduce", "proxy", "commands", "learn"),
+    "fit": ("routing", "sim", "reproduce", "proxy", "commands", "learn"),
+    "routing": ("sim", "reproduce", "proxy", "commands", "capture", "learn"),
+    "sim": ("reproduce", "proxy", "commands", "learn"),
+    "learn": ("sim", "reproduce", "proxy", "commands", "capture", "cache", "deploy"),
     "proxy": ("reproduce", "commands", "sim"),
-    "deploy": ("reproduce", "commands", "sim", "proxy", "routing"),
+    "deploy": ("reproduce", "commands", "sim", "proxy", "routing", "learn"),
 }
 
 
@@ -45,5 +47,5 @@ def test_no_flat_modules_left_but_the_entry_points():
     flat = sorted(p.name for p in SRC.glob("*.py"))
     assert flat == ["__init__.py", "__main__.py", "_progress.py", "cli.py", "fileio.py"]
     for stage in ("traces", "fit", "routing", "cache", "sim", "reproduce", "capture",
-                  "proxy", "deploy", "commands"):
+                  "proxy", "deploy", "commands", "learn"):
         assert (SRC / stage / "__init__.py").is_file(), stage

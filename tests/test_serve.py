@@ -218,3 +218,9 @@ def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
     assert out["loads"] == [1.0] * 16  # both workers see the other's in-flight decode
     assert rc == 0, err
     assert "2 workers on http://127.0.0.1" in err
+
+
+def test_learning_is_refused_with_several_workers(tmp_path, capsys):
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1", "--policy",
+                 "jsq", "--workers", "2", "--learn", str(tmp_path / "learn")]) == 2
+    assert "cannot be combined with --workers" in capsys.readouterr().err

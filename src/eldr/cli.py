@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "capture",
     "serve",
     "cluster",
+    "learn",
 )
 
 

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "decoder's load; for machines with more cores than one (default 1)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
+    from eldr.proxy import learning
+
+    learning.add_arguments(p)  # --learn DIR and its settings (docs/learn.md)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -187,17 +190,22 @@ def run(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ModuleNotFoundError as exc:
         raise ValueError("eldr serve needs aiohttp: pip install 'eldr[serve]'") from exc
+    from eldr.proxy import learning
     from eldr.proxy.app import Router
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
+    config, learn = learning.configure(config_from_args(args), args)
+    if config.workers > 1 and learn is not None:
+        raise ValueError("--learn runs in one router process: it cannot be combined with "
+                         "--workers (each worker would fit and swap its own artifact)")
     router = Router(config)  # a bad artifact fails here, before any socket or worker
     if config.workers > 1:
         from eldr.proxy.workers import run_workers
 
         del router
         return run_workers(config, lambda: Router(config), serve)
+    learning.attach(router, learn)
     try:
         import uvloop  # optional: a faster event loop when installed
     except ModuleNotFoundError:

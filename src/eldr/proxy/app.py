@@ -24,6 +24,7 @@ with it the upstream requests (the engines see the connection close and abort).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 
@@ -72,6 +73,7 @@ class Router:
         self._failed_tokens = FailedAttempts()  # wrong admin tokens per client address
         # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
         self.engine_shape: tuple[int, int] | None = None
+        self.learner = None  # eldr.proxy.learning.LiveLearning with eldr serve --learn
 
     def _on_recover(self, inst) -> None:
         if inst.role == "prefill":  # a restarted engine has an empty prefix cache
@@ -108,8 +110,12 @@ class Router:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             cookie_jar=aiohttp.DummyCookieJar()))
         await self.pool.start(self.session)
+        if self.learner is not None:
+            await self.learner.start()
 
     async def _cleanup(self, app) -> None:
+        if self.learner is not None:
+            await self.learner.stop()
         await self.flow.stop()
         await self.pool.stop()
         if self.session is not None:
@@ -357,16 +363,19 @@ class Router:
                 f"the new artifact is for {new.fingerprint()}, the running artifact is for "
                 f"{old.fingerprint()}", "artifact_model_mismatch")
 
-    async def reload(self) -> RoutingState:
+    async def reload(self, artifact: str | None = None) -> RoutingState:
         """Re-read the artifact off the event loop, check it, swap the routing snapshot.
 
         Requests in flight keep the snapshot they started with. A bad artifact raises
-        ``ValueError`` and the current one stays.
+        ``ValueError`` and the current one stays. ``artifact``: load this directory instead
+        of the configured one, which it becomes on success (``--learn`` swaps this way).
         """
         async with self._reload_lock:
             loop = asyncio.get_running_loop()
+            config = self.config if artifact is None else \
+                dataclasses.replace(self.config, artifact=artifact)
             try:
-                state = await loop.run_in_executor(None, build_state, self.config)
+                state = await loop.run_in_executor(None, build_state, config)
                 if state.worker_names != self.state.worker_names:
                     raise ReloadRefused(
                         f"the new artifact's decoders {list(state.worker_names)} differ from "
@@ -380,6 +389,7 @@ class Router:
                 self.metrics.reloads.inc(result="error")
                 log.exception("artifact reload failed (keeping the current one)")
                 raise
+            self.config = config
             self.state = state
             self.metrics.reloads.inc(result="ok")
             log.info("routing artifact reloaded from %s", state.artifact)

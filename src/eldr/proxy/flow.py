@@ -169,6 +169,8 @@ class RequestFlow(DecodeRelay):
             try:
                 resp, outcome = await self._decode(request, kind, body, raw, decoder,
                                                    decision, headers, reply, stream, web)
+                if self.router.learner is not None and outcome == "completed":
+                    self.router.learner.on_request_done(doc, decoder.name, resp)
                 return resp
             except asyncio.CancelledError:  # the client left (handler cancellation)
                 # after [DONE] the client had its whole answer: the decode completed

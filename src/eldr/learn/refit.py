@@ -1,0 +1,264 @@
+"""Fit a candidate artifact from the learn buffer and validate it on held-out requests.
+
+Runs in a separate process (:func:`run_fit_job`, the target of the learner's
+``ProcessPoolExecutor``): the parent hands over the buffered records (immutable, pickled
+by the executor off the event loop) and gets back a small :class:`FitOutcome`.
+
+**Fit.** With decode counts on at least half the requests, the project's own fit
+(:func:`eldr.fit.artifact.fit_artifact`) runs on those: IDF, greedy layer mask by ρ,
+balanced K-means, the profile predictor. Without them ρ is undefined, so the fit keeps
+every layer (no mask search), fits IDF and balanced K-means on the prefill signatures,
+and the cost policy's predictor keeps α = 0 (the calibration-free prefill profile), with
+each cluster's prefill profile as its decoder profile.
+
+**Score.** The validation score is what ELDR exists to lower: the expected distinct
+experts per layer of one decode step of a ``batch_size``-request batch on a decoder,
+averaged over decoders, when the held-out requests are assigned to decoders by the
+artifact (balanced assignment on ``1 − cos`` to the centroids, as the router keeps
+loads even), divided by the same for a random (load-balancing) assignment. Each request
+contributes its per-token decode profile ``p`` (decode counts / decode tokens; without
+decode counts the prefill profile stands in), and a batch of n requests drawn from a
+decoder's set selects expert e with probability ``1 − exp(n · mean log(1 − p_e))``. So 1.0
+is no better than load balancing and lower is better. Running without an artifact
+scores 1.0.
+
+**Verdict** (:func:`judge`). A candidate is refused when its held-out clusters are
+unbalanced (largest argmax cluster over ``max_balance`` × the mean), when it does not beat
+load balancing (score ≥ 1 − ``min_gain``), when it scores worse than the running artifact
+on the same held-out requests, when its held-out ρ (decode counts only) is ≤ 0 or more
+than ``rho_tolerance`` below the running artifact's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eldr.fit.artifact import RoutingArtifact
+from eldr.learn.buffer import Record, records_to_trace
+from eldr.learn.drift import DriftDetector
+from eldr.traces.trace import Trace
+
+__all__ = ["Evaluation", "FitJob", "FitOutcome", "evaluate", "fit_candidate", "judge",
+           "run_fit_job"]
+
+
+def fit_candidate(trace: Trace, decode_known: np.ndarray, *, worker_ids, tau: float = 0.1,
+                  random_state: int | None = 0) -> RoutingArtifact:
+    """A routing artifact from a learned trace (module docstring: with and without decode
+    counts)."""
+    from eldr.fit.artifact import fit_artifact
+    from eldr.fit.cluster import BalancedKMeans
+    from eldr.fit.predictor import decoder_profiles, prefill_profiles
+    from eldr.fit.signature import SignatureEncoder
+
+    known = np.asarray(decode_known, dtype=bool)
+    K = len(worker_ids)
+    if trace.num_requests < max(2 * K, 8):
+        raise ValueError(f"{trace.num_requests} requests are too few to fit {K} decoders")
+    if known.sum() >= max(20, trace.num_requests // 2):
+        art = fit_artifact(trace.subset(known), worker_ids=worker_ids, tau=tau,
+                           random_state=random_state)
+        art.fit_stats["decode_counts"] = True
+        return art
+    t0 = time.perf_counter()
+    encoder = SignatureEncoder(layers=range(trace.meta.num_layers),
+                               random_state=random_state).fit(trace)
+    X = encoder.transform(trace)
+    km = BalancedKMeans(K, n_init=4, random_state=random_state).fit(X)
+    profiles = prefill_profiles(trace)
+    sizes = np.bincount(km.labels_, minlength=K)
+    stats = {"num_requests": trace.num_requests, "trace_source": trace.meta.source,
+             "decode_counts": False, "cluster_sizes": [int(s) for s in sizes],
+             "capacity": int(km.capacity_), "inertia": float(km.inertia_),
+             "n_iter": int(km.n_iter_), "random_state": random_state,
+             "fit_seconds": round(time.perf_counter() - t0, 4),
+             "profile_predictor": {"alpha": 0.0, "note": "no decode counts: prefill profile"}}
+    m = trace.meta
+    return RoutingArtifact(
+        model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
+        encoder=encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
+        worker_ids=tuple(worker_ids), tau=tau, fit_stats=stats, profile_alpha=0.0,
+        profile_mean=profiles.mean(axis=0).astype(np.float32),
+        decoder_profiles=decoder_profiles(profiles, km.labels_, K))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An artifact on held-out requests."""
+
+    score: float  # expected distinct experts vs a random assignment (1: no gain; lower better)
+    distinct: float  # expected distinct experts per layer per step, assigned by the artifact
+    baseline: float  # the same for a random (load-balancing) assignment
+    balance: float  # largest argmax cluster / mean cluster size
+    sizes: tuple[int, ...]  # held-out requests per decoder under argmax
+    rho: float | None  # held-out ρ (None: too few decode counts)
+
+    def to_json(self) -> dict:
+        return {"score": self.score, "distinct": self.distinct, "baseline": self.baseline,
+                "balance": self.balance, "sizes": list(self.sizes), "rho": self.rho}
+
+
+def _profiles(trace: Trace, known: np.ndarray) -> np.ndarray:
+    """(R, L, E) per-token decode profiles; the prefill profile where decode is unknown."""
+    from eldr.fit.predictor import decode_profiles, prefill_profiles
+
+    p = prefill_profiles(trace)
+    if known.any():
+        p[known] = decode_profiles(trace)[known]
+    return np.minimum(p, np.float32(1.0 - 1e-6))
+
+
+def _expected_distinct(logs: np.ndarray, batch: int) -> float:
+    """Mean over layers of Σ_e 1 − exp(batch · mean log(1 − p_e)) of a request set."""
+    if logs.shape[0] == 0:
+        return 0.0
+    return float((1.0 - np.exp(batch * logs.mean(axis=0))).sum(axis=-1).mean())
+
+
+def evaluate(artifact: RoutingArtifact | None, trace: Trace, decode_known: np.ndarray, *,
+             batch_size: int = 16) -> Evaluation:
+    """Score ``artifact`` on the held-out ``trace`` (module docstring); None scores 1."""
+    from eldr.fit.cluster import balanced_assign
+    from eldr.fit.signature import rho
+
+    known = np.asarray(decode_known, dtype=bool)
+    logs = np.log1p(-_profiles(trace, known))
+    base = _expected_distinct(logs, batch_size)
+    if artifact is None:
+        return Evaluation(1.0, base, base, 1.0, (trace.num_requests,), None)
+    artifact.check_model(trace)
+    X = artifact.encoder.transform(trace)
+    sims = X @ np.asarray(artifact.centroids, dtype=np.float32).T
+    K = sims.shape[1]
+    labels = balanced_assign(1.0 - sims)
+    sizes = np.bincount(labels, minlength=K)
+    distinct = sum(sizes[k] * _expected_distinct(logs[labels == k], batch_size)
+                   for k in range(K)) / max(int(sizes.sum()), 1)
+    top = np.bincount(sims.argmax(axis=1), minlength=K)
+    balance = float(top.max() / max(top.mean(), 1e-9))
+    r = None
+    if known.sum() >= 10:
+        value = rho(X[known], trace.decode_counts[known])
+        r = float(value) if np.isfinite(value) else None
+    score = float(distinct / base) if base > 0 else 1.0
+    return Evaluation(score, float(distinct), base, balance, tuple(int(s) for s in top), r)
+
+
+def judge(candidate: Evaluation, current: Evaluation | None, *, min_gain: float = 0.0,
+          max_balance: float = 2.0, rho_tolerance: float = 0.05) -> list[str]:
+    """Reasons to refuse ``candidate`` against the running artifact's ``current`` (None:
+    no artifact), each ``"code: message"`` (code: unbalanced, no_gain, worse, rho); an
+    empty list accepts it."""
+    reasons = []
+    if candidate.balance > max_balance:
+        reasons.append(f"unbalanced: largest held-out cluster {candidate.balance:.2f} x the "
+                       f"mean (limit {max_balance})")
+    if candidate.score >= 1.0 - min_gain:
+        reasons.append(f"no_gain: no locality gain over load balancing (score "
+                       f"{candidate.score:.4f})")
+    if current is not None and candidate.score > current.score:
+        reasons.append(f"worse: worse than the running artifact (score {candidate.score:.4f} > "
+                       f"{current.score:.4f})")
+    if candidate.rho is not None:
+        if candidate.rho <= 0:
+            reasons.append(f"rho: held-out rho {candidate.rho:.3f} <= 0: the signature does not "
+                           f"predict decode routing")
+        elif current is not None and current.rho is not None and \
+                candidate.rho < current.rho - rho_tolerance:
+            reasons.append(f"rho: held-out rho {candidate.rho:.3f} below the running artifact's "
+                           f"{current.rho:.3f}")
+    return reasons
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """What the fit process needs (picklable: records are numpy arrays and scalars)."""
+
+    records: list[Record]  # the requests to fit and validate on, oldest first
+    model: str  # served model name
+    top_k: int  # k of the model
+    worker_ids: tuple[str, ...]  # decoders, in the router's order
+    output: str  # directory to write an accepted candidate to
+    current: str | None  # the running artifact's directory, or None
+    holdout: float = 0.25  # fraction held out for validation
+    batch_size: int = 16
+    min_gain: float = 0.0
+    max_balance: float = 2.0
+    rho_tolerance: float = 0.05
+    tau: float = 0.1
+    seed: int = 0
+    drift: dict | None = None  # DriftDetector keyword arguments; None: no drift calibration
+    fit: bool = True  # False: only calibrate drift for the running artifact
+
+
+@dataclass
+class FitOutcome:
+    """What came back from the fit process."""
+
+    accepted: bool
+    reasons: list[str]  # why it was refused (empty when accepted)
+    candidate: dict | None  # Evaluation.to_json of the candidate
+    current: dict | None  # Evaluation.to_json of the running artifact on the same requests
+    artifact: str | None  # where the accepted candidate was written
+    num_requests: int
+    num_with_decode: int
+    seconds: float
+    pid: int  # the process that fitted (not the router's)
+    detector: DriftDetector | None = None  # calibrated for the artifact now running
+    notes: list[str] = field(default_factory=list)
+
+
+def _calibrate(art: RoutingArtifact, trace: Trace, known: np.ndarray, kwargs: dict,
+               notes: list[str]) -> DriftDetector | None:
+    det = DriftDetector(**kwargs)
+    if trace.num_requests < det.window + 10:
+        notes.append(f"drift: {trace.num_requests} requests are too few to calibrate")
+        return None
+    X = art.encoder.transform(trace)
+    return det.calibrate(X, trace.decode_counts if known.any() else None, known)
+
+
+def run_fit_job(job: FitJob) -> FitOutcome:
+    """Fit, validate and (if accepted) write a candidate; calibrate drift for whatever
+    runs afterwards. Runs in the learner's worker process."""
+    from eldr.fit import artifact as artifact_io
+
+    t0 = time.perf_counter()
+    trace, known = records_to_trace(job.records, model=job.model, top_k=job.top_k)
+    notes: list[str] = []
+    current = None
+    if job.current is not None:
+        try:
+            current = artifact_io.load(job.current, expect_model=trace)
+        except ValueError as exc:
+            notes.append(f"running artifact not comparable: {exc}")
+    if not job.fit:
+        det = (_calibrate(current, trace, known, job.drift, notes)
+               if current is not None and job.drift is not None else None)
+        return FitOutcome(False, [], None, None, None, trace.num_requests, int(known.sum()),
+                          time.perf_counter() - t0, os.getpid(), det, notes)
+    rng = np.random.default_rng(job.seed)
+    perm = rng.permutation(trace.num_requests)
+    n_fit = round((1.0 - job.holdout) * trace.num_requests)
+    fit_idx, held_idx = np.sort(perm[:n_fit]), np.sort(perm[n_fit:])
+    fit_part, held = trace.subset(fit_idx), trace.subset(held_idx)
+    cand = fit_candidate(fit_part, known[fit_idx], worker_ids=job.worker_ids, tau=job.tau,
+                         random_state=job.seed)
+    ev_c = evaluate(cand, held, known[held_idx], batch_size=job.batch_size)
+    ev_o = evaluate(current, held, known[held_idx], batch_size=job.batch_size)
+    reasons = judge(ev_c, ev_o if current is not None else None, min_gain=job.min_gain,
+                    max_balance=job.max_balance, rho_tolerance=job.rho_tolerance)
+    path = None
+    if not reasons:
+        cand.fit_stats["validation"] = {"candidate": ev_c.to_json(), "running": ev_o.to_json()}
+        path = str(artifact_io.save(cand, job.output))
+    running = cand if not reasons else current
+    det = (_calibrate(running, trace, known, job.drift, notes)
+           if running is not None and job.drift is not None else None)
+    return FitOutcome(not reasons, reasons, ev_c.to_json(), ev_o.to_json(), path,
+                      trace.num_requests, int(known.sum()), time.perf_counter() - t0,
+                      os.getpid(), det, notes)

@@ -1,0 +1,240 @@
+"""``eldr serve --learn DIR``: the router's side of learning from live traffic (docs/learn.md).
+
+:class:`LiveLearning` wires a :class:`eldr.learn.controller.Learner` into a router with
+one hook, :meth:`on_request_done`, called by the flow when a decode completes: it reads
+the prompt's expert counts from the prefill response (the payload, or vLLM's
+``routed_experts``), the decode counts when the engines sent them (optional), and gives
+the learner a record and the request's signature under the running artifact (for drift).
+An accepted artifact is swapped in with the router's own reload (``Router.reload(path)``),
+so it is checked exactly like ``POST /admin/reload``. Learning metrics (``eldr_learn_*``)
+are registered on the router's registry and every stage is logged under ``eldr.learn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import numpy as np
+
+from eldr.learn.buffer import make_record
+from eldr.learn.config import LearnConfig
+from eldr.learn.controller import Learner, learned_artifact
+from eldr.proxy.signatures import _read_counts, split_kv_params
+
+__all__ = ["LiveLearning", "add_arguments", "config_from_args", "start_artifact"]
+
+log = logging.getLogger("eldr.learn")
+
+_SMALL_ANSWER = 32 * 1024  # answers whose usage is read back (bigger: length unknown)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--learn DIR`` and its settings (a group of ``eldr serve``'s options)."""
+    g = p.add_argument_group("learning from live traffic (docs/learn.md)")
+    g.add_argument("--learn", metavar="DIR", default=None,
+                   help="collect completed requests into a calibration trace in DIR, fit an "
+                        "artifact when enough are in, validate it and swap it in; refit on "
+                        "drift. Survives restarts (DIR is reloaded)")
+    g.add_argument("--learn-min-requests", type=int, default=500, metavar="N",
+                   help="requests before the first fit, and new ones per refit (default 500)")
+    g.add_argument("--learn-max-requests", type=int, default=4000, metavar="N",
+                   help="requests kept in the buffer, oldest dropped (default 4000)")
+    g.add_argument("--learn-holdout", type=float, default=0.25, metavar="F",
+                   help="fraction of a fit's requests held out to validate it (default 0.25)")
+    g.add_argument("--learn-drift-window", type=int, default=100, metavar="N",
+                   help="requests per drift test (default 100)")
+    g.add_argument("--learn-drift-alpha", type=float, default=0.01, metavar="A",
+                   help="false-alarm level of one drift test (default 0.01)")
+    g.add_argument("--learn-no-drift", dest="learn_drift", action="store_false",
+                   help="never refit on drift (fit once)")
+    g.add_argument("--learn-persist-interval", type=float, default=30.0, metavar="S",
+                   help="seconds between writes of the buffer to DIR (default 30)")
+
+
+def config_from_args(args: argparse.Namespace) -> LearnConfig | None:
+    if getattr(args, "learn", None) is None:
+        return None
+    return LearnConfig(directory=args.learn, min_requests=args.learn_min_requests,
+                       max_requests=args.learn_max_requests, holdout=args.learn_holdout,
+                       drift=args.learn_drift, drift_window=args.learn_drift_window,
+                       drift_alpha=args.learn_drift_alpha,
+                       persist_interval=args.learn_persist_interval)
+
+
+def start_artifact(config: LearnConfig | None) -> str | None:
+    """The learned artifact a restarted router should start with (None: none saved)."""
+    return None if config is None else learned_artifact(config.directory)
+
+
+def _answer_tokens(resp) -> int | None:
+    """``usage.completion_tokens`` of a small buffered JSON answer, else None (streams'
+    lengths come with the engines' decode payload, when they send one)."""
+    body = getattr(resp, "body", None)
+    if not isinstance(body, (bytes, bytearray)) or len(body) > _SMALL_ANSWER:
+        return None
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+class LiveLearning:
+    """A learner attached to ``router`` (``router.learner = LiveLearning(router, config)``)."""
+
+    def __init__(self, router, config: LearnConfig, *, executor=None) -> None:
+        self.router = router
+        self.learner = Learner(config, worker_ids=lambda: tuple(router.state.worker_names),
+                               current_artifact=lambda: router.config.artifact,
+                               swap=self._swap, on_event=self._event, executor=executor)
+        self._register(router.metrics.registry)
+
+    def _register(self, reg) -> None:
+        learner = self.learner
+        buf = learner.buffer
+        self.requests = reg.counter(
+            "eldr_learn_requests_total",
+            "Completed requests offered to the learn buffer, by result (collected, or why "
+            "not).", ("result",))
+        self.fits = reg.counter("eldr_learn_fits_total",
+                                "Artifact fits by result (accepted, refused, failed).",
+                                ("result",))
+        self.swaps = reg.counter("eldr_learn_swaps_total", "Learned artifacts swapped in.")
+        self.refusals = reg.counter("eldr_learn_refusals_total",
+                                    "Candidate artifacts refused, by reason.", ("reason",))
+        self.drifts = reg.counter("eldr_learn_drift_detections_total",
+                                  "Drift declared, by signal.", ("signal",))
+        self.requests.prime(("collected",))  # zero series, on the page before any event
+        self.fits.prime(("accepted",), ("refused",), ("failed",))
+        reg.gauge("eldr_learn_buffer_requests", "Requests in the learn buffer (all, and "
+                  "those with decode counts).", ("kind",),
+                  collect=lambda: {("all",): float(len(buf)),
+                                   ("with_decode",): float(buf.num_with_decode)})
+        reg.gauge("eldr_learn_drift_score", "Last drift test per signal (>= 1: past its "
+                  "threshold).", ("signal",),
+                  collect=lambda: {} if learner.detector is None else
+                  {(s,): r.score for s, r in learner.detector.last_.items()})
+        reg.gauge("eldr_learn_fit_running", "1 while a fit runs in the learner's process.",
+                  collect=lambda: {(): float(learner.fit_task is not None
+                                             and not learner.fit_task.done())})
+        reg.gauge("eldr_learn_artifact_score", "Held-out score of the last accepted learned "
+                  "artifact (expected distinct experts vs load balancing; lower is better).",
+                  collect=self._artifact_score)
+
+    def _artifact_score(self) -> dict:
+        last = self.learner.state.get("last") or {}
+        cand = last.get("candidate") if last.get("accepted") else None
+        return {} if not cand else {(): float(cand["score"])}
+
+    async def start(self) -> None:
+        await self.learner.start()
+
+    async def stop(self) -> None:
+        await self.learner.stop()
+
+    async def _swap(self, path: str) -> None:
+        await self.router.reload(path)
+
+    # -- the hook ---------------------------------------------------------------------------
+    def on_request_done(self, doc: dict, decoder: str, resp=None, decode=None) -> None:
+        """A decode completed: ``doc`` is its prefill response, ``decoder`` the decoder's
+        name, ``resp`` the client's answer (its usage, if small), ``decode`` the engines'
+        decode report (an object with ``counts`` (L, E) and ``tokens``; None until the
+        engines send one). Never raises: learning must not fail a request."""
+        try:
+            result = self._collect(doc, decoder, resp, decode)
+        except Exception:  # a bug of ours: logged, the request is unaffected
+            log.exception("learn: recording a completed request failed")
+            result = "error"
+        self.requests.inc(result=result)
+
+    def _collect(self, doc: dict, decoder: str, resp, decode) -> str:
+        router, buf = self.router, self.learner.buffer
+        _, payload = split_kv_params(doc)
+        shape = None if payload is not None else (router.state.shape or buf.shape)
+        counts = _read_counts(doc, payload, shape)
+        if counts.counts is None:
+            return "no_counts"
+        k = counts.top_k or router.state.top_k or buf.top_k
+        if k is None and counts.tokens:
+            total = int(counts.counts[0].sum())
+            k = total // counts.tokens if total % counts.tokens == 0 else None
+        if not k:
+            return "unknown_top_k"
+        dec_counts = getattr(decode, "counts", None)
+        try:
+            record = make_record(counts.counts, top_k=k, decoder=decoder, time=time.time(),
+                                 tokens=counts.tokens, decode_counts=dec_counts,
+                                 output_tokens=getattr(decode, "tokens", None)
+                                 or _answer_tokens(resp))
+        except ValueError:
+            return "inconsistent"
+        if buf.top_k is None:
+            buf.top_k = int(k)
+            known = router.pool.models()
+            buf.model = known[0] if known else "unknown"
+        elif buf.top_k != k or (buf.shape is not None and buf.shape != counts.counts.shape):
+            return "other_model"
+        state = router.state
+        signature = None
+        if state.encoder is not None and counts.counts.shape == state.shape:
+            signature = np.asarray(state.encode(counts.counts), dtype=np.float64)
+        self.learner.observe(record, signature)
+        return "collected"
+
+    # -- events → metrics and log -----------------------------------------------------------
+    def _event(self, name: str, info: dict) -> None:
+        if name == "fit_started":
+            log.info("learn: fitting on %d requests (%s)", info["requests"], info["reason"])
+        elif name == "fit_accepted":
+            self.fits.inc(result="accepted")
+            log.info("learn: candidate accepted after %.1f s in process %d: held-out score "
+                     "%.4f (running %.4f), rho %s, sizes %s", info["seconds"], info["pid"],
+                     info["candidate"]["score"], info["running"]["score"],
+                     info["candidate"]["rho"], info["candidate"]["sizes"])
+        elif name == "swapped":
+            self.swaps.inc()
+            log.info("learn: artifact %s swapped in", info["artifact"])
+        elif name == "fit_refused":
+            self.fits.inc(result="refused")
+            for reason in info["reasons"]:
+                self.refusals.inc(reason=reason.split(":", 1)[0])
+            log.warning("learn: candidate refused, the running artifact stays: %s",
+                        "; ".join(info["reasons"]))
+        elif name == "fit_failed":
+            self.fits.inc(result="failed")
+            log.error("learn: fit failed (%s): %s", info["reason"], info["error"])
+        elif name == "drift":
+            for signal in info["signals"]:
+                self.drifts.inc(signal=signal)
+            log.warning("learn: drift detected (%s), refitting once enough new requests are "
+                        "in", ", ".join(f"{s} score {v:.2f}" for s, v in info["scores"].items()))
+        elif name == "drift_checked":
+            log.debug("learn: drift test %s", [(r.signal, round(r.score, 3))
+                                               for r in info["reports"]])
+        elif name in ("collected", "started", "calibrated"):
+            log.info("learn: %s %s", name, info)
+        else:
+            log.debug("learn: %s %s", name, info)
+
+
+def configure(config, args: argparse.Namespace):
+    """(serve config, learn config or None) from ``eldr serve``'s arguments: with
+    ``--learn DIR`` and no ``--artifact``, the router starts with the artifact it learned
+    last in DIR (none: it starts without one)."""
+    import dataclasses
+
+    learn = config_from_args(args)
+    if learn is not None and config.artifact is None:
+        config = dataclasses.replace(config, artifact=start_artifact(learn))
+    return config, learn
+
+
+def attach(router, learn: LearnConfig | None) -> None:
+    """Give ``router`` a learner (nothing without ``--learn``)."""
+    if learn is not None:
+        router.learner = LiveLearning(router, learn)

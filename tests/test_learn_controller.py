@@ -1,0 +1,188 @@
+import asyncio
+import concurrent.futures
+import os
+
+import numpy as np
+
+from _learn_data import K, mix, records
+from eldr.fit import artifact as artifact_io
+from eldr.learn.config import LearnConfig
+from eldr.learn.controller import Learner, learned_artifact
+
+IDS = ("d0", "d1")
+
+
+class FakeRouter:
+    """What the learner needs from a router: its artifact, and a reload that may refuse."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.artifact: str | None = None
+        self.refuse = refuse
+        self.swaps: list[str] = []
+        self.events: list[tuple[str, dict]] = []
+
+    async def swap(self, path: str) -> None:
+        if self.refuse:
+            raise ValueError("artifact_workers: refused by the router")
+        artifact_io.load(path)  # what a reload does first
+        self.swaps.append(path)
+        self.artifact = path
+
+    def learner(self, tmp_path, executor=None, **kw) -> Learner:
+        settings = {"min_requests": 40, "drift_window": 30, "persist_interval": 3600.0, **kw}
+        return Learner(LearnConfig(directory=str(tmp_path), **settings),
+                       worker_ids=lambda: IDS, current_artifact=lambda: self.artifact,
+                       swap=self.swap, on_event=lambda n, i: self.events.append((n, i)),
+                       executor=executor)
+
+
+def _feed(learner, recs, router=None):
+    learner.buffer.top_k = K
+    enc = None
+    if router is not None and router.artifact is not None:
+        enc = artifact_io.load(router.artifact).encoder
+    for r in recs:
+        sig = None if enc is None else enc.transform(r.prefill_counts).astype(np.float64)
+        learner.observe(r, sig)
+
+
+def test_first_fit_runs_in_another_process_and_the_loop_stays_free(tmp_path):
+    router = FakeRouter()
+    rng = np.random.default_rng(0)
+
+    async def go():
+        learner = router.learner(tmp_path)  # the default executor: a spawned process
+        await learner.start()
+        ticks = 0
+
+        async def heartbeat():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        beat = asyncio.ensure_future(heartbeat())
+        _feed(learner, records(rng, mix(rng, 39, (1, 1, 0, 0))))
+        assert learner.fit_task is None  # one short of min_requests
+        _feed(learner, records(rng, mix(rng, 1, (1, 1, 0, 0))))
+        assert learner.fit_task is not None
+        ticks_at_start = ticks
+        await learner.fit_task
+        beat.cancel()
+        await learner.stop()
+        return ticks - ticks_at_start
+
+    ticks = asyncio.run(go())
+    accepted = [i for n, i in router.events if n == "fit_accepted"]
+    assert len(accepted) == 1 and accepted[0]["pid"] != os.getpid()
+    assert ticks >= 10  # the event loop kept running while the fit ran elsewhere
+    assert router.swaps == [str(tmp_path / "artifacts" / "0001")]
+    assert accepted[0]["candidate"]["score"] < 1.0
+    assert learned_artifact(str(tmp_path)) == router.swaps[0]  # what a restart starts with
+
+
+def test_a_refused_candidate_keeps_the_running_artifact(tmp_path):
+    router = FakeRouter(refuse=True)
+    rng = np.random.default_rng(1)
+
+    async def go():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learner = router.learner(tmp_path, executor=pool)
+            await learner.start()
+            _feed(learner, records(rng, mix(rng, 40, (1, 1, 0, 0))))
+            await learner.fit_task
+            await learner.stop()
+            return learner
+
+    learner = asyncio.run(go())
+    assert router.artifact is None and router.swaps == []
+    refused = [i for n, i in router.events if n == "fit_refused"]
+    assert refused and refused[0]["reasons"][0].startswith("reload:")
+    assert learner.state["refused"] == 1 and learner.state["accepted"] == 0
+    assert not (tmp_path / "artifacts" / "0001").exists()  # the refused candidate is gone
+
+
+def test_restart_reloads_the_buffer_and_the_counters(tmp_path):
+    router = FakeRouter()
+    rng = np.random.default_rng(2)
+    recs = records(rng, mix(rng, 25, (1, 1, 1, 1)))
+
+    async def first():
+        learner = router.learner(tmp_path, executor=concurrent.futures.ThreadPoolExecutor(1))
+        await learner.start()
+        _feed(learner, recs)
+        await learner.stop()  # writes DIR/buffer
+
+    async def second():
+        learner = router.learner(tmp_path, executor=concurrent.futures.ThreadPoolExecutor(1))
+        await learner.start()
+        await learner.stop()
+        return learner
+
+    asyncio.run(first())
+    learner = asyncio.run(second())
+    assert len(learner.buffer) == 25 and learner.buffer.num_seen == 25
+    assert learner.buffer.top_k == K
+    assert [r.time for r in learner.buffer.snapshot()] == [r.time for r in recs]
+
+
+def test_drift_triggers_a_refit_on_the_new_traffic_and_a_swap(tmp_path):
+    router = FakeRouter()
+    rng = np.random.default_rng(3)
+
+    async def go():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learner = router.learner(tmp_path, executor=pool, min_requests=120,
+                                     drift_window=40)
+            await learner.start()
+            _feed(learner, records(rng, mix(rng, 120, (1, 1, 0, 0))))
+            await learner.fit_task
+            assert learner.detector is not None and len(router.swaps) == 1
+            for _ in range(12):  # the mix moves to the other two domains
+                _feed(learner, records(rng, mix(rng, 20, (0, 0, 1, 1))), router)
+                await asyncio.sleep(0.05)
+                while learner._checks:
+                    await asyncio.gather(*learner._checks)
+            for _ in range(40):
+                if learner.fit_task.done() and len(router.swaps) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            await learner.stop()
+            return learner
+
+    learner = asyncio.run(go())
+    names = [n for n, _ in router.events]
+    assert "drift" in names
+    drift = next(i for n, i in router.events if n == "drift")
+    assert "shift" in drift["signals"]
+    refit = [i for n, i in router.events if n == "fit_started"][-1]
+    assert refit["reason"] == "drift"
+    assert len(router.swaps) == 2 and learner.state["drifts"] == 1
+
+
+def test_a_given_artifact_gets_a_drift_reference_from_the_traffic(tmp_path):
+    """Started with an artifact it did not learn and an empty DIR: no fit, but once
+    min_requests are in, drift is calibrated for that artifact."""
+    from eldr.learn.buffer import records_to_trace
+    from eldr.learn.refit import fit_candidate
+
+    router = FakeRouter()
+    rng = np.random.default_rng(5)
+    trace, known = records_to_trace(records(rng, mix(rng, 80, (1, 1, 0, 0))), model="s",
+                                    top_k=K)
+    router.artifact = str(artifact_io.save(fit_candidate(trace, known, worker_ids=IDS),
+                                           tmp_path / "given"))
+
+    async def go():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learner = router.learner(tmp_path / "learn", executor=pool)
+            await learner.start()
+            _feed(learner, records(rng, mix(rng, 40, (1, 1, 0, 0))), router)
+            await learner.fit_task
+            await learner.stop()
+            return learner
+
+    learner = asyncio.run(go())
+    assert learner.detector is not None and learner.detector.is_calibrated
+    assert learner.state["fits"] == 0 and router.swaps == []
+    assert [n for n, _ in router.events if n == "calibrated"]

@@ -1,0 +1,92 @@
+import os
+
+import numpy as np
+import pytest
+
+from _learn_data import K, mix, records
+from eldr.fit import artifact as artifact_io
+from eldr.learn.buffer import records_to_trace
+from eldr.learn.refit import Evaluation, FitJob, evaluate, fit_candidate, judge, run_fit_job
+
+IDS = ("d0", "d1")
+
+
+def _trace(seed, n, shares=(1, 1, 0, 0), with_decode=True):
+    rng = np.random.default_rng(seed)
+    return records_to_trace(records(rng, mix(rng, n, shares), with_decode=with_decode),
+                            model="s", top_k=K)
+
+
+@pytest.mark.parametrize("with_decode", [True, False])
+def test_a_fitted_candidate_beats_load_balancing_on_held_out_requests(with_decode):
+    trace, known = _trace(0, 200, with_decode=with_decode)
+    held, held_known = _trace(1, 100, with_decode=with_decode)
+    art = fit_candidate(trace, known, worker_ids=IDS)
+    assert art.fit_stats["decode_counts"] is with_decode
+    if not with_decode:  # rho undefined: no mask search, the prefill-only predictor
+        assert art.layers.tolist() == list(range(trace.meta.num_layers))
+        assert art.profile_alpha == 0.0
+    ev = evaluate(art, held, held_known)
+    assert ev.score < 0.9  # two domains on two decoders: far fewer distinct experts
+    assert ev.balance <= 1.5
+    assert (ev.rho is not None) is with_decode
+    assert evaluate(None, held, held_known).score == 1.0
+
+
+def test_judge_refuses_a_worse_candidate_with_reasons():
+    good = Evaluation(0.7, 7.0, 10.0, 1.1, (50, 50), 0.5)
+    worse = Evaluation(0.8, 8.0, 10.0, 1.1, (50, 50), 0.5)
+    assert judge(good, None) == [] and judge(good, worse) == []
+    assert [r.split(":")[0] for r in judge(worse, good)] == ["worse"]
+    lopsided = Evaluation(0.6, 6.0, 10.0, 2.5, (90, 10), 0.2)
+    assert [r.split(":")[0] for r in judge(lopsided, good)] == ["unbalanced", "rho"]
+    assert [r.split(":")[0] for r in judge(Evaluation(1.0, 10, 10, 1, (1,), None), None)] \
+        == ["no_gain"]
+
+
+def test_fit_job_refuses_a_worse_candidate_and_writes_nothing(tmp_path, monkeypatch):
+    """A candidate with meaningless centroids (random unit rows) against a running artifact
+    fitted on the traffic: refused as worse, nothing written, the running one untouched."""
+    import dataclasses
+
+    from eldr.learn import refit
+
+    rng = np.random.default_rng(2)
+    recs = records(rng, mix(rng, 240, (1, 1, 1, 1)))
+    trace, known = records_to_trace(recs, model="s", top_k=K)
+    running = fit_candidate(trace, known, worker_ids=IDS)
+    artifact_io.save(running, tmp_path / "running")
+    good = run_fit_job(FitJob(records=recs, model="s", top_k=K, worker_ids=IDS,
+                              output=str(tmp_path / "cand"), current=None, drift=None))
+    assert good.accepted and good.artifact == str(tmp_path / "cand")
+    assert good.pid == os.getpid()  # called directly here; the learner runs it elsewhere
+    real = refit.fit_candidate
+
+    def scrambled(*args, **kwargs):
+        art = real(*args, **kwargs)
+        c = np.random.default_rng(0).standard_normal(art.centroids.shape)
+        c /= np.linalg.norm(c, axis=1, keepdims=True)
+        return dataclasses.replace(art, centroids=c.astype(np.float32))
+
+    monkeypatch.setattr(refit, "fit_candidate", scrambled)
+    before = (tmp_path / "running" / "arrays.npz").read_bytes()
+    bad = run_fit_job(FitJob(records=recs, model="s", top_k=K, worker_ids=IDS,
+                             output=str(tmp_path / "bad"), current=str(tmp_path / "running"),
+                             drift=None))
+    assert not bad.accepted and bad.artifact is None
+    assert "worse" in [r.split(":")[0] for r in bad.reasons]
+    assert bad.candidate["score"] > bad.current["score"]
+    assert not (tmp_path / "bad").exists()
+    assert (tmp_path / "running" / "arrays.npz").read_bytes() == before
+
+
+def test_calibrate_only_job_returns_a_detector(tmp_path):
+    rng = np.random.default_rng(3)
+    recs = records(rng, mix(rng, 150, (1, 1, 1, 1)))
+    trace, known = records_to_trace(recs, model="s", top_k=K)
+    artifact_io.save(fit_candidate(trace, known, worker_ids=IDS), tmp_path / "a")
+    out = run_fit_job(FitJob(records=recs, model="s", top_k=K, worker_ids=IDS,
+                             output=str(tmp_path / "x"), current=str(tmp_path / "a"),
+                             drift={"window": 50}, fit=False))
+    assert out.detector is not None and out.detector.is_calibrated
+    assert not out.accepted and not (tmp_path / "x").exists()

@@ -1,0 +1,154 @@
+"""``eldr serve --learn`` with stand-in engines: start with no artifact, collect, fit, swap."""
+
+import asyncio
+import time
+import zlib
+
+import numpy as np
+from aiohttp.test_utils import TestClient, TestServer
+
+from _learn_data import E, L, token_counts
+from _proxy_fakes import FakeEngine
+from eldr.capture.payload import encode_counts
+from eldr.learn.config import LearnConfig
+from eldr.proxy import learning
+from eldr.proxy.app import Router
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.metrics import parse_samples
+
+
+class TwoDomainEngine(FakeEngine):
+    """A prefill whose payload is the synthetic model's counts (L=4, E=16, k=2) of the
+    prompt's domain: 'code' prompts route like domain 0, the others like domain 1."""
+
+    def _prefill_answer(self, prompt: str, n_prompt: int, body: dict) -> dict:
+        doc = super()._prefill_answer(prompt, n_prompt, body)
+        rng = np.random.default_rng(zlib.crc32(prompt.encode()))
+        domain = next((d for d, w in enumerate(DOMAIN_WORDS) if w in prompt), 1)
+        counts = token_counts(rng, domain, n_prompt)
+        doc["kv_transfer_params"]["eldr"] = {**encode_counts(counts), "tokens": n_prompt}
+        return doc
+
+
+DOMAIN_WORDS = ("code", "law", "poem", "math")  # a prompt's word → its synthetic domain
+
+
+def _prompt(i: int, domains=(0, 1)) -> str:
+    word = DOMAIN_WORDS[domains[i % len(domains)]]
+    return " ".join(["please", word, "now"] + [f"w{j}" for j in range(i % 7)])
+
+
+async def _send(client, n: int, domains=(0, 1), start: int = 0) -> None:
+    for first in range(start, start + n, 8):
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": "tiny", "prompt": _prompt(i, domains)})
+            for i in range(first, min(first + 8, start + n))))
+        assert [r.status for r in rs] == [200] * len(rs)
+
+
+async def _cluster(tmp_path, **learn_kw):
+    prefill = await TwoDomainEngine("p0").start()
+    decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
+    config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
+                         health_interval=0.05, health_timeout=1.0, unhealthy_after=1)
+    router = Router(config)  # eldr_cost, no artifact
+    learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
+                                        **{"min_requests": 40, **learn_kw}))
+    client = TestClient(TestServer(router.make_app(), port=0))
+    await client.start_server()
+    return router, client, [prefill, *decoders]
+
+
+def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
+    async def go():
+        router, client, engines = await _cluster(tmp_path)
+        try:
+            assert router.state.artifact is None and router.state.encoder is None
+            before = await (await client.get("/metrics")).text()
+            assert 'eldr_learn_fits_total{result="refused"} 0' in before
+            assert "eldr_learn_swaps_total 0" in before
+            t0 = time.perf_counter()
+            await _send(client, 40)
+            learner = router.learner.learner
+            assert learner.fit_task is not None  # the 40th request started the fit
+            await learner.fit_task
+            seconds = time.perf_counter() - t0
+            page = await (await client.get("/metrics")).text()
+            r = await client.post("/v1/completions", json={"model": "tiny",
+                                                           "prompt": _prompt(1)})
+            assert r.status == 200
+            return router, page, seconds
+        finally:
+            await client.close()
+            for e in engines:
+                await e.close()
+
+    router, page, seconds = asyncio.run(go())
+    fit = router.learner.learner.state["last"]["seconds"]
+    print(f"\nfirst fit: 40 requests, {seconds:.2f} s from the first request to the swap "
+          f"(the fit itself {fit:.2f} s in its process)")
+    art = str(tmp_path / "learn" / "artifacts" / "0001")
+    assert router.state.artifact == art and router.config.artifact == art
+    assert router.state.policy.name == "eldr_cost" and router.state.predictor is not None
+    assert (router.state.num_layers, router.state.num_experts) == (L, E)
+    recs = router.learner.learner.buffer.snapshot()
+    assert {r.output_tokens for r in recs} == {3}  # the answers' usage.completion_tokens
+    assert {r.decoder for r in recs} <= {"decode-0", "decode-1"}
+    assert all(r.decode_counts is None for r in recs)  # the engines send none (yet)
+    got = parse_samples(page, ["eldr_learn_swaps_total", "eldr_learn_fits_total",
+                               "eldr_learn_requests_total", "eldr_artifact_reloads_total"])
+    assert got["eldr_learn_swaps_total"] == 1 and got["eldr_learn_fits_total"] == 1
+    assert got["eldr_learn_requests_total"] == 40
+    assert 'eldr_learn_requests_total{result="collected"} 40' in page
+    assert 'eldr_learn_buffer_requests{kind="all"} 40' in page
+    assert "eldr_learn_artifact_score " in page
+    # the buffer was written at shutdown, and a restart starts with the learned artifact
+    assert (tmp_path / "learn" / "buffer" / "trace.npz").is_file()
+    assert learning.start_artifact(LearnConfig(directory=str(tmp_path / "learn"))) == art
+
+
+def test_a_domain_mix_shift_is_detected_and_a_refit_swaps_in(tmp_path):
+    async def go():
+        router, client, engines = await _cluster(tmp_path, drift_window=20)
+        try:
+            learner = router.learner.learner
+            await _send(client, 40, domains=(0, 1))
+            await learner.fit_task
+            assert learner.detector is not None
+            await _send(client, 40, domains=(0, 1), start=40)  # same mix: quiet
+            assert learner.state["drifts"] == 0
+            for start in range(80, 200, 8):  # the mix moves to the other two domains
+                await _send(client, 8, domains=(2, 3), start=start)
+                await asyncio.sleep(0.01)  # let the drift tests (threads) report
+                if learner.state["accepted"] == 2:
+                    break
+            if learner.fit_task is not None:
+                await learner.fit_task
+            page = await (await client.get("/metrics")).text()
+            return router, learner, page
+        finally:
+            await client.close()
+            for e in engines:
+                await e.close()
+
+    router, learner, page = asyncio.run(go())
+    assert learner.state["drifts"] == 1 and learner.state["accepted"] == 2
+    assert learner.state["last"]["reason"] == "drift"
+    assert router.state.artifact == str(tmp_path / "learn" / "artifacts" / "0002")
+    assert 'eldr_learn_drift_detections_total{signal="shift"} 1' in page
+    assert 'eldr_learn_swaps_total 2' in page
+
+
+def test_serve_arguments_and_restart_artifact(tmp_path):
+    from eldr.cli import build_parser
+    from eldr.commands.serve import config_from_args
+
+    args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
+                                      "http://d:1", "--learn", str(tmp_path),
+                                      "--learn-min-requests", "60"])
+    config, learn = learning.configure(config_from_args(args), args)
+    assert learn.min_requests == 60 and learn.directory == str(tmp_path)
+    assert config.artifact is None  # nothing learned yet: start without one
+    args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
+                                      "http://d:1"])
+    assert learning.configure(config_from_args(args), args)[1] is None
