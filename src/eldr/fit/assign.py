@@ -52,6 +52,7 @@ _MIN_LEVEL = 1024  # rows in the smallest coarse level
 _DTOL = 0.5  # a stage has converged once the Newton step is below 0.5ε
 _SHRINK = 4.0  # ε shrinks this much per stage
 _TR0 = 4.0  # a stage's first trust radius, in units of ε
+_STALLS = 3  # stages in a row without progress before the overfill is left to the repair
 _EPS_FLOOR = 1e-6  # smallest ε relative to the cost spread: float32 resolves ~1e-7
 _EXP_FLOOR = 60.0  # exp(-60) ≈ 1e-26 stands for anything smaller
 _POOL = 32  # boundary rows per column the repair scans first
@@ -138,29 +139,35 @@ def _stages(level: _Level, p: np.ndarray, eps: float, *, eps_stop: float,
     """Trust-region Newton on the smoothed dual, ε shrinking 4× whenever a stage converges.
 
     With ``target`` None: one stage (a coarse level). Otherwise stages until at most
-    ``target`` rows overfill, ε < ``eps_stop``, or the overfill stops falling while the
-    prices stand still (exact ties). Returns (p, ε for the next stage, evaluations).
+    ``target`` rows overfill, ε < ``eps_stop``, or the overfill has not reached a new low
+    for 3 stages (exact ties, duplicated rows: then the prices of the lowest). Returns
+    (p, ε for the next stage, evaluations).
     """
     level.split(p, eps)
     pt, evals = level.at(p, eps), 1
-    steps, p_stage, last, radius = 0, p, None, _TR0 * eps
+    steps, last, radius, stalls, stuck = 0, None, _TR0 * eps, 0, False
     while evals < _MAX_EVALS:
         if target is not None and pt.over <= target:
             break
         d = np.linalg.solve(pt.L, eps * pt.g)
         dm = max(float(np.abs(d).max()), 1e-300)
+        stuck = stuck if steps else False
         converged = dm <= _DTOL * eps or float(np.abs(pt.g).sum()) < 0.5
         if converged or steps >= _NEWTON_STEPS:
             p = pt.p + min(1.0, level.room(pt.p) / dm) * d if converged else pt.p
-            moved = float(np.abs(p - p_stage).max())
-            eps /= _SHRINK
+            if converged or stuck:
+                eps /= _SHRINK  # else the same ε again: a smaller one would only slow it
             if target is None:
                 return p, eps, evals
-            if last is not None and pt.over >= last and moved < eps:
-                break  # prices stand still and the overfill stays: exact ties (repair's)
+            if last is None or pt.over < last[0]:
+                last, stalls = (pt.over, p), 0
+            else:
+                stalls += 1
+            if stalls >= _STALLS:  # the overfill stopped falling: exact ties or duplicated
+                return last[1], eps, evals  # rows, which the repair moves in bulk
             if eps < eps_stop:
-                break
-            last, steps, p_stage, radius = pt.over, 0, p, _TR0 * eps
+                return p, eps, evals
+            steps, radius = 0, _TR0 * eps
             level.split(p, eps)
             pt, evals = level.at(p, eps), evals + 1
             continue
@@ -174,7 +181,7 @@ def _stages(level: _Level, p: np.ndarray, eps: float, *, eps_stop: float,
                 break
             radius = t * dm / 4.0
         else:
-            steps = _NEWTON_STEPS  # no progress along d (float32 resolution): next stage
+            steps, stuck = _NEWTON_STEPS, True  # no progress along d (float32 resolution)
             continue
         pt, steps = trial, steps + 1
         if level.room(pt.p) <= 1e-9 * eps:  # the one-hot split is stale: redo it, same ε
@@ -201,7 +208,9 @@ def entropic_prices(C: np.ndarray, caps: np.ndarray, *, target_excess: int,
     eps_stop = span * _EPS_FLOOR
     if prices is None:
         p = np.zeros(K)
-        eps = float(np.quantile(gap, 0.9)) or span
+        # The 90th percentile of the best-vs-second gaps, or more when a column is nobody's
+        # first choice: its price must come down by that much before any row moves there.
+        eps = max(float(np.quantile(gap, 0.9)), float(CT.min(1).max())) or span
         sizes = []  # coarse levels: N/4, N/16, ... rows, at least _MIN_LEVEL each
         while N // 4 ** (len(sizes) + 1) >= _MIN_LEVEL:
             sizes.append(N // 4 ** (len(sizes) + 1))
@@ -214,7 +223,10 @@ def entropic_prices(C: np.ndarray, caps: np.ndarray, *, target_excess: int,
         wrong = int(np.maximum(np.bincount(best, minlength=K) - caps, 0).sum())
         if wrong <= target_excess:
             return p
-        eps = max(float(np.quantile(gap, min(1.0, 8.0 * wrong / N))), eps_stop)
+        cold = int(np.maximum(np.bincount(CT.argmin(0), minlength=K) - caps, 0).sum())
+        if 2 * wrong >= cold:  # the costs moved too far for these prices: start cold
+            return entropic_prices(C, caps, target_excess=target_excess)
+        eps = max(float(np.quantile(gap, min(1.0, 64.0 * wrong / N))), eps_stop)
     p, _, _ = _stages(_Level(CT, capf, S), p, eps, eps_stop=eps_stop,
                       target=float(target_excess))
     return p - p.min()
