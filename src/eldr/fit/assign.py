@@ -149,7 +149,10 @@ def _stages(level: _Level, p: np.ndarray, eps: float, *, eps_stop: float,
     while evals < _MAX_EVALS:
         if target is not None and pt.over <= target:
             break
-        d = np.linalg.solve(pt.L, eps * pt.g)
+        # Levenberg–Marquardt: a column with no soft rows has (almost) no curvature, and a
+        # plain Newton step would fling its price; μ caps such a step near the radius.
+        mu = eps * float(np.abs(pt.g).max()) / min(radius, 1e300)
+        d = np.linalg.solve(pt.L + mu * np.eye(pt.L.shape[0]), eps * pt.g)
         dm = max(float(np.abs(d).max()), 1e-300)
         stuck = stuck if steps else False
         converged = dm <= _DTOL * eps or float(np.abs(pt.g).sum()) < 0.5
