@@ -47,6 +47,17 @@ def test_eldr_policy_without_artifact_exits_2(capsys):
     assert "needs a routing artifact" in capsys.readouterr().err
 
 
+def test_a_missing_serve_extra_is_one_line_naming_it(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "prometheus_client" else real(name, *a))
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs prometheus_client" in err and "[serve]" in err and "Traceback" not in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

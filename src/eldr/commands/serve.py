@@ -186,10 +186,12 @@ async def _reload(reload) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import aiohttp  # noqa: F401
-    except ModuleNotFoundError as exc:
-        raise ValueError("eldr serve needs aiohttp: pip install 'eldr[serve]'") from exc
+    import importlib.util
+
+    missing = [m for m in ("aiohttp", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"eldr serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
+                         f"from the source tree")
     from eldr.proxy import learning
     from eldr.proxy.app import Router
 
