@@ -141,3 +141,80 @@ def test_admin_token_from_a_file_or_the_environment_never_the_command_line(tmp_p
     empty.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         config_from_args(_args(*base, "--admin-token-file", str(empty)))
+
+
+def _get(url: str, token: str | None = None, data: bytes | None = None):
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=5) as resp:  # a new connection every call
+        return resp.read()
+
+
+def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
+    """--workers 2: both workers serve on one port, a load dispatched by one is seen by
+    both, and an admin reload received by one reaches the other."""
+    extra = _artifact_for_the_fake_engine(tmp_path / "art")
+    token = "workers-token-123"
+
+    async def go():
+        pre, dec = await FakeEngine("p").start(), await FakeEngine("e").start()
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--prefill", pre.url, "--decode", dec.url,
+             "--policy", "jsq", "--port", str(port), "--workers", "2",
+             "--health-interval", "0.2", *extra], stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "ELDR_ADMIN_TOKEN": token})
+        base = f"http://127.0.0.1:{port}"
+        out = {}
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                try:
+                    await asyncio.to_thread(_get, base + "/health")
+                    break
+                except OSError:
+                    continue
+            else:
+                pytest.fail("eldr serve --workers 2 did not come up")
+            await asyncio.sleep(0.5)  # the second worker binds a moment later
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            for _ in range(24):
+                doc = json.loads(await asyncio.to_thread(_get, base + "/v1/completions",
+                                                         None, body))
+                assert doc["choices"][0]["text"] == "tok0tok1tok2"
+            # each router process prefixes its upstream ids with its own random tag
+            out["processes"] = {rid.rsplit("-", 1)[0] for rid in pre.request_ids}
+            out["reload"] = json.loads(await asyncio.to_thread(
+                _get, base + "/admin/reload", token, b""))
+            await asyncio.sleep(0.5)  # the parent relays it to the other worker
+            out["metrics"] = [(await asyncio.to_thread(_get, base + "/metrics")).decode()
+                              for _ in range(16)]
+            dec.mode = "hang"  # one decode stays in flight at decoder e
+            hung = asyncio.ensure_future(asyncio.to_thread(
+                lambda: urllib.request.urlopen(urllib.request.Request(
+                    base + "/v1/completions", data=body, method="POST"), timeout=8)))
+            await asyncio.sleep(0.5)
+            out["loads"] = [json.loads(await asyncio.to_thread(_get, base + "/health"))
+                            ["decode"][0]["load"] for _ in range(16)]
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.05)
+            hung.cancel()
+            return out, proc.returncode, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            await pre.close()
+            await dec.close()
+
+    out, rc, err = asyncio.run(go())
+    assert len(out["processes"]) == 2, out["processes"]  # served by both workers
+    assert out["reload"]["reloaded"] is True
+    for page in out["metrics"]:  # every worker reloaded exactly once
+        assert 'eldr_artifact_reloads_total{result="ok"} 1.0' in page, page
+    assert out["loads"] == [1.0] * 16  # both workers see the other's in-flight decode
+    assert rc == 0, err
+    assert "2 workers on http://127.0.0.1" in err

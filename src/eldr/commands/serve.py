@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
                    help="seconds an open breaker holds a decoder off before one probe; "
                         "doubled after each failed probe (up to 120 s)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="router processes on the port (SO_REUSEPORT), sharing each "
+                        "decoder's load; for machines with more cores than one (default 1)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
     from eldr.proxy import learning
@@ -109,7 +112,7 @@ def config_from_args(args: argparse.Namespace):
         max_attempts=args.max_attempts, release_kv=args.release_kv,
         breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,
-        breaker_max_backoff=max(120.0, args.breaker_backoff))
+        breaker_max_backoff=max(120.0, args.breaker_backoff), workers=args.workers)
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
@@ -140,19 +143,28 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     return None
 
 
-async def serve(router, *, ready=None) -> None:
-    """Run the router until SIGINT/SIGTERM; SIGHUP reloads the artifact."""
+async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool = False,
+                reload=None) -> None:
+    """Run the router until SIGINT/SIGTERM; SIGHUP reloads the artifact.
+
+    ``port`` overrides the config's (a worker of ``--workers N`` binds the port its parent
+    reserved, with ``reuse_port``); ``reload`` is what SIGHUP calls (default
+    ``router.reload``).
+    """
     from aiohttp import web
 
     runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, router.config.host, router.config.port, backlog=1024)
+    site = web.TCPSite(runner, router.config.host,
+                       router.config.port if port is None else port, backlog=1024,
+                       reuse_port=reuse_port or None)
     await site.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload(router)))
+    reload = router.reload if reload is None else reload
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload(reload)))
     host, port = site._server.sockets[0].getsockname()[:2]  # the real port when port=0
     state = router.state
     print(f"eldr serve: listening on http://{host}:{port} (policy {state.policy.name}, "
@@ -166,9 +178,9 @@ async def serve(router, *, ready=None) -> None:
         await runner.cleanup()
 
 
-async def _reload(router) -> None:
+async def _reload(reload) -> None:
     try:
-        await router.reload()
+        await reload()
     except Exception:  # logged and counted by reload(); the running artifact stays
         pass
 
@@ -184,7 +196,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, learn = learning.configure(config_from_args(args), args)
-    router = Router(config)
+    if learn is not None and config.workers > 1:
+        raise ValueError("--learn needs --workers 1: one learner owns DIR and swaps the "
+                         "artifact (several workers would each fit and write it)")
+    router = Router(config)  # a bad artifact fails here, before any socket or worker
+    if config.workers > 1:
+        from eldr.proxy.workers import run_workers
+
+        del router
+        return run_workers(config, lambda: Router(config), serve)
     learning.attach(router, learn)
     try:
         import uvloop  # optional: a faster event loop when installed

@@ -38,7 +38,7 @@ from eldr.proxy.flow import RequestFlow
 from eldr.proxy.forward import KNOWN_ROUTES, OWN_ROUTES, Forwarder, classify, vllm_detail
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.relay import is_stream_done
-from eldr.proxy.upstream import UpstreamPool
+from eldr.proxy.upstream import UpstreamPool, make_session
 
 __all__ = ["Router"]
 
@@ -105,10 +105,10 @@ class Router:
 
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
         # No Accept-Encoding: engines answer uncompressed, and bytes are relayed as they come.
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",
-                                                                "Accept-Encoding"),
-                                             cookie_jar=aiohttp.DummyCookieJar())
+        self.session = make_session(aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar()))
         await self.pool.start(self.session)
         if self.learner is not None:
             await self.learner.start()

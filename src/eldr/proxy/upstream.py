@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,9 +33,9 @@ from eldr.proxy.bodies import json_object, read_upto
 from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
-from eldr.routing.loads import LoadTracker
+from eldr.proxy.workers import make_tracker
 
-__all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
+__all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind", "make_session"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -71,10 +72,26 @@ class Instance:
         return doc
 
 
+def make_session(session):
+    """The client the router talks to engines with: :class:`eldr.proxy.client.UpstreamSession`
+    over the aiohttp ``session`` (which serves what it does not), or the aiohttp session
+    itself when ``httptools`` is not installed."""
+    try:
+        from eldr.proxy.client import UpstreamSession
+    except ModuleNotFoundError:
+        return session
+    return UpstreamSession(session)
+
+
 def error_kind(exc: BaseException) -> str:
     """A short label for an upstream failure: the ``kind`` of the error metric."""
     import aiohttp
 
+    client = sys.modules.get("eldr.proxy.client")  # not loaded: none of its errors exist
+    if client is not None and isinstance(exc, client.UpstreamConnectError):
+        return "connect"
+    if client is not None and isinstance(exc, client.UpstreamProtocolError):
+        return "protocol"
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return "timeout"
     if isinstance(exc, aiohttp.ClientConnectorError):
@@ -98,7 +115,8 @@ class UpstreamPool:
                            failures=config.breaker_failures, backoff=config.breaker_backoff,
                            max_backoff=config.breaker_max_backoff))
                        for k, u in enumerate(config.decode_urls)]
-        self.tracker = LoadTracker(len(self.decode))  # decode loads + health, for policies
+        # decode loads + health, for policies (shared by the workers of --workers N)
+        self.tracker = make_tracker(len(self.decode))
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
         self.prefill_healthy = np.ones(len(self.prefill), dtype=bool)  # (P,)
         self.on_recover = None  # callback(instance) when an instance comes back
