@@ -122,6 +122,19 @@ class LazyCostPolicy(PolicyBase):
         if self.inner is not None:
             self.inner.on_release(request_id, outcome)
 
+    def add_worker(self, *, like: int | None = None) -> int:
+        k = self._jsq.add_worker(like=like)
+        if self.inner is not None:
+            self.inner.add_worker(like=like)
+        self.num_workers = self._jsq.num_workers
+        return k
+
+    def remove_worker(self, worker: int) -> None:
+        self._jsq.remove_worker(worker)
+        if self.inner is not None:
+            self.inner.remove_worker(worker)
+        self.num_workers = self._jsq.num_workers
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingState:
