@@ -147,7 +147,7 @@ class ElasticPool:
             inst = pool.add_decoder(url, name)  # out of rotation until the check passes
             state = router.state
             state.policy.add_worker(like=like)
-            self._swap(state, state.worker_names + (name,))
+            self._swap(state, (*state.worker_names, name))
             router.metrics.prime_instances(pool, (inst,))
             router.metrics.pool_changes.inc(action="added")
             healthy = pool._session is not None and await pool.check(inst)
@@ -211,7 +211,7 @@ class ElasticPool:
         if "signature" not in router.state.policy.inputs and \
                 getattr(router.state.policy, "footprint", None) is None:
             return None
-        taken = router.metrics.decisions.values()
+        taken = router.metrics.decisions.values
         policy = router.state.policy.name
         counts = [(taken.get((policy, i.name), 0.0), -i.index, i.index)
                   for i in router.pool.decode if not i.draining]

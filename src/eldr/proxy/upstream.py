@@ -164,7 +164,7 @@ class UpstreamPool:
         else:
             self.prefill_healthy[inst.index] = ok
         log.warning("%s %s (%s) is %s%s", inst.role, inst.name, inst.url,
-                    "healthy again" if ok else "unhealthy",
+                    ("healthy again" if inst.last_error else "healthy") if ok else "unhealthy",
                     "" if ok else f": {inst.last_error}")
         if ok and self.on_recover is not None:
             self.on_recover(inst)
