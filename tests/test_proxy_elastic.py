@@ -9,6 +9,7 @@ import pytest
 from _proxy_fakes import FakeEngine, cluster, run
 from eldr.proxy import app as app_mod
 from eldr.proxy.decision import WorkerMismatch
+from eldr.proxy.elastic import read_decoders_file
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -307,3 +308,55 @@ def test_the_learner_hears_of_every_change():
 
     run(go())
     assert heard == [("w-code", "w-other", "decode-0"), ("w-other", "decode-0")]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "lists no decoder"),
+    ("# only a comment\n", "lists no decoder"),
+    ("http://d:1\nnot a url\n", "line 2"),
+    ("a=http://d:1\nhttp://d:2\n", "on every line"),
+    ("http://d:1\nhttp://d:1/\n", "URL is listed twice"),
+    ("a=http://d:1\na=http://d:2\n", "id is listed twice"),
+    ("a b=http://d:1\n", "line 1"),
+])
+def test_a_bad_decoders_file_is_refused_with_its_line(tmp_path, text, says):
+    path = tmp_path / "decoders"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=says):
+        read_decoders_file(str(path))
+
+
+def test_sighup_syncs_the_pool_to_the_decoders_file(tmp_path):
+    import dataclasses
+
+    from eldr.commands.serve import _hangup
+
+    path = tmp_path / "decoders"
+    reloads = []
+
+    async def reload():
+        reloads.append(router_ref[0].state.worker_names)
+
+    router_ref = []
+
+    async def go():
+        async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, decoders):
+            router_ref.append(router)
+            extra = await FakeEngine("d2").start()
+            router.config = dataclasses.replace(router.config, decoders_file=str(path))
+            path.write_text(f"w-other={decoders[1].url}\nw-new={extra.url}\n")
+            await _hangup(router, reload)
+            after_add = router.state.worker_names
+            await _gone(client, "w-code")
+            path.write_text("garbage\n")  # a bad file changes nothing, and is logged
+            await _hangup(router, reload)
+            status = (await client.post("/v1/completions", json={"model": "tiny",
+                                                                  "prompt": "x"})).status
+            names = router.state.worker_names
+            await extra.close()
+            return after_add, names, status
+
+    after_add, names, status = run(go())
+    assert after_add == ("w-code", "w-other", "w-new")  # w-code drains, still listed
+    assert names == ("w-other", "w-new") and status == 200
+    assert len(reloads) == 2  # the artifact reload follows each time

@@ -218,3 +218,15 @@ def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
     assert out["loads"] == [1.0] * 16  # both workers see the other's in-flight decode
     assert rc == 0, err
     assert "2 workers on http://127.0.0.1" in err
+
+
+def test_decoders_come_from_decode_or_from_a_decoders_file(tmp_path):
+    path = tmp_path / "decoders"
+    path.write_text("# the decode pool\na=http://d:1\n\nb=http://d:2  # the second\n")
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decoders-file", str(path),
+                                 "--policy", "jsq"))
+    assert cfg.decode_ids == ("a", "b") and cfg.decode_urls == ("http://d:1", "http://d:2")
+    assert cfg.decoders_file == str(path)
+    for argv in ((), ("--decode", "http://d:1", "--decoders-file", str(path))):
+        with pytest.raises(ValueError, match="one of the two"):
+            config_from_args(_args("--prefill", "http://p:1", *argv))

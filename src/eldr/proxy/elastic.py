@@ -31,6 +31,12 @@ against the set being served. An artifact fitted for the old set is refused (409
 change. A request whose snapshot names another decoder set takes the current one before it
 routes (``eldr.proxy.flow``); releases go to the policy object it dispatched to.
 
+**The decoders file.** ``eldr serve --decoders-file PATH`` (instead of ``--decode``) reads
+the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-reads it
+(:meth:`ElasticPool.sync_file`): URLs new to the pool are added (named by their ID, else
+``decode-N``), decoders whose URL is gone from the file drain and are removed, then the
+artifact is reloaded as before.
+
 **--workers N.** The decode loads of several router processes live in one shared table
 sized at start-up (:mod:`eldr.proxy.workers`), so the pool cannot change there: the routes
 answer 409 (restart with the new ``--decode`` list).
@@ -43,15 +49,51 @@ import dataclasses
 import logging
 import re
 
-from eldr.proxy.config import _check_url
+from eldr.proxy.config import _check_url, parse_decode_spec
 from eldr.proxy.errors import ProxyError
 
-__all__ = ["ElasticPool"]
+__all__ = ["ElasticPool", "read_decoders_file"]
 
 log = logging.getLogger("eldr.serve")
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _DRAIN_POLL = 0.02  # seconds between looks at a draining decoder's in-flight count
+_MAX_FILE_BYTES = 1 << 20
+
+
+def read_decoders_file(path: str) -> list[tuple[str | None, str]]:
+    """[(id or None, url)] of a decoders file: one ``[ID=]URL`` a line; blank lines and
+    ``#`` comments skipped. ``ValueError`` (with the line) for a bad line, a repeated URL
+    or id, ids on some lines only, or no decoder at all; ``OSError`` if unreadable."""
+    from eldr.fileio import open_regular
+
+    with open_regular(path, max_bytes=_MAX_FILE_BYTES, what="a decoders file") as fh:
+        try:
+            text = fh.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: the decoders file is not UTF-8 text") from None
+    specs: list[tuple[str | None, str]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            spec = parse_decode_spec(line)
+        except ValueError as exc:
+            raise ValueError(f"{path} line {n}: {exc}") from None
+        if spec[0] is not None and not _NAME.fullmatch(spec[0]):
+            raise ValueError(f"{path} line {n}: the id {spec[0]!r} must be 1-64 characters "
+                             f"of letters, digits and '._:-'")
+        specs.append(spec)
+    if not specs:
+        raise ValueError(f"{path}: the decoders file lists no decoder")
+    for what, values in (("URL", [u for _, u in specs]),
+                         ("id", [i for i, _ in specs if i is not None])):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{path}: a decoder {what} is listed twice")
+    if len({i is None for i, _ in specs}) > 1:
+        raise ValueError(f"{path}: give ids on every line (ID=URL) or on none")
+    return specs
 
 
 class ElasticPool:
@@ -196,6 +238,37 @@ class ElasticPool:
         log.info("decoder %s (%s) drained and removed; %d decoders left", inst.name, inst.url,
                  len(router.pool.decode))
         self._tell_learner()
+
+    async def sync_file(self) -> dict:
+        """Re-read ``config.decoders_file`` and make the pool match it: its new URLs are
+        added, decoders whose URL it no longer lists drain. Returns
+        ``{"added": [names], "draining": [names]}``; raises ``ValueError``/``OSError`` for a
+        bad file (nothing changes) and ``ProxyError`` 409 with ``--workers`` > 1."""
+        self._check_elastic()
+        path = self.router.config.decoders_file
+        specs = await asyncio.to_thread(read_decoders_file, path)
+        listed = {u for _, u in specs}
+        added, draining = [], []
+        for name, url in specs:
+            inst = next((i for i in self.router.pool.decode if i.url == url), None)
+            if inst is not None:
+                if inst.draining:
+                    log.warning("decoders file: %s (%s) is still draining; it is not taken "
+                                "back (list it again once it is removed)", inst.name, url)
+                continue
+            try:
+                added.append((await self.add(url, name)).name)
+            except ProxyError as exc:  # e.g. an id already naming another decoder
+                log.error("decoders file: %s not added: %s", url, exc.message)
+        for inst in list(self.router.pool.decode):
+            if inst.url not in listed and not inst.draining:
+                try:
+                    self.remove(inst.name)
+                    draining.append(inst.name)
+                except ProxyError as exc:
+                    log.error("decoders file: %s not removed: %s", inst.name, exc.message)
+        log.info("decoders file %s applied: added %s, draining %s", path, added, draining)
+        return {"added": added, "draining": draining}
 
     async def stop(self) -> None:
         """Cancel drains still waiting (the router stops)."""
