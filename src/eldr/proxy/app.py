@@ -277,7 +277,7 @@ class Router:
         ok = any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode)
         degraded = not all(i.healthy for i in (*pool.prefill, *pool.decode))
         admin = "Authorization" in request.headers and self._is_admin(request)
-        public = ("name", "healthy", "in_flight", "engine_load", "breaker")
+        public = ("name", "healthy", "in_flight", "engine_load", "breaker", "draining")
 
         def show(inst, **extra) -> dict:
             doc = inst.describe()

@@ -135,8 +135,6 @@ class UpstreamPool:
     def add_decoder(self, url: str, name: str) -> Instance:
         """A new decoder at index K, out of rotation until its first health check passes
         (``healthy`` False here and in the tracker)."""
-        if not hasattr(self.tracker, "add_worker"):
-            raise ValueError("this load tracker cannot grow (--workers > 1)")
         k = self.tracker.add_worker()
         self.tracker.set_healthy(k, False)
         inst = self._decoder(k, url, name, healthy=False)
