@@ -226,6 +226,14 @@ class ElasticPool:
         return task
 
     async def _drain(self, inst) -> None:
+        try:
+            await self._drain_and_remove(inst)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug of ours: logged; the decoder stays draining (no traffic)
+            log.exception("removing decoder %s failed; it stays draining", inst.name)
+
+    async def _drain_and_remove(self, inst) -> None:
         while inst.in_flight > 0:
             await asyncio.sleep(_DRAIN_POLL)
         router = self.router
