@@ -62,22 +62,38 @@ _PREFILL_RE = re.compile(rb'"do_remote_decode"\s*:\s*true')
 
 
 # -- minimal backend --------------------------------------------------------------------------
-def _answers() -> tuple[bytes, bytes]:
-    from eldr.capture.payload import encode_counts
+def _mask_layers() -> np.ndarray:
+    """(MASK,) the benchmark artifact's layer mask (the same draw as its encoder's)."""
+    return np.sort(np.random.default_rng(1).choice(L, MASK, replace=False))
+
+
+def _answers(version: int = 2) -> tuple[bytes, bytes, bytes]:
+    """(prefill answer, prefill answer with a layer-masked payload, decode answer): the
+    payload is what the capture plugin sends (version 2; version 1: the dense zlib +
+    base64 format before it), all L layers unless the router asked for its mask."""
+    from eldr.capture.payload import encode_counts, encode_payload
 
     rng = np.random.default_rng(0)
     counts = rng.multinomial(256 * 8, np.full(E, 1 / E), size=L)  # (L, E): 256 tokens, top-8
-    prefill = {"id": "p", "object": "text_completion", "model": "m",
-               "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-               "usage": {"prompt_tokens": 260, "completion_tokens": 1, "total_tokens": 261},
-               "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                      "remote_engine_id": "e0", "remote_block_ids": [1, 2, 3],
-                                      "remote_host": "127.0.0.1", "remote_port": 5600,
-                                      "eldr": encode_counts(counts)}}
+
+    def prefill(layers) -> bytes:
+        if version == 1:
+            payload = {**encode_counts(counts), "tokens": 256}
+        else:
+            payload = encode_payload(counts, tokens=256, layers=layers)
+        return json.dumps({
+            "id": "p", "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 256, "completion_tokens": 1, "total_tokens": 257},
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                   "remote_engine_id": "e0", "remote_block_ids": [1, 2, 3],
+                                   "remote_host": "127.0.0.1", "remote_port": 5600,
+                                   "eldr": payload}}).encode()
+
     decode = {"id": "d", "object": "text_completion", "model": "m",
               "choices": [{"index": 0, "text": " four words of text", "finish_reason": "length"}],
-              "usage": {"prompt_tokens": 260, "completion_tokens": 4, "total_tokens": 264}}
-    return json.dumps(prefill).encode(), json.dumps(decode).encode()
+              "usage": {"prompt_tokens": 256, "completion_tokens": 4, "total_tokens": 260}}
+    return prefill(None), prefill(_mask_layers()), json.dumps(decode).encode()
 
 
 def _http_response(body: bytes, ctype: bytes = b"application/json") -> bytes:
@@ -89,7 +105,7 @@ class _Backend(asyncio.Protocol):
     """HTTP/1.1 keep-alive: the prefill answer if the body asks for a remote decode, else
     the decode answer; GET /health, /v1/models, /metrics (empty) and anything else: 200."""
 
-    prefill_reply = decode_reply = models_reply = empty_reply = b""
+    prefill_reply = masked_reply = decode_reply = models_reply = empty_reply = b""
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -113,8 +129,9 @@ class _Backend(asyncio.Protocol):
                 self.transport.write(self.models_reply)
             elif head.startswith(b"get "):
                 self.transport.write(self.empty_reply)
-            elif _PREFILL_RE.search(body):
-                self.transport.write(self.prefill_reply)
+            elif _PREFILL_RE.search(body):  # the router may ask for its layer mask only
+                self.transport.write(self.masked_reply if b'"eldr_layers"' in body
+                                     else self.prefill_reply)
             else:
                 self.transport.write(self.decode_reply)
 
@@ -259,7 +276,7 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
         rng = np.random.default_rng(1)
         enc = SignatureEncoder.from_state({
             "representation": "count_idf", "num_layers": L, "num_experts": E,
-            "layers": np.sort(rng.choice(L, MASK, replace=False)),
+            "layers": np.sort(rng.choice(L, MASK, replace=False)),  # = _mask_layers()
             "idf": rng.uniform(0.1, 2.0, (L, E))})
         cent = rng.random((2, MASK * E)).astype(np.float32)
         cent /= np.linalg.norm(cent, axis=1, keepdims=True)
@@ -366,8 +383,10 @@ def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], l
 
 
 # -- the signature path, in-process ----------------------------------------------------------
-def _signature_path(prefill_answer: bytes, repeat: int = 2000) -> dict[str, float]:
-    """Median microseconds of the signature path's parts, on the benchmark's payload."""
+def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2000
+                    ) -> dict[str, float]:
+    """Median microseconds of the signature path's parts (policy ``eldr``), on the
+    benchmark's payload as the router gets it (masked: it asks for its layer mask)."""
     from eldr.capture import payload as wire
     from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.decision import RoutingState, read_inputs, split_kv_params
@@ -384,7 +403,8 @@ def _signature_path(prefill_answer: bytes, repeat: int = 2000) -> dict[str, floa
                                             num_layers=L, num_experts=E),
                          worker_names=("d0", "d1"), encoder=enc, num_layers=L,
                          num_experts=E, tau=0.1, artifact=None, loaded_at=0.0, top_k=8)
-    doc = json.loads(prefill_answer)
+    doc = json.loads(masked_answer)
+    full = json.loads(prefill_answer)["kv_transfer_params"]["eldr"]
     loads = np.zeros(2)
 
     def timed(fn) -> float:
@@ -399,14 +419,16 @@ def _signature_path(prefill_answer: bytes, repeat: int = 2000) -> dict[str, floa
 
     def decide():
         _, pl = split_kv_params(doc)
-        r = read_inputs(doc, pl, state, 260)
+        r = read_inputs(doc, pl, state, 256)
         state.policy.decide(RouteRequest("x", signature=r.signature, profile=r.profile,
                                          context_tokens=r.context_tokens), loads, None)
 
-    return {"payload decode": timed(lambda: wire.decode_counts(payload, num_layers=L,
-                                                               num_experts=E)),
+    return {"payload decode (all layers)": timed(lambda: wire.decode_counts(
+                full, num_layers=L, num_experts=E)),
+            "payload decode (mask)": timed(lambda: wire.decode_counts(
+                payload, num_layers=L, num_experts=E)),
             "read_inputs (decode + encode)": timed(lambda: read_inputs(doc, payload, state,
-                                                                       260)),
+                                                                       256)),
             "whole (split + read + decide)": timed(decide)}
 
 
@@ -420,8 +442,9 @@ async def _main(args) -> dict:
     core = cores[0] if len(cores) > 1 else None
     if len(cores) > 1:
         os.sched_setaffinity(0, set(cores[1:]))  # client + backends off the routers' core
-    prefill, decode = _answers()
+    prefill, masked, decode = _answers(args.payload)
     _Backend.prefill_reply = _http_response(prefill)
+    _Backend.masked_reply = _http_response(masked)
     _Backend.decode_reply = _http_response(decode)
     _Backend.models_reply = _http_response(b'{"object":"list","data":[{"id":"m"}]}')
     _Backend.empty_reply = _http_response(b"", b"text/plain")
@@ -476,7 +499,9 @@ async def _main(args) -> dict:
             "direct_p99_ms": statistics.median(_pct(x, 99) for x in direct["lat"]),
             "direct_rps": statistics.median(direct["rps"]),
             "load_average_1min": os.getloadavg()[0],
-            "signature_path_us": _signature_path(prefill)}
+            "payload_version": args.payload, "payload_bytes": {
+                "all layers": len(prefill), "layer mask": len(masked)},
+            "signature_path_us": _signature_path(prefill, masked)}
 
 
 def _print(res: dict) -> None:
@@ -501,6 +526,8 @@ def _print(res: dict) -> None:
                      f"{r['cpu_us_per_request'] / ref['cpu_us_per_request']:>8.2f}x")
         print(line)
     print("targets: +p50 <= vllm-router's + 0.15 ms; CPU/request <= 2x vllm-router's")
+    print(f"payload version {res['payload_version']}: prefill answer "
+          + ", ".join(f"{k} {v:,} B" for k, v in res["payload_bytes"].items()))
     print("signature path (in-process, median us): " + ", ".join(
         f"{k} {v:.1f}" for k, v in res["signature_path_us"].items()) + "  (target <= 40)")
     for note in res["notes"]:
@@ -524,6 +551,9 @@ def main() -> None:
                    help="another eldr source tree (its src/) measured in the same run")
     p.add_argument("--workers", type=int, default=1,
                    help="also measure eldr serve --workers N (unpinned), N > 1")
+    p.add_argument("--payload", type=int, choices=(1, 2), default=2,
+                   help="payload version the prefill stub sends (2: the plugin's compact "
+                        "one; 1: the dense zlib + base64 one before it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     res = asyncio.run(_main(args))

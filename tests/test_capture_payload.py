@@ -1,16 +1,20 @@
 import base64
 import io
+import json
 import zlib
 
 import numpy as np
 import pytest
 
 from eldr.capture.payload import (
+    MAX_PAYLOAD_CHARS,
     PAYLOAD_KEY,
     decode_block_counts,
     decode_counts,
+    decode_payload,
     decode_routed_experts,
     encode_counts,
+    encode_payload,
     topk_to_counts,
 )
 
@@ -83,7 +87,7 @@ def _good():
     [
         (lambda o: "not a dict", "JSON object"),
         (lambda o: {k: v for k, v in o.items() if k != "data"}, "missing"),
-        (lambda o: {**o, "v": 2}, "version"),
+        (lambda o: {**o, "v": 3}, "version"),
         (lambda o: {**o, "v": True}, "version"),
         (lambda o: {**o, "shape": [2, -4]}, "shape"),
         (lambda o: {**o, "shape": [2, 4.0]}, "shape"),
@@ -141,3 +145,133 @@ def test_decode_routed_experts():
 def test_decode_routed_experts_refuses(value, match):
     with pytest.raises(ValueError, match=match):
         decode_routed_experts(value)
+
+
+# -- version 2 ---------------------------------------------------------------------------------
+def _counts(n_tokens, L=4, E=16, k=2, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((n_tokens, L, E)), axis=2)[:, :, :k]
+    return topk_to_counts(ids, E)
+
+
+@pytest.mark.parametrize("tokens, enc, width", [
+    (3, "sparse", 1),  # 6 selections a layer: (expert, count) pairs are shorter
+    (40, "dense", 1), (2000, "dense", 2), (None, "dense", 3)])
+def test_v2_round_trip_picks_the_shorter_layout(tokens, enc, width):
+    counts = _counts(tokens) if tokens else np.full((4, 16), 9000)
+    tokens = tokens or 9000
+    obj = encode_payload(counts, tokens=tokens)
+    assert obj["v"] == 2 and obj["shape"] == [4, 16] and obj["enc"] == enc
+    assert obj["w"] == width
+    got = decode_payload(json.loads(json.dumps(obj)), num_layers=4, num_experts=16)
+    assert got.tokens == tokens and got.layers is None and got.counts.dtype == np.int32
+    np.testing.assert_array_equal(got.counts, counts)
+    np.testing.assert_array_equal(decode_counts(obj, num_layers=4, num_experts=16), counts)
+
+
+def test_v2_sparse_layout_is_expert_count_pairs_per_layer():
+    counts = np.zeros((2, 100), dtype=np.int64)
+    counts[0, [3, 97]] = [5, 1]
+    counts[1, 50] = 6
+    obj = encode_payload(counts, tokens=6)
+    assert obj["enc"] == "sparse" and obj["w"] == 2  # ids up to 99 need two digits
+    # [nnz per layer] [expert ids] [counts]: 2, 1 | 3, 97, 50 | 5, 1, 6
+    from eldr.capture.digits import decode_digits
+    assert decode_digits(obj["data"], 2).tolist() == [2, 1, 3, 97, 50, 5, 1, 6]
+    np.testing.assert_array_equal(
+        decode_payload(obj, num_layers=2, num_experts=100).counts, counts)
+
+
+def test_v2_layer_mask_sends_only_those_rows():
+    counts = _counts(300, L=6)
+    full = encode_payload(counts, tokens=300)
+    masked = encode_payload(counts, tokens=300, layers=[1, 4])
+    assert masked["layers"] == [1, 4] and len(masked["data"]) * 3 == len(full["data"])
+    got = decode_payload(masked, num_layers=6, num_experts=16)
+    assert got.layers.tolist() == [1, 4]
+    np.testing.assert_array_equal(got.counts[[1, 4]], counts[[1, 4]])
+    assert not got.counts[[0, 2, 3, 5]].any()
+    for bad in ([4, 1], [1, 1], [6], [], [1.0], "1"):
+        with pytest.raises(ValueError, match="layers"):
+            encode_payload(counts, layers=bad)
+
+
+def test_v1_payloads_still_decode():
+    counts = _counts(50)
+    got = decode_payload({**encode_counts(counts), "tokens": 50}, num_layers=4, num_experts=16)
+    assert got.tokens == 50 and got.layers is None
+    np.testing.assert_array_equal(got.counts, counts)
+    blocks = decode_payload(encode_counts(np.stack([counts, counts])), num_layers=4,
+                            num_experts=16)
+    np.testing.assert_array_equal(blocks.counts, 2 * counts)
+
+
+def _v2():
+    obj = encode_payload(_counts(2000), tokens=2000)
+    assert obj["enc"] == "dense" and obj["w"] == 2  # 4 x 16 x 2 characters
+    return obj
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda o: {**o, "data": o["data"][:-1]}, "characters"),  # truncated
+    (lambda o: {**o, "data": o["data"][:-2]}, "characters"),
+    (lambda o: {**o, "data": o["data"] + "##"}, "characters"),  # one value too many
+    (lambda o: {**o, "data": "#" * (MAX_PAYLOAD_CHARS + 2)}, "limit"),  # oversized
+    (lambda o: {**o, "v": 3}, "version"),
+    (lambda o: {**o, "v": "2"}, "version"),
+    (lambda o: {**o, "v": 2.0}, "version"),
+    (lambda o: {**o, "v": True}, "version"),
+    (lambda o: {**o, "tokens": float("nan")}, "tokens"),
+    (lambda o: {**o, "tokens": -1}, "tokens"),
+    (lambda o: {**o, "tokens": 1}, "over 1"),  # counts above the tokens counted
+    (lambda o: {**o, "shape": [4, float("nan")]}, "shape"),
+    (lambda o: {**o, "shape": [16, 4]}, "shape"),
+    (lambda o: {**o, "shape": [4, 16, 1]}, "shape"),
+    (lambda o: {**o, "w": 4}, "w must"),
+    (lambda o: {**o, "w": float("nan")}, "w must"),
+    (lambda o: {**o, "enc": "rle"}, "enc"),
+    (lambda o: {**o, "data": None}, "string"),
+    (lambda o: {**o, "data": "\\" * len(o["data"])}, "alphabet"),
+    (lambda o: {**o, "data": "é" * len(o["data"])}, "ASCII"),
+    (lambda o: {**o, "layers": [0, 7]}, "layers"),
+    (lambda o: {**o, "layers": [0, 1]}, "characters"),  # 2 rows declared, 4 sent
+    (lambda o: [o], "JSON object"),
+])
+def test_v2_decode_refuses_malformed(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        decode_payload(mutate(_v2()), num_layers=4, num_experts=16)
+
+
+def _sparse():
+    counts = np.zeros((2, 100), dtype=np.int64)
+    counts[0, [3, 97]] = [5, 1]
+    counts[1, 50] = 6
+    return encode_payload(counts, tokens=6)
+
+
+@pytest.mark.parametrize(("values", "match"), [
+    ([2, 1, 3, 97, 50, 5, 1], "expected"),  # a count missing
+    ([2, 1, 97, 3, 50, 5, 1, 6], "increase"),  # ids out of order
+    ([2, 1, 3, 3, 50, 5, 1, 6], "increase"),  # a duplicate expert
+    ([2, 1, 3, 100, 50, 5, 1, 6], "out of range"),
+    ([2, 1, 3, 97, 50, 5, 0, 6], "count"),  # zero pairs are not sent
+    ([2, 1, 3, 97, 50, 5, 1, 7], "over 6"),
+    ([101, 0], "more than"),
+    ([1], "fewer"),
+])
+def test_v2_sparse_decode_refuses_malformed(values, match):
+    from eldr.capture.digits import encode_digits
+    obj = {**_sparse(), "data": encode_digits(np.array(values), 2)}
+    with pytest.raises(ValueError, match=match):
+        decode_payload(obj, num_layers=2, num_experts=100)
+
+
+def test_v2_is_smaller_than_v1_for_a_big_model():
+    rng = np.random.default_rng(1)
+    logw = np.log(rng.gamma(0.5, size=(48, 128)))
+    ids = np.argsort(-(logw[None] + rng.gumbel(size=(2048, 48, 128))), axis=2)[:, :, :8]
+    counts = topk_to_counts(ids, 128)
+    v1 = len(json.dumps(encode_counts(counts)))
+    v2 = len(json.dumps(encode_payload(counts, tokens=2048)))
+    masked = len(json.dumps(encode_payload(counts, tokens=2048, layers=list(range(0, 48, 3)))))
+    assert v2 < 13_000 and masked < 4_600 and masked < v1 / 2

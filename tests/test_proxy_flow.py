@@ -53,6 +53,8 @@ def test_domains_reach_their_decoders_with_relayed_kv_params():
     assert sent["kv_transfer_params"]["remote_engine_id"] == "p0"
     assert "eldr" not in sent["kv_transfer_params"]
     assert prefills[0].request_ids[0] == decoders[0].request_ids[0] != "req-1"
+    # the band reads a signature and no profile: the engine is asked for its layers only
+    assert prefills[0].requests[0]["kv_transfer_params"]["eldr_layers"] == [0, 1]
     assert _metric(router, "decisions", policy="eldr", decoder="w-code") == 1
     assert _metric(router, "decisions", policy="eldr", decoder="w-other") == 1
     assert _metric(router, "signatures", source="payload") == 2
@@ -731,3 +733,13 @@ def test_a_client_leaving_during_a_large_answer_is_no_error(caplog):
     assert router.pool.decode[0].in_flight == 0 and router.flow.budget.used == 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert router.metrics.requests.get(endpoint="completions", status="500") == 0
+
+
+def test_a_policy_reading_profiles_asks_the_engine_for_every_layer():
+    async def go():
+        async with cluster(policy="eldr_cost") as (_, client, prefills, _d):
+            r = await client.post("/v1/completions", json=CODE)
+            return r.status, prefills[0].requests[0]["kv_transfer_params"]
+
+    status, params = run(go())
+    assert status == 200 and "eldr_layers" not in params and params["do_remote_decode"]

@@ -230,3 +230,9 @@ def test_decoders_come_from_decode_or_from_a_decoders_file(tmp_path):
     for argv in ((), ("--decode", "http://d:1", "--decoders-file", str(path))):
         with pytest.raises(ValueError, match="one of the two"):
             config_from_args(_args("--prefill", "http://p:1", *argv))
+
+
+def test_learning_is_refused_with_several_workers(tmp_path, capsys):
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1", "--policy",
+                 "jsq", "--workers", "2", "--learn", str(tmp_path / "learn")]) == 2
+    assert "cannot be combined with --workers" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 """Capture real expert routing from MoE models.
 
 - :mod:`eldr.capture.payload`: the compact per-request expert-count payload carried in
-  ``kv_transfer_params`` at the prefill→decode handoff, and the decoder of vLLM's
-  ``routed_experts`` field (numpy only; the router imports it).
+  ``kv_transfer_params`` at the prefill→decode handoff (numpy only; the router imports
+  it), with its base-91 digit codec :mod:`eldr.capture.digits`, and vLLM's
+  ``routed_experts`` field (:mod:`eldr.capture.routed`).
+- :mod:`eldr.capture.enginecache`: the prefill engine's signature cache (per-block expert
+  counts co-indexed with vLLM's KV blocks), numpy only, wired by the plugin.
 - :mod:`eldr.capture.hf`: forward hooks on the routers of Hugging Face transformers MoE
   models (torch/transformers imported lazily, only there).
 - :mod:`eldr.capture.vllm_plugin`: a vLLM general plugin that records each request's

@@ -6,7 +6,29 @@ to the decode engine. The vLLM plugin (:mod:`eldr.capture.vllm_plugin`) adds one
 :data:`PAYLOAD_KEY` (``"eldr"``), to it, so the router learns the prompt's expert counts
 without a new network channel.
 
-Wire format, version 1 (a JSON object)::
+Wire format, version 2 (what the plugin sends; a JSON object)::
+
+    {"v": 2,
+     "shape": [L, E],            # the model's MoE layers x experts
+     "layers": [2, 3],           # optional: the rows present (sorted); absent = all L
+     "tokens": 123,              # prompt tokens the counts cover
+     "enc": "dense",             # "dense" (|S| x E values) or "sparse" (pairs per layer)
+     "w": 2,                     # characters per value: 1, 2 or 3
+     "data": "<digits>"}         # every value as w base-91 digits, most significant first
+
+Digits are the 91 JSON-safe ASCII characters ``#`` (35) to ``~`` (126) without ``\\``,
+so the string needs no escaping and no base64: decoding is one ``np.take`` through a
+65,536-entry table of character pairs (w = 2), not a byte-at-a-time base64 and zlib pass.
+``w`` is the fewest digits that hold the largest value (91, 8,281, 753,571: a count is at
+most the prompt length). ``dense`` lists the counts of the present rows in order;
+``sparse`` lists each row's number of non-zero experts, then all their expert ids, then
+their counts (row-major, ids increasing within a row): the (expert, count) pairs per
+layer. The encoder picks the shorter. ``layers`` restricts the payload to the artifact's
+layer mask when the router asks for it (``kv_transfer_params["eldr_layers"]`` of the
+prefill request, :data:`LAYERS_KEY`): a third of the data for a 16-of-48 mask. Sizes and
+times against version 1 are in ``benchmarks/bench_payload.py`` and docs/capture.md.
+
+Version 1 (still decoded; ``encode_counts``)::
 
     {"v": 1,                     # payload format version
      "shape": [L, E],            # or [B, L, E]: per-block rows for the signature cache
@@ -17,38 +39,48 @@ Wire format, version 1 (a JSON object)::
 Decoders ignore keys they do not know, so later versions may add fields.
 
 A 48-layer, 128-expert, top-8 model's counts (Qwen3-30B-A3B) are 12 KiB raw as uint16 and
-about 8.6 / 10.5 / 12.2 KB as JSON for 512 / 2,048 / 8,192-token prompts (zlib gains
-little on dense counts; base64 adds a third): kilobytes, against 0.4 / 1.6 / 6.3 MB of raw
-int16 per-token ids. The tiny shipped MoE (6 x 64) needs about 570 bytes.
+about 8.6 / 10.5 / 12.2 KB as version-1 JSON for 512 / 2,048 / 8,192-token prompts:
+kilobytes, against 0.4 / 1.6 / 6.3 MB of raw int16 per-token ids.
 
-Also decoded here: vLLM's own ``routed_experts`` response field (GPU builds started with
-``--enable-return-routed-experts``), a base64 ``.npy`` of shape (tokens - 1, L, k).
-Everything that comes off the network is validated; malformed input raises ``ValueError``
-naming the problem, never anything else, and nothing is ever unpickled.
+Re-exported from :mod:`eldr.capture.routed`: the decoder of vLLM's own
+``routed_experts`` response field (GPU builds started with
+``--enable-return-routed-experts``) and ``topk_to_counts``. Everything that comes off the
+network is validated; malformed input raises ``ValueError`` naming the problem, never
+anything else, and nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
+from eldr.capture.digits import INVALID, decode_digits, encode_digits, width_for
+from eldr.capture.routed import decode_routed_experts, topk_to_counts
+
 __all__ = [
+    "LAYERS_KEY",
     "MAX_PAYLOAD_CHARS",
     "PAYLOAD_KEY",
     "PAYLOAD_VERSION",
+    "PAYLOAD_VERSIONS",
+    "Payload",
     "decode_block_counts",
     "decode_counts",
+    "decode_payload",
     "decode_routed_experts",
     "encode_counts",
+    "encode_payload",
     "topk_to_counts",
 ]
 
 PAYLOAD_KEY = "eldr"  # key of the payload inside ``kv_transfer_params``
-PAYLOAD_VERSION = 1
+LAYERS_KEY = "eldr_layers"  # key of the requested layer mask in the prefill's parameters
+PAYLOAD_VERSION = 1  # version of encode_counts (kept for block rows and old routers)
+PAYLOAD_VERSIONS = (1, 2)  # versions decode_payload reads
 MAX_PAYLOAD_CHARS = 8 * 1024 * 1024  # refuse base64 strings longer than this (8 MiB)
 _MAX_ELEMENTS = 1 << 26  # refuse shapes over 64 M counts (a decompression bomb guard)
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -81,16 +113,197 @@ def encode_counts(counts: np.ndarray) -> dict:
 
 
 def decode_counts(obj: object, *, num_layers: int, num_experts: int) -> np.ndarray:
-    """(L, E) int32 counts from a payload made by :func:`encode_counts` of an (L, E) array.
+    """(L, E) int32 counts from a version-1 (L, E) payload or a version-2 payload.
 
     ``num_layers``/``num_experts`` are what the receiver expects; a payload of any other
     shape is refused (a router serving one model must not mix in another model's counts).
+    Rows a layer-masked version-2 payload leaves out are zero.
     """
+    if isinstance(obj, dict) and obj.get("v") == 2:
+        return decode_payload(obj, num_layers=num_layers, num_experts=num_experts).counts
     arr = _decode(obj)
     if arr.shape != (num_layers, num_experts):
         raise ValueError(f"eldr payload: shape {list(arr.shape)}, expected "
                          f"[{num_layers}, {num_experts}]")
     return arr
+
+
+class Payload(NamedTuple):
+    """What :func:`decode_payload` read from one payload."""
+
+    counts: np.ndarray  # (L, E) int32 prompt counts; rows absent from ``layers`` are zero
+    tokens: int | None  # prompt tokens the counts cover, when the payload says
+    layers: np.ndarray | None  # (|S|,) int64 sorted rows present, or None: all L rows
+
+
+def encode_payload(counts: np.ndarray, *, tokens: int | None = None,
+                   layers=None) -> dict:
+    """Version-2 payload of (L, E) non-negative integer counts (see the module docstring).
+
+    ``layers``: sorted unique row indices to send (the router's layer mask), or None for
+    all. ``tokens``: the prompt tokens counted. The dense or sparse layout is chosen by
+    length. Round-trips exactly through :func:`decode_payload`.
+    """
+    arr = np.asarray(counts)
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"encode_payload: counts must be an (L, E) integer array, got "
+                         f"{arr.dtype} {arr.shape}")
+    L, E = arr.shape
+    if L == 0 or E == 0:
+        raise ValueError(f"encode_payload: empty shape {arr.shape}")
+    obj: dict = {"v": 2, "shape": [int(L), int(E)]}
+    if layers is not None:
+        rows, listed = _cached_layers(layers, L)
+        obj["layers"] = list(listed)  # the memo's list stays ours
+        arr = np.take(arr, rows, axis=0)
+    if tokens is not None:
+        obj["tokens"] = int(tokens)
+    low, top = int(arr.min()), int(arr.max())
+    if low < 0:
+        raise ValueError(f"encode_payload: negative count {low}")
+    S = arr.shape[0]
+    nnz = int(np.count_nonzero(arr))
+    w_dense = width_for(top)
+    w_sparse = width_for(max(top, E))
+    if (S + 2 * nnz) * w_sparse < S * E * w_dense:
+        row_nnz = np.count_nonzero(arr, axis=1)
+        r, e = np.nonzero(arr)
+        values = np.concatenate([row_nnz, e, arr[r, e]])
+        obj.update(enc="sparse", w=w_sparse, data=encode_digits(values, w_sparse))
+    else:
+        obj.update(enc="dense", w=w_dense, data=encode_digits(arr, w_dense))
+    return obj
+
+
+def decode_payload(obj: object, *, num_layers: int, num_experts: int) -> Payload:
+    """Counts, tokens and rows of a version-1 or version-2 payload, fully validated.
+
+    Refuses (``ValueError``) a payload whose shape is not (num_layers, num_experts), an
+    unknown version or layout, a wrong length, characters outside the alphabet, counts
+    above ``tokens``, duplicate or out-of-range experts or layers. A version-1 payload of
+    per-block rows ``[B, L, E]`` is summed over its blocks.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"eldr payload: must be a JSON object, got {type(obj).__name__}")
+    tokens = obj.get("tokens")
+    if tokens is not None and not (type(tokens) is int and tokens >= 0):
+        raise ValueError(f"eldr payload: tokens must be a non-negative integer, got "
+                         f"{tokens!r}")
+    version = obj.get("v")
+    if version == 1 and type(version) is int:
+        arr = _decode(obj)
+        if arr.ndim == 3:
+            if arr.shape[1:] != (num_layers, num_experts):
+                raise ValueError(f"eldr payload: shape {list(arr.shape)}, expected "
+                                 f"[B, {num_layers}, {num_experts}]")
+            arr = arr.sum(axis=0, dtype=np.int32)
+        elif arr.shape != (num_layers, num_experts):
+            raise ValueError(f"eldr payload: shape {list(arr.shape)}, expected "
+                             f"[{num_layers}, {num_experts}]")
+        return Payload(arr, tokens, None)
+    if version != 2 or type(version) is not int:
+        raise ValueError(f"eldr payload: version {version!r} is not supported "
+                         f"(this eldr reads versions {list(PAYLOAD_VERSIONS)})")
+    return _decode_v2(obj, num_layers, num_experts, tokens)
+
+
+def _decode_v2(obj: dict, L: int, E: int, tokens: int | None) -> Payload:
+    if obj.get("shape") != [L, E]:
+        raise ValueError(f"eldr payload: shape {obj.get('shape')!r}, expected [{L}, {E}]")
+    layers = obj.get("layers")
+    rows = None if layers is None else _cached_layers(layers, L)[0]
+    S = L if rows is None else rows.size
+    width, data, enc = obj.get("w"), obj.get("data"), obj.get("enc")
+    if type(width) is not int or width not in (1, 2, 3):
+        raise ValueError(f"eldr payload: w must be 1, 2 or 3, got {width!r}")
+    if not isinstance(data, str):
+        raise ValueError(f"eldr payload: data must be a string, got {type(data).__name__}")
+    if len(data) > MAX_PAYLOAD_CHARS:
+        raise ValueError(f"eldr payload: data is {len(data)} characters, over the "
+                         f"{MAX_PAYLOAD_CHARS} limit")
+    bound = INVALID - 1 if tokens is None else tokens  # a count is at most the prompt
+    if enc == "dense":
+        if len(data) != S * E * width:
+            raise ValueError(f"eldr payload: data is {len(data)} characters, expected "
+                             f"{S * E * width} for {S} x {E} values of width {width}")
+        values = decode_digits(data, width)
+        if values.size and int(values.max()) > bound:
+            raise ValueError(_bad_values(values, bound))
+        sub = values.reshape(S, E)
+    elif enc == "sparse":
+        sub = _decode_sparse(decode_digits(data, width), S, E, bound)
+    else:
+        raise ValueError(f"eldr payload: enc must be 'dense' or 'sparse', got {enc!r}")
+    if rows is None:
+        return Payload(sub, tokens, None)
+    counts = np.zeros((L, E), dtype=np.int32)
+    counts[rows] = sub
+    return Payload(counts, tokens, rows)
+
+
+def _decode_sparse(values: np.ndarray, S: int, E: int, bound: int) -> np.ndarray:
+    """(S, E) int32 from [nnz per row (S)] [expert ids (N)] [counts (N)]."""
+    if values.size < S:
+        raise ValueError(f"eldr payload: sparse data holds {values.size} values, fewer "
+                         f"than its {S} row sizes")
+    nnz = values[:S]
+    if S and int(nnz.max()) > E:
+        raise ValueError(f"eldr payload: a row lists more than {E} experts")
+    N = int(nnz.sum())
+    if values.size != S + 2 * N:
+        raise ValueError(f"eldr payload: sparse data holds {values.size} values, expected "
+                         f"{S + 2 * N} for {N} (expert, count) pairs")
+    ids, cnt = values[S:S + N], values[S + N:]
+    out = np.zeros((S, E), dtype=np.int32)
+    if N == 0:
+        return out
+    if int(ids.max()) >= E:
+        raise ValueError(f"eldr payload: expert id {int(ids.max())} out of range [0, {E})")
+    if int(cnt.max()) > bound or int(cnt.min()) < 1:
+        raise ValueError(_bad_values(cnt, bound))
+    flat = np.repeat(np.arange(S, dtype=np.int64) * E, nnz) + ids
+    if (np.diff(flat) <= 0).any():
+        raise ValueError("eldr payload: expert ids must increase within each layer")
+    out.ravel()[flat] = cnt
+    return out
+
+
+def _bad_values(values: np.ndarray, bound: int) -> str:
+    if int(values.max()) >= INVALID:
+        return "eldr payload: data holds characters outside the base-91 alphabet"
+    return f"eldr payload: count {int(values.max())} is over {bound} (the tokens counted)"
+
+
+_LAYER_MEMO: dict[tuple, tuple[np.ndarray, list]] = {}  # a router asks for one mask
+
+
+def _cached_layers(layers: object, num_layers: int) -> tuple[np.ndarray, list]:
+    """(rows, rows as a list) of :func:`_check_layers`, memoised: every request carries
+    the same mask. A hit needs an equal list of ints (``1.0 == 1`` would also hit: the same
+    rows, so harmless); a miss is validated in full."""
+    key = (num_layers, *layers) if isinstance(layers, list) else None
+    hit = _LAYER_MEMO.get(key) if key is not None else None
+    if hit is None:
+        rows = _check_layers(layers, num_layers)
+        hit = (rows, rows.tolist())
+        if key is not None and len(_LAYER_MEMO) < 64:
+            _LAYER_MEMO[key] = hit
+    return hit
+
+
+def _check_layers(layers: object, num_layers: int) -> np.ndarray:
+    """(|S|,) int64 sorted unique row indices in [0, num_layers), or ValueError."""
+    if isinstance(layers, np.ndarray):
+        layers = layers.tolist()
+    if (not isinstance(layers, list | tuple) or not layers
+            or not all(type(x) is int for x in layers)):
+        raise ValueError(f"eldr payload: layers must be a non-empty list of integers, got "
+                         f"{layers!r}")
+    rows = np.asarray(layers, dtype=np.int64)
+    if rows[0] < 0 or rows[-1] >= num_layers or (rows.size > 1 and (np.diff(rows) <= 0).any()):
+        raise ValueError(f"eldr payload: layers must increase within [0, {num_layers}), "
+                         f"got {layers!r}")
+    return rows
 
 
 def decode_block_counts(obj: object, *, num_layers: int, num_experts: int) -> np.ndarray:
@@ -110,7 +323,7 @@ def _decode(obj: object) -> np.ndarray:
         raise ValueError(f"eldr payload: missing key(s) {missing}")
     if obj["v"] != PAYLOAD_VERSION or isinstance(obj["v"], bool):
         raise ValueError(f"eldr payload: version {obj['v']!r} is not supported "
-                         f"(this eldr reads version {PAYLOAD_VERSION})")
+                         f"(this eldr reads versions {list(PAYLOAD_VERSIONS)})")
     shape = obj["shape"]
     if (not isinstance(shape, list) or len(shape) not in (2, 3)
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
@@ -156,54 +369,3 @@ def _unbase64_unzip(data: object, *, expected: int) -> bytes:
         raise ValueError(f"eldr payload: data holds {len(raw)}{'+' if not inflater.eof else ''} "
                          f"bytes, expected {expected} for the declared shape and dtype")
     return raw
-
-
-def decode_routed_experts(b64_npy: object) -> np.ndarray:
-    """(T, L, k) int32 expert ids from vLLM's ``routed_experts`` field (base64 ``.npy``).
-
-    vLLM returns the routing of every token that went through a forward pass: the prompt
-    and all generated tokens but the last, so T = prompt + output - 1. The ``.npy`` is
-    loaded with ``allow_pickle=False``; ids must be non-negative integers.
-    """
-    if not isinstance(b64_npy, str):
-        raise ValueError(f"routed_experts: must be a base64 string, got {type(b64_npy).__name__}")
-    if len(b64_npy) > MAX_PAYLOAD_CHARS * 8:
-        raise ValueError(f"routed_experts: {len(b64_npy)} characters is too large")
-    try:
-        raw = base64.b64decode(b64_npy.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as exc:
-        raise ValueError(f"routed_experts: not valid base64 ({exc})") from exc
-    try:
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
-    except Exception as exc:  # bad magic, truncated header, object dtype, ...
-        raise ValueError(f"routed_experts: not a readable .npy array ({exc})") from exc
-    if not isinstance(arr, np.ndarray) or arr.ndim != 3:
-        raise ValueError(f"routed_experts: expected a (tokens, layers, top_k) array, got "
-                         f"shape {getattr(arr, 'shape', None)}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"routed_experts: expert ids must be integers, got dtype {arr.dtype}")
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"routed_experts: negative expert id {int(arr.min())}")
-    return arr.astype(np.int32)
-
-
-def topk_to_counts(topk: np.ndarray, num_experts: int) -> np.ndarray:
-    """(L, E) int32 counts of how many tokens chose each expert, from (T, L, k) ids.
-
-    ``counts[l].sum() == T * k`` for every layer. Ids outside [0, num_experts) raise.
-    """
-    ids = np.asarray(topk)
-    if ids.ndim != 3:
-        raise ValueError(f"topk_to_counts: ids must be (tokens, layers, top_k), got {ids.shape}")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"topk_to_counts: ids must be integers, got dtype {ids.dtype}")
-    if num_experts <= 0:
-        raise ValueError(f"topk_to_counts: num_experts must be positive, got {num_experts}")
-    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
-        raise ValueError(f"topk_to_counts: expert id out of range [0, {num_experts}): "
-                         f"{int(ids.min())}..{int(ids.max())}")
-    L = ids.shape[1]
-    flat = ids.transpose(1, 0, 2).reshape(L, -1).astype(np.int64)
-    flat += np.arange(L, dtype=np.int64)[:, None] * num_experts
-    counts = np.bincount(flat.ravel(), minlength=L * num_experts)
-    return counts.reshape(L, num_experts).astype(np.int32)

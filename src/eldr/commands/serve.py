@@ -223,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, learn = learning.configure(config_from_args(args), args)
-    if learn is not None and config.workers > 1:
-        raise ValueError("--learn needs --workers 1: one learner owns DIR and swaps the "
-                         "artifact (several workers would each fit and write it)")
+    if config.workers > 1 and learn is not None:
+        raise ValueError("--learn runs in one router process: it cannot be combined with "
+                         "--workers (each worker would fit and swap its own artifact)")
     router = Router(config)  # a bad artifact fails here, before any socket or worker
     if config.workers > 1:
         from eldr.proxy.workers import run_workers

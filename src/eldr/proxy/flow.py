@@ -57,6 +57,7 @@ from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
     is_stream_done,
     reply_id,
 )
+from eldr.proxy.signatures import payload_request
 from eldr.proxy.upstream import Instance, error_kind
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
@@ -131,7 +132,7 @@ class RequestFlow(DecodeRelay):
             # Affinity only matters with a choice of prefill instances.
             hashes = (self.router.affinity.hashes(prompt_key(body, kind))
                       if len(self.pool.prefill) > 1 else [])
-            prefill_data = self._prefill_body(body, kind)  # the same for every attempt
+            prefill_data = self._prefill_body(body, kind, state)  # the same for every attempt
         except RecursionError:  # parsed just under the limit, deeper to re-encode
             raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                              code="invalid_json") from None
@@ -253,9 +254,9 @@ class RequestFlow(DecodeRelay):
         await asyncio.gather(*self._background, return_exceptions=True)
 
     # -- prefill ---------------------------------------------------------------------------
-    def _prefill_body(self, body: dict, kind: str) -> bytes:
+    def _prefill_body(self, body: dict, kind: str, state: RoutingState | None = None) -> bytes:
         pre = dict(body)
-        pre["kv_transfer_params"] = PREFILL_KV_PARAMS
+        pre["kv_transfer_params"] = self._kv_params(state)
         pre["max_tokens"] = 1
         if kind == "chat":
             pre["max_completion_tokens"] = 1
@@ -263,6 +264,18 @@ class RequestFlow(DecodeRelay):
         for key in ("stream_options", "min_tokens"):
             pre.pop(key, None)
         return json.dumps(pre).encode()
+
+    def _kv_params(self, state: RoutingState | None) -> dict:
+        """The prefill leg's ``kv_transfer_params``: PD flags, plus the artifact's layer mask
+        when the policy reads only those layers (the engine then sends only their rows).
+        Computed once per routing state, not per request."""
+        cached = getattr(self, "_kv_params_for", None)
+        if cached is not None and cached[0] is state:
+            return cached[1]
+        extra = payload_request(state) if state is not None else None
+        params = {**PREFILL_KV_PARAMS, **extra} if extra else PREFILL_KV_PARAMS
+        self._kv_params_for = (state, params)
+        return params
 
     async def _prefill(self, data: bytes, kind: str, hashes, headers) -> tuple[Instance, dict]:
         import aiohttp

@@ -18,10 +18,11 @@ from eldr.routing import prefill_profile
 if TYPE_CHECKING:
     from eldr.proxy.decision import RoutingState
 
-__all__ = ["PAYLOAD_KEY", "Reading", "SignatureResult", "payload_shape", "read_inputs",
-           "read_signature", "split_kv_params"]
+__all__ = ["LAYERS_KEY", "PAYLOAD_KEY", "Reading", "SignatureResult", "payload_request",
+           "payload_shape", "read_inputs", "read_signature", "split_kv_params"]
 
 PAYLOAD_KEY = "eldr"  # eldr.capture.payload.PAYLOAD_KEY, repeated to keep this import-light
+LAYERS_KEY = "eldr_layers"  # eldr.capture.payload.LAYERS_KEY: the mask asked of the engine
 _GATE_REPRESENTATIONS = ("gate_prob", "gate_logit")  # built from gate sums: counts won't do
 
 
@@ -52,6 +53,7 @@ class _Counts:
     top_k: int | None  # k, when the counts say it (routed_experts)
     source: str
     problem: str | None
+    layers: np.ndarray | None = None  # rows a layer-masked payload holds; None: all
 
 
 def split_kv_params(doc: dict) -> tuple[dict | None, object]:
@@ -100,16 +102,11 @@ def _read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _
                        f"Routing by load.")
             return _Counts(None, None, None, source, "mismatch")
         L, E = theirs
-        try:
-            if len(payload["shape"]) == 3:
-                counts = wire.decode_block_counts(payload, num_layers=L, num_experts=E).sum(0)
-            else:
-                counts = wire.decode_counts(payload, num_layers=L, num_experts=E)
+        try:  # versions 1 and 2, fully validated; anything wrong is a ValueError
+            got = wire.decode_payload(payload, num_layers=L, num_experts=E)
         except ValueError:
             return _Counts(None, None, None, source, "malformed")
-        tokens = payload.get("tokens")
-        ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
-        return _Counts(counts, tokens if ok else None, None, source, None)
+        return _Counts(got.counts, got.tokens, None, source, None, got.layers)
     routed = _routed_experts(doc)
     if routed is None:
         return _Counts(None, None, None, "none", "missing")
@@ -132,6 +129,8 @@ def _read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _
 def _signature(counts: _Counts, state: RoutingState) -> SignatureResult:
     if counts.counts is None:
         return SignatureResult(None, counts.source, counts.problem)
+    if counts.layers is not None and not _covers(counts.layers, state.encoder):
+        return SignatureResult(None, counts.source, "mismatch")  # another mask than ours
     if getattr(state.encoder, "representation", "") in _GATE_REPRESENTATIONS:
         return SignatureResult(None, counts.source, "unencodable")  # needs gate sums
     try:
@@ -175,7 +174,9 @@ def read_inputs(doc: dict, payload: object, state: RoutingState,
         signature, problem = sig.vector, sig.problem
     tokens = _counted_tokens(counts, state.top_k, prompt_tokens)
     context = prompt_tokens if prompt_tokens is not None else (tokens or 0)
-    if want_profile and counts.counts is not None:
+    if want_profile and counts.layers is not None:  # a profile needs every layer
+        problem = problem or "mismatch"
+    elif want_profile and counts.counts is not None:
         bind = getattr(state.policy, "bind", None)
         if bind is not None:
             bind(*counts.counts.shape)
@@ -195,6 +196,26 @@ def _counted_tokens(counts: _Counts, top_k: int | None, prompt_tokens: int | Non
     if counts.counts is not None and k:
         return round(float(counts.counts.sum(axis=1).max()) / k)
     return prompt_tokens
+
+
+def _covers(layers: np.ndarray, encoder) -> bool:
+    """Whether a masked payload's rows include every layer the encoder reads."""
+    wanted = getattr(encoder, "layers_", None)
+    return wanted is not None and bool(np.isin(wanted, layers).all())
+
+
+def payload_request(state: RoutingState) -> dict | None:
+    """What to add to the prefill request's ``kv_transfer_params`` so the engine sends
+    only the artifact's layer mask (``{"eldr_layers": [...]}``), or None.
+
+    Only when the policy reads a signature and no profile (a profile needs every layer).
+    The plugin sends all layers when the mask is invalid for its model; a payload whose
+    rows do not cover the encoder's mask is refused as a ``mismatch`` fallback.
+    """
+    layers = getattr(state.encoder, "layers_", None)
+    if layers is None or not state.needs_signature or state.needs_profile:
+        return None
+    return {LAYERS_KEY: [int(x) for x in layers]}
 
 
 _warned: set[str] = set()
