@@ -365,3 +365,22 @@ def test_sighup_syncs_the_pool_to_the_decoders_file(tmp_path):
     assert after_add == ("w-code", "w-other", "w-new")  # w-code drains, still listed
     assert names == ("w-other", "w-new") and status == 200
     assert len(reloads) == 2  # the artifact reload follows each time
+
+
+def test_a_removal_that_fails_says_so_and_leaves_the_decoder_draining():
+    async def go():
+        async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, _d):
+            def broken(worker):
+                raise RuntimeError("a bug")
+
+            router.state.policy.remove_worker = broken
+            status, doc = await _json(await client.delete("/admin/decoders/w-code?wait=true",
+                                                          headers=AUTH))
+            served = (await client.post("/v1/completions", json={"model": "tiny",
+                                                                 "prompt": "x"}))
+            return status, doc, served.status, served.headers["X-Eldr-Decoder"], \
+                router.pool.decode[0].draining
+
+    status, doc, served, decoder, draining = run(go())
+    assert status == 500 and "stays draining" in doc["error"]["message"]
+    assert served == 200 and decoder == "w-other" and draining

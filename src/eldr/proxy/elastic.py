@@ -146,6 +146,10 @@ class ElasticPool:
         task = self.remove(name)
         if wait in ("true", "1"):
             await asyncio.shield(task)  # a client that leaves does not stop the drain
+            if self._find(name) is not None:  # _drain logged why
+                raise ProxyError(500, f"removing {name} failed; it stays draining (no new "
+                                      f"requests); see the router's log",
+                                 code="remove_failed")
             return web.json_response({"removed": name, **self.describe()})
         inst = self._find(name)
         return web.json_response({"draining": name,
@@ -186,16 +190,16 @@ class ElasticPool:
                 raise ProxyError(409, f"a decoder named {name!r} is already in the pool",
                                  code="decoder_exists", param="name")
             like = self._largest_cluster()
-            inst = pool.add_decoder(url, name)  # out of rotation until the check passes
             state = router.state
-            state.policy.add_worker(like=like)
+            state.policy.add_worker(like=like)  # first: if it refuses, nothing else changed
+            inst = pool.add_decoder(url, name)  # out of rotation until the check passes
             self._swap(state, (*state.worker_names, name))
             router.metrics.prime_instances(pool, (inst,))
             router.metrics.pool_changes.inc(action="added")
             healthy = pool._session is not None and await pool.check(inst)
         log.info("decoder %s (%s) added at index %d%s%s", name, url, inst.index,
-                 "" if like is None else f", sharing the cluster of "
-                                         f"{state.worker_names[like]} until a refit",
+                 "" if like is None or "signature" not in state.policy.inputs else
+                 f", sharing the cluster of {state.worker_names[like]} until a refit",
                  "" if healthy else f"; not healthy yet ({inst.last_error}), it takes "
                                     f"requests once a health check passes")
         self._tell_learner()
@@ -239,8 +243,9 @@ class ElasticPool:
         router = self.router
         async with router._reload_lock:
             state = router.state
-            k = router.pool.remove_decoder(inst)
-            state.policy.remove_worker(k)
+            k = inst.index
+            state.policy.remove_worker(k)  # first: if it refuses, nothing else changed
+            router.pool.remove_decoder(inst)
             self._swap(state, state.worker_names[:k] + state.worker_names[k + 1:])
             router.metrics.pool_changes.inc(action="removed")
         log.info("decoder %s (%s) drained and removed; %d decoders left", inst.name, inst.url,
