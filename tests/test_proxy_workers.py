@@ -86,3 +86,12 @@ def test_workers_that_cannot_start_stop_the_parent_with_status_1():
     ports = []
     assert workers.run_workers(config, broken_router, never, ready=ports.append) == 1
     assert ports and ports[0] > 0
+
+
+def test_the_shared_table_cannot_grow_or_shrink():
+    from eldr.proxy.workers import SharedLoads, SharedLoadTracker
+
+    tracker = SharedLoadTracker(SharedLoads(2, 3), 0)
+    for change in (tracker.add_worker, lambda: tracker.remove_worker(0)):
+        with pytest.raises(ValueError, match="--workers > 1"):
+            change()

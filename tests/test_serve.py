@@ -231,7 +231,86 @@ def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
     assert "2 workers on http://127.0.0.1" in err
 
 
+def test_decoders_come_from_decode_or_from_a_decoders_file(tmp_path):
+    path = tmp_path / "decoders"
+    path.write_text("# the decode pool\na=http://d:1\n\nb=http://d:2  # the second\n")
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decoders-file", str(path),
+                                 "--policy", "jsq"))
+    assert cfg.decode_ids == ("a", "b") and cfg.decode_urls == ("http://d:1", "http://d:2")
+    assert cfg.decoders_file == str(path)
+    for argv in ((), ("--decode", "http://d:1", "--decoders-file", str(path))):
+        with pytest.raises(ValueError, match="one of the two"):
+            config_from_args(_args("--prefill", "http://p:1", *argv))
+
+
 def test_learning_is_refused_with_several_workers(tmp_path, capsys):
     assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1", "--policy",
                  "jsq", "--workers", "2", "--learn", str(tmp_path / "learn")]) == 2
     assert "cannot be combined with --workers" in capsys.readouterr().err
+
+
+def test_serve_process_grows_over_http_and_follows_its_decoders_file_on_sighup(tmp_path):
+    decoders = tmp_path / "decoders"
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    auth = {"Authorization": "Bearer s3cret-token"}
+
+    async def go():
+        pre, d0, d1, d2 = [await FakeEngine(n).start() for n in ("p", "d0", "d1", "d2")]
+        decoders.write_text(f"a={d0.url}\n")
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--prefill", pre.url, "--decoders-file",
+             str(decoders), "--policy", "jsq", "--port", str(port), "--health-interval",
+             "0.2", "--admin-token-file", str(token)],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        base = f"http://127.0.0.1:{port}"
+
+        def call(method, path, body=None):
+            req = urllib.request.Request(base + path, method=method, headers=auth,
+                                         data=None if body is None else json.dumps(body).encode())
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, json.loads(resp.read())
+
+        def names():
+            return [d["name"] for d in call("GET", "/admin/decoders")[1]["decoders"]]
+
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                try:
+                    await asyncio.to_thread(call, "GET", "/admin/decoders")
+                    break
+                except OSError:
+                    continue
+            else:
+                pytest.fail("eldr serve did not come up")
+            added = await asyncio.to_thread(call, "POST", "/admin/decoders", {"url": d1.url,
+                                                                              "name": "b"})
+            decoders.write_text(f"b={d1.url}\nc={d2.url}\n")  # a goes, c comes
+            proc.send_signal(signal.SIGHUP)
+            seen = []
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                seen = await asyncio.to_thread(names)
+                if seen == ["b", "c"]:
+                    break
+            served = [(await asyncio.to_thread(call, "POST", "/v1/completions",
+                                               {"prompt": f"p{i}"}))[0] for i in range(4)]
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.05)
+            return added, seen, served, proc.returncode, proc.stderr.read(), \
+                len(d0.requests), len(d2.requests) + len(d1.requests)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for e in (pre, d0, d1, d2):
+                await e.close()
+
+    added, seen, served, rc, err, at_a, at_bc = asyncio.run(go())
+    assert added[0] == 201 and [d["name"] for d in added[1]["decoders"]] == ["a", "b"]
+    assert seen == ["b", "c"] and served == [200] * 4 and at_a == 0 and at_bc == 4
+    assert "decoder c" in err and "drained and removed" in err and rc == 0, err

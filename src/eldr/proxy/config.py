@@ -79,6 +79,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     affinity_spill: float = 4.0  # the affine prefill is skipped if this much busier than least
     random_state: int | None = 0  # seed of randomised policies (random, p2c)
     workers: int = 1  # router processes on the port (SO_REUSEPORT), sharing decode loads
+    decoders_file: str | None = None  # [ID=]URL per line; SIGHUP syncs the pool to it
 
     def __post_init__(self) -> None:
         from eldr.routing import POLICIES

@@ -56,10 +56,14 @@ from eldr.routing import (
     make_policy,
 )
 
-__all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "build_state",
-           "payload_shape", "read_inputs", "read_signature"]
+__all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "WorkerMismatch",
+           "build_state", "payload_shape", "read_inputs", "read_signature"]
 
 _SHAPE_RESOURCES = frozenset({"num_layers", "num_experts"})
+
+
+class WorkerMismatch(ValueError):
+    """The artifact's decode workers are not the configured decoders."""
 
 
 class LazyCostPolicy(PolicyBase):
@@ -121,6 +125,19 @@ class LazyCostPolicy(PolicyBase):
     def on_release(self, request_id: str, outcome) -> None:
         if self.inner is not None:
             self.inner.on_release(request_id, outcome)
+
+    def add_worker(self, *, like: int | None = None) -> int:
+        k = self._jsq.add_worker(like=like)
+        if self.inner is not None:
+            self.inner.add_worker(like=like)
+        self.num_workers = self._jsq.num_workers
+        return k
+
+    def remove_worker(self, worker: int) -> None:
+        self._jsq.remove_worker(worker)
+        if self.inner is not None:
+            self.inner.remove_worker(worker)
+        self.num_workers = self._jsq.num_workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,12 +282,12 @@ def build_state(config: ServeConfig) -> RoutingState:
             int(art.top_k)
         if config.decode_ids is None:
             if len(art_ids) != K:
-                raise ValueError(f"artifact {config.artifact} has {len(art_ids)} decode "
+                raise WorkerMismatch(f"artifact {config.artifact} has {len(art_ids)} decode "
                                  f"workers {list(art_ids)}, but {K} --decode URLs were given")
             names = art_ids
         else:
             if set(config.decode_ids) != set(art_ids):
-                raise ValueError(f"decode worker ids {sorted(config.decode_ids)} do not match "
+                raise WorkerMismatch(f"decode worker ids {sorted(config.decode_ids)} do not match "
                                  f"the artifact's {sorted(art_ids)}")
             order = [art_ids.index(w) for w in config.decode_ids]
             names = config.decode_ids

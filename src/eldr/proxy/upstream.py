@@ -62,6 +62,8 @@ class Instance:
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
     max_model_len: int | None = None  # context length its /v1/models reports, if any
     breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
+    draining: bool = False  # being removed: no new request, its in-flight ones finish
+    removed: bool = False  # out of the pool (a late health check or scrape is ignored)
 
     def describe(self) -> dict:
         doc = {"name": self.name, "url": self.url, "healthy": self.healthy,
@@ -69,6 +71,8 @@ class Instance:
                "engine_load": self.engine_load, "last_error": self.last_error}
         if self.breaker is not None:
             doc["breaker"] = self.breaker.state
+        if self.role == "decode":
+            doc["draining"] = self.draining
         return doc
 
 
@@ -111,9 +115,7 @@ class UpstreamPool:
         self.config = config
         self.prefill = [Instance("prefill", i, u, f"prefill-{i}")
                         for i, u in enumerate(config.prefill_urls)]
-        self.decode = [Instance("decode", k, u, decode_names[k], breaker=CircuitBreaker(
-                           failures=config.breaker_failures, backoff=config.breaker_backoff,
-                           max_backoff=config.breaker_max_backoff))
+        self.decode = [self._decoder(k, u, decode_names[k])
                        for k, u in enumerate(config.decode_urls)]
         # decode loads + health, for policies (shared by the workers of --workers N)
         self.tracker = make_tracker(len(self.decode))
@@ -123,9 +125,36 @@ class UpstreamPool:
         self._session = None
         self._tasks: list[asyncio.Task] = []
 
+    def _decoder(self, k: int, url: str, name: str, **kw) -> Instance:
+        config = self.config
+        return Instance("decode", k, url, name, breaker=CircuitBreaker(
+            failures=config.breaker_failures, backoff=config.breaker_backoff,
+            max_backoff=config.breaker_max_backoff), **kw)
+
+    # -- the elastic pool (eldr.proxy.elastic) -------------------------------------------
+    def add_decoder(self, url: str, name: str) -> Instance:
+        """A new decoder at index K, out of rotation until its first health check passes
+        (``healthy`` False here and in the tracker)."""
+        k = self.tracker.add_worker()
+        self.tracker.set_healthy(k, False)
+        inst = self._decoder(k, url, name, healthy=False)
+        self.decode.append(inst)
+        return inst
+
+    def remove_decoder(self, inst: Instance) -> int:
+        """Take a (drained) decoder out; those after it move down one index. Returns the
+        index it had."""
+        k = inst.index
+        self.tracker.remove_worker(k)
+        del self.decode[k]
+        for other in self.decode[k:]:
+            other.index -= 1
+        inst.removed = True
+        return k
+
     # -- state changes -------------------------------------------------------------------
     def _set_healthy(self, inst: Instance, ok: bool) -> None:
-        if inst.healthy == ok:
+        if inst.healthy == ok or inst.removed:
             return
         inst.healthy = ok
         if inst.role == "decode":
@@ -133,7 +162,7 @@ class UpstreamPool:
         else:
             self.prefill_healthy[inst.index] = ok
         log.warning("%s %s (%s) is %s%s", inst.role, inst.name, inst.url,
-                    "healthy again" if ok else "unhealthy",
+                    ("healthy again" if inst.last_error else "healthy") if ok else "unhealthy",
                     "" if ok else f": {inst.last_error}")
         if ok and self.on_recover is not None:
             self.on_recover(inst)
@@ -162,10 +191,11 @@ class UpstreamPool:
             inst.breaker.on_failure()
 
     def decode_available(self) -> np.ndarray:
-        """(K,) bool: decoders that are healthy and whose breaker lets a request through."""
+        """(K,) bool: decoders that are healthy, not draining, and whose breaker lets a
+        request through."""
         mask = self.tracker.healthy.copy()
         for inst in self.decode:
-            if mask[inst.index] and not inst.breaker.allows():
+            if mask[inst.index] and (inst.draining or not inst.breaker.allows()):
                 mask[inst.index] = False
         return mask
 
@@ -293,7 +323,7 @@ class UpstreamPool:
             log.debug("scrape of %s failed: %s", inst.url, exc)
             return
         samples = parse_samples(text, ENGINE_LOAD_METRICS)
-        if not samples:
+        if not samples or inst.removed:
             return
         inst.engine_load = sum(samples.values())
         self.tracker.report(inst.index, inst.engine_load)

@@ -94,6 +94,13 @@ class SharedLoadTracker(LoadTracker):
         scraped = np.maximum(t.reported + total - t.at_report, 0.0)
         return np.where(t.has_report > 0, scraped, total)
 
+    def add_worker(self) -> int:
+        raise ValueError("the shared load table is sized at start-up: the decoder pool "
+                         "cannot change with --workers > 1")
+
+    def remove_worker(self, worker: int) -> None:
+        self.add_worker()  # the same refusal
+
     def on_dispatch(self, worker: int) -> None:
         self._row[self._index(worker)] += 1
 
