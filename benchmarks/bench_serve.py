@@ -1,29 +1,40 @@
 #!/usr/bin/env python3
-"""The router's own overhead: ``eldr serve`` against minimal local HTTP backends.
+"""The router's own cost, side by side: ``eldr serve`` and vLLM's ``vllm-router`` in ONE run.
 
-What is measured. A client sends OpenAI completion requests either DIRECTLY through the PD
-protocol (prefill call, then decode call, as a client of a PD pair would) or THROUGH the
-router, which makes the same two calls plus its own work (body parsing, prefix-affinity
-hashing, signature decode + encode, policy decision, relay). The backends are a raw asyncio
-HTTP/1.1 server answering canned JSON instantly (a prefill answer carrying a realistic eldr
-payload: 48 layers x 128 experts, ~2k selections per layer), so every difference between
-the two paths is the router.
+What is measured. Three minimal local HTTP/1.1 backends (one prefill, two decoders) answer
+canned JSON instantly: the prefill answer carries a realistic eldr payload (48 layers x
+128 experts, 256 tokens x top-8). A client sends OpenAI completion requests, each with its
+own prompt, either DIRECTLY through the PD protocol (prefill call, then decode call, as a
+client of a PD pair would) or THROUGH a router, which makes the same two calls plus its
+own work. Every difference between the paths is the router. The routers, all started
+once and all pinned to the same ONE core (the client and the backends run on the others):
 
-- added latency: p50/p99 of one request at concurrency 1, router minus direct PD pair;
-- throughput: requests/s through the router at concurrency 32 with the router pinned to
-  ONE core (the backends and the client run on another core), next to the direct PD pair
-  measured the same way in the same run.
+- ``eldr serve`` with the policies ``jsq`` (no signature work), ``eldr`` (signature band)
+  and ``eldr_cost`` (expert profile), each with its own process;
+- ``eldr serve`` from another source tree (``--baseline-src DIR``, e.g. the main branch
+  before a change), the same policies, for before/after in the same run;
+- ``vllm-router`` (PyPI ``vllm-router``, the vLLM project's Rust PD router,
+  ``--vllm-pd-disaggregation``, ``--policy power_of_two``, log level warning), when
+  installed (``pip install 'eldr[bench]'``); otherwise its rows say why they are missing;
+- optionally ``eldr serve --workers N`` (``--workers N``), NOT pinned (it is meant for
+  more cores than one).
 
-Targets (issue 7): p50 added <= 1 ms, >= 1,000 req/s on one core. The machine is shared
-and small (2 cores): figures are noisy; ratios within one run are the meaningful part.
-The router process's own CPU time per request is also reported (from /proc): it does
-not depend on what else runs on the core, so 1 / (CPU per request) is the throughput one
-fully available core sustains; the CPU per request of the one-at-a-time run bounds the
-latency the router adds on an idle core. Both are inflated too when other processes
-share the core (cold caches, a busy sibling hyper-thread), just far less than wall-clock
-latency, where every wake-up of the router waits for the scheduler.
+Per router: the added latency (p50/p99 of one request at concurrency 1, router minus the
+direct PD pair, rounds interleaved across routers so drifting machine load hits all
+alike), the router's CPU time per request under load (concurrency ``--concurrency``,
+from /proc: user + system of the process and its children), the requests per second it
+sustains on its one core (1 / CPU per request: what a fully available core does; the
+measured rate is printed too, but on a small machine the Python client and backends on
+the other core are its ceiling). Ratios are against vllm-router in the same run.
 
-    python benchmarks/bench_serve.py [--policy eldr|jsq] [--requests 2000] [--seconds 5]
+Also printed: the signature path in-process (payload decode, signature encode, policy
+decision, the part of ``_decide`` that is eldr's own work), median over many calls.
+
+Targets (issue 15): added p50 <= vllm-router's + 0.15 ms; CPU per request <= 2x
+vllm-router's; signature path <= 40 us.
+
+    python benchmarks/bench_serve.py [--requests 2000] [--seconds 4] [--rounds 3]
+        [--policies jsq,eldr,eldr_cost] [--baseline-src ../main/src] [--workers 2]
 """
 
 from __future__ import annotations
@@ -31,9 +42,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
+import re
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -41,36 +58,54 @@ import numpy as np
 L, E, MASK = 48, 128, 16  # model fingerprint and layer-mask size of the benchmark encoder
 PROMPT = ("You are a careful assistant. Answer the question about the code below.\n" * 12
           + "def f(x):\n    return x * 2\n")
+_PREFILL_RE = re.compile(rb'"do_remote_decode"\s*:\s*true')
 
 
 # -- minimal backend --------------------------------------------------------------------------
-def _answers() -> tuple[bytes, bytes]:
-    from eldr.capture.payload import encode_counts
+def _mask_layers() -> np.ndarray:
+    """(MASK,) the benchmark artifact's layer mask (the same draw as its encoder's)."""
+    return np.sort(np.random.default_rng(1).choice(L, MASK, replace=False))
+
+
+def _answers(version: int = 2) -> tuple[bytes, bytes, bytes]:
+    """(prefill answer, prefill answer with a layer-masked payload, decode answer): the
+    payload is what the capture plugin sends (version 2; version 1: the dense zlib +
+    base64 format before it), all L layers unless the router asked for its mask."""
+    from eldr.capture.payload import encode_counts, encode_payload
 
     rng = np.random.default_rng(0)
     counts = rng.multinomial(256 * 8, np.full(E, 1 / E), size=L)  # (L, E): 256 tokens, top-8
-    prefill = {"id": "p", "object": "text_completion", "model": "m",
-               "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-               "usage": {"prompt_tokens": 260, "completion_tokens": 1, "total_tokens": 261},
-               "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                      "remote_engine_id": "e0", "remote_block_ids": [1, 2, 3],
-                                      "remote_host": "127.0.0.1", "remote_port": 5600,
-                                      "eldr": encode_counts(counts)}}
+
+    def prefill(layers) -> bytes:
+        if version == 1:
+            payload = {**encode_counts(counts), "tokens": 256}
+        else:
+            payload = encode_payload(counts, tokens=256, layers=layers)
+        return json.dumps({
+            "id": "p", "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 256, "completion_tokens": 1, "total_tokens": 257},
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                   "remote_engine_id": "e0", "remote_block_ids": [1, 2, 3],
+                                   "remote_host": "127.0.0.1", "remote_port": 5600,
+                                   "eldr": payload}}).encode()
+
     decode = {"id": "d", "object": "text_completion", "model": "m",
               "choices": [{"index": 0, "text": " four words of text", "finish_reason": "length"}],
-              "usage": {"prompt_tokens": 260, "completion_tokens": 4, "total_tokens": 264}}
-    return json.dumps(prefill).encode(), json.dumps(decode).encode()
+              "usage": {"prompt_tokens": 256, "completion_tokens": 4, "total_tokens": 260}}
+    return prefill(None), prefill(_mask_layers()), json.dumps(decode).encode()
 
 
-def _http_response(body: bytes) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+def _http_response(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 class _Backend(asyncio.Protocol):
-    """HTTP/1.1 keep-alive: prefill answer if the body asks for remote decode, else decode."""
+    """HTTP/1.1 keep-alive: the prefill answer if the body asks for a remote decode, else
+    the decode answer; GET /health, /v1/models, /metrics (empty) and anything else: 200."""
 
-    prefill_reply = decode_reply = models_reply = health_reply = b""
+    prefill_reply = masked_reply = decode_reply = models_reply = empty_reply = b""
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -84,18 +119,19 @@ class _Backend(asyncio.Protocol):
                 return
             head = self.buf[:end].lower()
             i = head.find(b"content-length:")
-            n = int(head[i + 15: head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0
-                         else len(head)]) if i >= 0 else 0
+            j = head.find(b"\r\n", i)
+            n = int(head[i + 15: j if j > 0 else len(head)]) if i >= 0 else 0
             if len(self.buf) < end + 4 + n:
                 return
             body = self.buf[end + 4: end + 4 + n]
             self.buf = self.buf[end + 4 + n:]
-            if head.startswith(b"get /health"):
-                self.transport.write(self.health_reply)
-            elif head.startswith(b"get /v1/models"):
+            if head.startswith(b"get /v1/models"):
                 self.transport.write(self.models_reply)
-            elif b'"do_remote_decode": true' in body:
-                self.transport.write(self.prefill_reply)
+            elif head.startswith(b"get "):
+                self.transport.write(self.empty_reply)
+            elif _PREFILL_RE.search(body):  # the router may ask for its layer mask only
+                self.transport.write(self.masked_reply if b'"eldr_layers"' in body
+                                     else self.prefill_reply)
             else:
                 self.transport.write(self.decode_reply)
 
@@ -115,45 +151,61 @@ class _Conn:
                           + str(len(body)).encode() + b"\r\n\r\n" + body)
         head = await self.reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"bad answer: {head[:200]!r}")
+            raise RuntimeError(f"bad answer: {head[:300]!r}")
         low = head.lower()
         i = low.find(b"content-length:")
+        if i < 0:
+            raise RuntimeError(f"answer without Content-Length: {head[:300]!r}")
         n = int(low[i + 15: low.find(b"\r\n", i)])
         return await self.reader.readexactly(n)
 
-
-async def _direct(conn: _Conn, body: dict, pre: bytes) -> None:
-    """The PD protocol without a router: prefill, then decode with its kv_transfer_params."""
-    doc = json.loads(await conn.post("/v1/completions", pre))
-    kvp = dict(doc["kv_transfer_params"])
-    kvp.pop("eldr", None)
-    await conn.post("/v1/completions", json.dumps({**body, "kv_transfer_params": kvp}).encode())
+    def close(self) -> None:
+        self.writer.close()
 
 
-async def _latency(port: int, n: int, direct: bool) -> list[float]:
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4}
+_counter = 0
+
+
+def _bodies() -> tuple[bytes, bytes, bytes]:
+    """(client body, direct prefill body, direct decode body) of a request with its own
+    prompt (a counter in front: no two requests share a prompt, or a prefix block)."""
+    global _counter
+    _counter += 1
+    prompt = f"[{_counter}] {PROMPT}"
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4}
     raw = json.dumps(body).encode()
     pre = json.dumps({**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
         "do_remote_decode": True}}).encode()
+    return raw, pre, raw
+
+
+async def _one(conn: _Conn, direct: bool) -> None:
+    raw, pre, dec = _bodies()
+    if not direct:
+        await conn.post("/v1/completions", raw)
+        return
+    doc = json.loads(await conn.post("/v1/completions", pre))  # the PD protocol, no router
+    kvp = dict(doc["kv_transfer_params"])
+    kvp.pop("eldr", None)
+    await conn.post("/v1/completions", dec[:-1] + b', "kv_transfer_params": '
+                    + json.dumps(kvp).encode() + b"}")
+
+
+async def _latency(port: int, n: int, direct: bool) -> list[float]:
     conn = await _Conn(port).open()
     out = []
     for i in range(n + n // 10):
         t0 = time.perf_counter()
-        if direct:
-            await _direct(conn, body, pre)
-        else:
-            await conn.post("/v1/completions", raw)
+        await _one(conn, direct)
         if i >= n // 10:  # the first 10% warm up
             out.append(time.perf_counter() - t0)
-    conn.writer.close()
+    conn.close()
     return out
 
 
-async def _throughput(port: int, concurrency: int, seconds: float, direct: bool) -> float:
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4}
-    raw = json.dumps(body).encode()
-    pre = json.dumps({**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
-        "do_remote_decode": True}}).encode()
+async def _throughput(port: int, concurrency: int, seconds: float, direct: bool
+                      ) -> tuple[int, float]:
+    """(requests completed, seconds) at ``concurrency`` for ``seconds``."""
     conns = [await _Conn(port).open() for _ in range(concurrency)]
     done = 0
     stop = time.perf_counter() + seconds
@@ -161,36 +213,52 @@ async def _throughput(port: int, concurrency: int, seconds: float, direct: bool)
     async def worker(conn: _Conn) -> None:
         nonlocal done
         while time.perf_counter() < stop:
-            if direct:
-                await _direct(conn, body, pre)
-            else:
-                await conn.post("/v1/completions", raw)
+            await _one(conn, direct)
             done += 1
 
-    global _served
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in conns))
     elapsed = time.perf_counter() - t0
-    _served += done
     for c in conns:
-        c.writer.close()
-    return done / elapsed
-
-
-_served = 0  # requests completed by _throughput runs so far
+        c.close()
+    return done, elapsed
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process and of all its live children (Linux /proc)."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
-# -- the router, in its own process on one core --------------------------------------------------
-def _router_main(ports: list[int], policy: str, core: int | None, conn) -> None:
-    if core is not None:
-        os.sched_setaffinity(0, {core})
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return out
+    for k in kids:
+        out += [k, *_children(k)]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the routers ---------------------------------------------------------------------------------
+def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None:
+    """``eldr serve`` with an in-memory artifact (48 x 128, mask 16, two decoders), on the
+    source tree this interpreter imports (PYTHONPATH)."""
     from eldr.commands.serve import serve
     from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.app import Router
@@ -199,8 +267,131 @@ def _router_main(ports: list[int], policy: str, core: int | None, conn) -> None:
     from eldr.routing import make_policy
 
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    kwargs = {"workers": workers} if workers > 1 else {}
     config = ServeConfig(prefill_urls=(urls[0],), decode_urls=(urls[1], urls[2]),
-                         policy=policy, port=0, models=("m",), health_interval=5.0)
+                         policy=policy, port=port, models=("m",), health_interval=5.0,
+                         **kwargs)
+
+    def make_state():
+        rng = np.random.default_rng(1)
+        enc = SignatureEncoder.from_state({
+            "representation": "count_idf", "num_layers": L, "num_experts": E,
+            "layers": np.sort(rng.choice(L, MASK, replace=False)),  # = _mask_layers()
+            "idf": rng.uniform(0.1, 2.0, (L, E))})
+        cent = rng.random((2, MASK * E)).astype(np.float32)
+        cent /= np.linalg.norm(cent, axis=1, keepdims=True)
+        return RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
+                                               num_layers=L, num_experts=E),
+                            worker_names=("d0", "d1"), encoder=enc, num_layers=L,
+                            num_experts=E, tau=0.1, artifact=None, loaded_at=time.time(),
+                            top_k=8)
+
+    if workers > 1:
+        from eldr.proxy.workers import run_workers
+
+        run_workers(config, lambda: Router(config, state=make_state()), serve)
+        return
+    router = Router(config, state=make_state())
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ModuleNotFoundError:
+        runner = asyncio.run
+    runner(serve(router))
+
+
+class _Router:
+    """One router under test: a name, its process, its port."""
+
+    def __init__(self, name: str, argv: list[str], port: int, env: dict | None = None,
+                 core: int | None = None) -> None:
+        self.name, self.port = name, port
+        preexec = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
+        self.log = tempfile.TemporaryFile()  # never a pipe: a full one would stall it
+        self.proc = subprocess.Popen(argv, env=env, preexec_fn=preexec,
+                                     stdout=subprocess.DEVNULL, stderr=self.log,
+                                     start_new_session=True)
+        self.result: dict = {"lat": [], "cpu_seq": [], "cpu_load": [], "rps": []}
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                err = self.log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {err}")
+            try:
+                conn = await _Conn(self.port).open()
+                try:
+                    await conn.post("/v1/completions", _bodies()[0])
+                    return
+                finally:
+                    conn.close()
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} not ready after {timeout} s") from None
+                await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _vllm_router_argv(ports: list[int], port: int) -> list[str] | None:
+    exe = shutil.which("vllm-router") or shutil.which(
+        "vllm-router", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return None
+    return [exe, "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{ports[0]}",
+            "--decode", f"http://127.0.0.1:{ports[1]}", "--decode",
+            f"http://127.0.0.1:{ports[2]}", "--policy", "power_of_two", "--host",
+            "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+
+
+def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], list[str]]:
+    routers, notes = [], []
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("eldr", os.path.join(here, "src"))]
+    if args.baseline_src:
+        trees.insert(0, ("eldr@base", os.path.abspath(args.baseline_src)))
+    for label, src in trees:
+        env = {**os.environ, "PYTHONPATH": src}
+        for policy in args.policies.split(","):
+            port = _free_port()
+            argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
+                    json.dumps([ports, policy, port, 1])]
+            routers.append(_Router(f"{label} {policy}", argv, port, env, core))
+    if args.workers > 1:
+        port = _free_port()
+        policy = args.policies.split(",")[-1]
+        argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
+                json.dumps([ports, policy, port, args.workers])]
+        env = {**os.environ, "PYTHONPATH": trees[-1][1]}
+        routers.append(_Router(f"eldr {policy} x{args.workers} (unpinned)", argv, port, env))
+    argv = _vllm_router_argv(ports, port := _free_port())
+    if argv is None:
+        notes.append("vllm-router: not installed (pip install 'eldr[bench]' installs "
+                     "vllm-router==0.1.17); its rows and the ratios are missing")
+    else:
+        routers.append(_Router("vllm-router p2c", argv, port, None, core))
+    return routers, notes
+
+
+# -- the signature path, in-process ----------------------------------------------------------
+def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2000
+                    ) -> dict[str, float]:
+    """Median microseconds of the signature path's parts (policy ``eldr``), on the
+    benchmark's payload as the router gets it (masked: it asks for its layer mask)."""
+    from eldr.capture import payload as wire
+    from eldr.fit.signature import SignatureEncoder
+    from eldr.proxy.decision import RoutingState, read_inputs, split_kv_params
+    from eldr.routing import RouteRequest, make_policy
+
     rng = np.random.default_rng(1)
     enc = SignatureEncoder.from_state({
         "representation": "count_idf", "num_layers": L, "num_experts": E,
@@ -208,105 +399,168 @@ def _router_main(ports: list[int], policy: str, core: int | None, conn) -> None:
         "idf": rng.uniform(0.1, 2.0, (L, E))})
     cent = rng.random((2, MASK * E)).astype(np.float32)
     cent /= np.linalg.norm(cent, axis=1, keepdims=True)
-    state = RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
+    state = RoutingState(policy=make_policy("eldr", num_workers=2, centroids=cent, tau=0.1,
                                             num_layers=L, num_experts=E),
-                         worker_names=("d0", "d1"), encoder=enc, num_layers=L, num_experts=E,
-                         tau=0.1, artifact=None, loaded_at=time.time(), top_k=8)
-    router = Router(config, state=state)
-    try:
-        import uvloop
-        runner = uvloop.run
-    except ModuleNotFoundError:
-        runner = asyncio.run
-    runner(serve(router, ready=conn.send))
+                         worker_names=("d0", "d1"), encoder=enc, num_layers=L,
+                         num_experts=E, tau=0.1, artifact=None, loaded_at=0.0, top_k=8)
+    doc = json.loads(masked_answer)
+    full = json.loads(prefill_answer)["kv_transfer_params"]["eldr"]
+    loads = np.zeros(2)
+
+    def timed(fn) -> float:
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    _, payload = split_kv_params(doc)
+
+    def decide():
+        _, pl = split_kv_params(doc)
+        r = read_inputs(doc, pl, state, 256)
+        state.policy.decide(RouteRequest("x", signature=r.signature, profile=r.profile,
+                                         context_tokens=r.context_tokens), loads, None)
+
+    return {"payload decode (all layers)": timed(lambda: wire.decode_counts(
+                full, num_layers=L, num_experts=E)),
+            "payload decode (mask)": timed(lambda: wire.decode_counts(
+                payload, num_layers=L, num_experts=E)),
+            "read_inputs (decode + encode)": timed(lambda: read_inputs(doc, payload, state,
+                                                                       256)),
+            "whole (split + read + decide)": timed(decide)}
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs) * 1e3, q))
 
 
 async def _main(args) -> dict:
     cores = sorted(os.sched_getaffinity(0))
-    router_core = cores[0] if len(cores) > 1 else None
+    core = cores[0] if len(cores) > 1 else None
     if len(cores) > 1:
-        os.sched_setaffinity(0, set(cores[1:]))  # client + backends off the router's core
-    prefill, decode = _answers()
+        os.sched_setaffinity(0, set(cores[1:]))  # client + backends off the routers' core
+    prefill, masked, decode = _answers(args.payload)
     _Backend.prefill_reply = _http_response(prefill)
+    _Backend.masked_reply = _http_response(masked)
     _Backend.decode_reply = _http_response(decode)
     _Backend.models_reply = _http_response(b'{"object":"list","data":[{"id":"m"}]}')
-    _Backend.health_reply = _http_response(b"")
+    _Backend.empty_reply = _http_response(b"", b"text/plain")
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(_Backend, "127.0.0.1", 0, backlog=1024)
                for _ in range(3)]  # prefill, decode 0, decode 1
     ports = [s.sockets[0].getsockname()[1] for s in servers]
-    backend_port = ports[0]
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_router_main, args=(ports, args.policy, router_core, child),
-                       daemon=True)
-    proc.start()
+    routers, notes = _routers(args, ports, core)
+    direct = {"lat": [], "rps": []}
     try:
-        router_port = await loop.run_in_executor(None, parent.recv)
-        n, secs = args.requests, args.seconds
-        lat_direct = await _latency(backend_port, n, True)
-        cpu_seq = _cpu_seconds(proc.pid)
-        lat_router = await _latency(router_port, n, False)
-        cpu_seq = (_cpu_seconds(proc.pid) - cpu_seq) / (n + n // 10)
-        tput_direct = await _throughput(backend_port, args.concurrency, secs, True)
-        cpu0 = _cpu_seconds(proc.pid)
-        served0 = _served
-        tput_router = await _throughput(router_port, args.concurrency, secs, False)
-        cpu_per_request = (_cpu_seconds(proc.pid) - cpu0) / max(_served - served0, 1)
+        for r in routers:
+            await r.wait_ready()
+        n = args.requests
+        for _ in range(args.rounds):  # interleaved: drifting load hits every router alike
+            direct["lat"].append(await _latency(ports[0], n, True))
+            for r in routers:
+                cpu0 = _cpu_seconds(r.proc.pid)
+                r.result["lat"].append(await _latency(r.port, n, False))
+                r.result["cpu_seq"].append((_cpu_seconds(r.proc.pid) - cpu0) / (n + n // 10))
+        for _ in range(args.rounds):
+            done, secs = await _throughput(ports[0], args.concurrency, args.seconds, True)
+            direct["rps"].append(done / secs)
+            for r in routers:
+                cpu0 = _cpu_seconds(r.proc.pid)
+                done, secs = await _throughput(r.port, args.concurrency, args.seconds, False)
+                r.result["cpu_load"].append((_cpu_seconds(r.proc.pid) - cpu0) / max(done, 1))
+                r.result["rps"].append(done / secs)
     finally:
-        proc.terminate()
-        proc.join(5)
+        for r in routers:
+            r.stop()
         for s in servers:
             s.close()
 
-    def pct(xs, q):
-        return float(np.percentile(np.asarray(xs) * 1e3, q))
+    def added(lat_rounds, q):  # per round, router minus direct of the same round
+        return statistics.median(_pct(a, q) - _pct(b, q)
+                                 for a, b in zip(lat_rounds, direct["lat"], strict=True))
 
-    return {
-        "policy": args.policy, "router_core": router_core, "requests": n,
-        "direct_pd_p50_ms": pct(lat_direct, 50), "direct_pd_p99_ms": pct(lat_direct, 99),
-        "router_p50_ms": pct(lat_router, 50), "router_p99_ms": pct(lat_router, 99),
-        "added_p50_ms": pct(lat_router, 50) - pct(lat_direct, 50),
-        "added_p99_ms": pct(lat_router, 99) - pct(lat_direct, 99),
-        "latency_ratio_p50": statistics.median(lat_router) / statistics.median(lat_direct),
-        "router_rps": tput_router, "direct_pd_rps": tput_direct,
-        "throughput_ratio": tput_router / tput_direct, "concurrency": args.concurrency,
-        "router_cpu_us_per_request": cpu_per_request * 1e6,
-        "router_cpu_us_per_sequential_request": cpu_seq * 1e6,
-        "load_average_1min": os.getloadavg()[0], "cpus": len(cores),
-        "router_capacity_rps_per_core": 1.0 / cpu_per_request if cpu_per_request else None,
-    }
+    rows = []
+    for r in routers:
+        cpu = statistics.median(r.result["cpu_load"])
+        rows.append({"router": r.name, "added_p50_ms": added(r.result["lat"], 50),
+                     "added_p99_ms": added(r.result["lat"], 99),
+                     "cpu_us_per_request": cpu * 1e6,
+                     "cpu_us_per_sequential_request":
+                         statistics.median(r.result["cpu_seq"]) * 1e6,
+                     "rps_per_core": 1.0 / cpu if cpu else None,
+                     "rps_measured": statistics.median(r.result["rps"])})
+    return {"rows": rows, "notes": notes, "router_core": core, "cpus": len(cores),
+            "requests": args.requests, "rounds": args.rounds,
+            "concurrency": args.concurrency,
+            "direct_p50_ms": statistics.median(_pct(x, 50) for x in direct["lat"]),
+            "direct_p99_ms": statistics.median(_pct(x, 99) for x in direct["lat"]),
+            "direct_rps": statistics.median(direct["rps"]),
+            "load_average_1min": os.getloadavg()[0],
+            "payload_version": args.payload, "payload_bytes": {
+                "all layers": len(prefill), "layer mask": len(masked)},
+            "signature_path_us": _signature_path(prefill, masked)}
+
+
+def _print(res: dict) -> None:
+    print(f"router overhead, side by side (routers pinned to core {res['router_core']} of "
+          f"{res['cpus']}; {res['rounds']} rounds x {res['requests']} sequential requests; "
+          f"load at concurrency {res['concurrency']}; unique prompts; 1 prefill + 2 "
+          f"decoders; 48x128 payloads)")
+    print(f"direct PD pair: p50 {res['direct_p50_ms']:.3f} ms, p99 {res['direct_p99_ms']:.3f} "
+          f"ms, {res['direct_rps']:,.0f} req/s")
+    ref = next((r for r in res["rows"] if r["router"].startswith("vllm-router")), None)
+    head = (f"{'router':<30}{'+p50 ms':>9}{'+p99 ms':>9}{'CPU us/req':>11}{'(seq)':>7}"
+            f"{'req/s/core':>11}{'req/s':>8}")
+    if ref:
+        head += f"{'p50 - vr':>10}{'CPU / vr':>9}"
+    print(head)
+    for r in res["rows"]:
+        line = (f"{r['router']:<30}{r['added_p50_ms']:>9.3f}{r['added_p99_ms']:>9.3f}"
+                f"{r['cpu_us_per_request']:>11.0f}{r['cpu_us_per_sequential_request']:>7.0f}"
+                f"{r['rps_per_core'] or 0:>11,.0f}{r['rps_measured']:>8,.0f}")
+        if ref:
+            line += (f"{r['added_p50_ms'] - ref['added_p50_ms']:>+10.3f}"
+                     f"{r['cpu_us_per_request'] / ref['cpu_us_per_request']:>8.2f}x")
+        print(line)
+    print("targets: +p50 <= vllm-router's + 0.15 ms; CPU/request <= 2x vllm-router's")
+    print(f"payload version {res['payload_version']}: prefill answer "
+          + ", ".join(f"{k} {v:,} B" for k, v in res["payload_bytes"].items()))
+    print("signature path (in-process, median us): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in res["signature_path_us"].items()) + "  (target <= 40)")
+    for note in res["notes"]:
+        print("note:", note)
+    print(f"machine: {res['cpus']} CPUs, 1-min load average {res['load_average_1min']:.1f} "
+          f"(other work on the routers' core inflates every row alike)")
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-child":
+        _serve_child(*json.loads(sys.argv[2]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", default="eldr",
-                   choices=("eldr", "eldr_cost", "jsq", "p2c", "round_robin"))
-    p.add_argument("--requests", type=int, default=2000, help="sequential requests per path")
-    p.add_argument("--seconds", type=float, default=5.0, help="throughput run per path")
+    p.add_argument("--policies", default="jsq,eldr,eldr_cost",
+                   help="eldr serve policies, comma-separated")
+    p.add_argument("--requests", type=int, default=2000, help="sequential requests per round")
+    p.add_argument("--seconds", type=float, default=4.0, help="load run per router per round")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--baseline-src", metavar="DIR",
+                   help="another eldr source tree (its src/) measured in the same run")
+    p.add_argument("--workers", type=int, default=1,
+                   help="also measure eldr serve --workers N (unpinned), N > 1")
+    p.add_argument("--payload", type=int, choices=(1, 2), default=2,
+                   help="payload version the prefill stub sends (2: the plugin's compact "
+                        "one; 1: the dense zlib + base64 one before it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    r = asyncio.run(_main(args))
+    res = asyncio.run(_main(args))
     if args.json:
-        print(json.dumps(r, indent=1))
-        return
-    print(f"eldr serve overhead (policy {r['policy']}, router pinned to core "
-          f"{r['router_core']}; {r['requests']} sequential requests per path)")
-    print(f"  direct PD pair : p50 {r['direct_pd_p50_ms']:.3f} ms  p99 "
-          f"{r['direct_pd_p99_ms']:.3f} ms  {r['direct_pd_rps']:,.0f} req/s")
-    print(f"  through router : p50 {r['router_p50_ms']:.3f} ms  p99 {r['router_p99_ms']:.3f} "
-          f"ms  {r['router_rps']:,.0f} req/s (concurrency {r['concurrency']})")
-    print(f"  added latency  : p50 {r['added_p50_ms']:.3f} ms (target <= 1 ms)  p99 "
-          f"{r['added_p99_ms']:.3f} ms;  latency ratio p50 {r['latency_ratio_p50']:.2f}x")
-    print(f"  throughput     : {r['router_rps']:,.0f} req/s on one core (target >= 1,000); "
-          f"{r['throughput_ratio']:.2f}x the direct pair")
-    print(f"  router CPU     : {r['router_cpu_us_per_request']:.0f} us per request under load "
-          f"-> {r['router_capacity_rps_per_core']:,.0f} req/s per fully available core; "
-          f"{r['router_cpu_us_per_sequential_request']:.0f} us per request one at a time")
-    print(f"  machine        : {r['cpus']} CPUs, 1-min load average "
-          f"{r['load_average_1min']:.1f} (other work on the router's core inflates latency)")
+        print(json.dumps(res, indent=1))
+    else:
+        _print(res)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_repair_is_exact_from_any_prices_and_small_pools():
         if trial % 2:
             cost = np.round(cost, 2)  # ties
         prices = rng.random(K) * 0.2 if trial % 3 else np.zeros(K)
-        labels = assign_impl.repair(cost, cap, prices)
+        labels, _ = assign_impl.repair(cost, np.full(K, cap), prices)
         assert np.bincount(labels, minlength=K).max() <= cap
         opt = _optimum(cost, cap)
         assert abs(_total(cost, labels) - opt) <= 1e-9 * max(1.0, abs(opt))
@@ -113,6 +113,14 @@ def test_balanced_assign_rejects_bad_input():
         balanced_assign(np.zeros(4))
     with pytest.raises(ValueError, match="capacity"):
         balanced_assign(np.zeros((2, 2)), 1.5)
+    with pytest.raises(ValueError, match="capacity"):
+        balanced_assign(np.zeros((2, 2)), np.array([1, 1, 1]))
+    with pytest.raises(ValueError, match="do not fit"):
+        balanced_assign(np.zeros((5, 2)), np.array([2, 2]))
+    with pytest.raises(ValueError, match="prices"):
+        balanced_assign(np.zeros((2, 2)), prices=np.array([0.0, np.nan]))
+    with pytest.raises(ValueError, match="prices"):
+        balanced_assign(np.zeros((2, 2)), prices=np.zeros(3))
     assert balanced_assign(np.zeros((0, 3))).shape == (0,)
 
 

@@ -32,3 +32,20 @@ def test_load_tracker_dispatch_complete_report_health():
 def test_load_tracker_refuses_bad_sizes():
     with pytest.raises(ValueError, match="positive integer"):
         LoadTracker(0)
+
+
+def test_load_tracker_grows_and_shrinks_with_the_pool():
+    t = LoadTracker(2)
+    t.on_dispatch(1)
+    assert t.add_worker() == 2
+    t.on_dispatch(2)
+    t.set_healthy(0, False)
+    assert t.loads.tolist() == [0.0, 1.0, 1.0] and t.healthy.tolist() == [False, True, True]
+    t.remove_worker(0)  # the others move down one index, loads and health with them
+    assert t.num_workers == 2
+    assert t.loads.tolist() == [1.0, 1.0] and t.healthy.tolist() == [True, True]
+    t.remove_worker(1)
+    with pytest.raises(ValueError, match="last decode worker"):
+        t.remove_worker(0)
+    with pytest.raises(ValueError, match="out of range"):
+        t.remove_worker(3)

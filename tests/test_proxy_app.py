@@ -342,7 +342,7 @@ def test_health_shows_internals_only_to_the_admin_token():
     for doc in (public, wrong):
         assert "artifact" not in doc and "tau" not in doc
         assert set(doc["decode"][0]) == {"name", "healthy", "in_flight", "engine_load",
-                                         "breaker", "load"}
+                                         "breaker", "draining", "load"}
         assert "url" not in doc["prefill"][0] and "last_error" not in doc["prefill"][0]
     assert public["status"] == "ok" and public["decode"][0]["name"] == "w-code"
     assert "artifact" in admin and admin["decode"][0]["url"].startswith("http://")

@@ -48,6 +48,34 @@ def test_masked_encoding_equals_the_full_transform(rep):
     np.testing.assert_array_equal(state.encode(counts), enc.transform(counts))
 
 
+@pytest.mark.parametrize("rep", ["count", "count_idf", "sqrt_count", "binary"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+def test_direct_encoding_is_bit_identical_to_transform(rep, dtype):
+    """The direct path for integer counts (48 x 128, a 16-layer mask) is transform's."""
+    rng = np.random.default_rng(1)
+    enc = SignatureEncoder.from_state({
+        "representation": rep, "num_layers": 48, "num_experts": 128,
+        "layers": np.sort(rng.choice(48, 16, replace=False)),
+        "idf": rng.uniform(0.1, 2.0, (48, 128))})
+    state = dataclasses.replace(make_state(CFG), encoder=enc, num_layers=48,
+                                num_experts=128)
+    assert state.direct is not None
+    for _ in range(5):
+        counts = rng.multinomial(2048, np.full(128, 1 / 128), size=48).astype(dtype)
+        got = state.encode(counts)
+        assert got.dtype == np.float32 and got.shape == (16 * 128,)
+        np.testing.assert_array_equal(got, enc.transform(counts))
+    zero = np.zeros((48, 128), dtype=dtype)
+    np.testing.assert_array_equal(state.encode(zero), enc.transform(zero))
+    floats = rng.uniform(0, 3, (48, 128))  # not counts: the generic path
+    np.testing.assert_array_equal(state.encode(floats), enc.transform(floats))
+    if np.dtype(dtype).kind == "i":
+        bad = counts.copy()
+        bad[0, 0] = -1  # in any layer, masked or not, as transform checks
+        with pytest.raises(ValueError, match="negative"):
+            state.encode(bad)
+
+
 def test_block_payload_is_summed():
     state = make_state(CFG)
     counts = domain_counts("code")

@@ -152,3 +152,33 @@ def test_serve_arguments_and_restart_artifact(tmp_path):
     args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
                                       "http://d:1"])
     assert learning.configure(config_from_args(args), args)[1] is None
+
+
+def test_a_decoder_added_after_the_first_fit_gets_its_own_cluster_at_the_refit(tmp_path):
+    async def go():
+        router, client, engines = await _cluster(tmp_path)
+        extra = await TwoDomainEngine("d2").start()
+        try:
+            learner = router.learner.learner
+            await _send(client, 42, domains=(0, 1, 2))  # three domains, two decoders
+            await learner.fit_task
+            first = router.state.artifact
+            await router.elastic.add(extra.url, "d-new")  # fitted for 2: refit for 3
+            assert learner.state["drift_point"] is not None
+            await _send(client, 8, domains=(0, 1, 2), start=42)  # starts the refit
+            await learner.fit_task
+            return router, learner, first, len(extra.requests)
+        finally:
+            await client.close()
+            for e in (*engines, extra):
+                await e.close()
+
+    router, learner, first, new_requests = asyncio.run(go())
+    assert first == str(tmp_path / "learn" / "artifacts" / "0001")
+    assert learner.state["accepted"] == 2, learner.state["last"]["reasons"]
+    assert router.state.artifact == str(tmp_path / "learn" / "artifacts" / "0002")
+    assert router.state.worker_names == ("decode-0", "decode-1", "d-new")
+    assert router.state.policy.num_workers == 3 and new_requests > 0
+    from eldr.fit import artifact
+
+    assert tuple(artifact.load(router.state.artifact).worker_ids) == router.state.worker_names

@@ -127,6 +127,12 @@ PINNED = {  # family -> (type, help text, label names of its samples)
         "counter", "Clients dropped for leaving an answer unread past the write timeout (their "
         "decode aborted).", ()),
     "eldr_artifact_reloads_total": ("counter", "Routing artifact reloads by result.", ("result",)),
+    "eldr_decoder_pool_changes_total": (
+        "counter", "Decoders added, put to drain, and removed at run time (POST/DELETE "
+        "/admin/decoders).", ("action",)),
+    "eldr_decoder_draining": (
+        "gauge", "1 while the decoder drains (no new request; removed when its in-flight "
+        "requests end), else 0.", ("decoder",)),
     "eldr_decoder_in_flight": ("gauge", "Requests of this router at each decoder.", ("decoder",)),
     "eldr_decoder_load": (
         "gauge", "Load the policy sees per decoder (in-flight, or the engine's running + "
@@ -155,6 +161,7 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 def _fake_pool(num_decoders: int = 2):
     def inst(role, i):
         return SimpleNamespace(role=role, name=f"{role}-{i}", index=i, in_flight=i, healthy=True,
+                               draining=False,
                                breaker=SimpleNamespace(state="closed", num_opened=0),
                                engine_distinct=4.5)
     decode = [inst("decode", i) for i in range(num_decoders)]
@@ -180,6 +187,7 @@ def _record_one_of_each(m) -> None:
     m.reloads.inc(result="ok")
     m.decode_payloads.inc(result="read")
     m.decode_distinct.observe(5.0, decoder="decode-0")
+    m.pool_changes.inc(action="added")
 
 
 def _families(text: str) -> dict[str, tuple[str, str, set[tuple[str, ...]]]]:

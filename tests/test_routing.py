@@ -215,3 +215,83 @@ def test_decode_patterns_are_unit_rows():
     assert p.dtype == np.float32 and p.shape == (2, 4)
     np.testing.assert_allclose(p[0], [2**-0.5, 0, 0, 2**-0.5], rtol=1e-6)
     assert (p[1] == 0).all()
+
+
+# -- the elastic pool: add_worker / remove_worker ------------------------------------------------
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_grows_and_shrinks(name):
+    rng = np.random.default_rng(11)
+    pol = _policy(name)
+    assert pol.add_worker(like=1) == K and pol.num_workers == K + 1
+    loads = np.array([5.0] * K + [0.0])  # the new decoder is the idle one
+    chosen = [pol.choose(_random_request(rng, rid=f"a{i}"), loads) for i in range(80)]
+    assert all(0 <= k <= K for k in chosen) and K in chosen  # it takes requests at once
+    # requests everywhere, then decoder 2 drains (its requests released) and goes
+    held = {}
+    for i in range(40):
+        req = _random_request(rng, rid=f"h{i}")
+        k = i % (K + 1)
+        pol.on_dispatch(req, k)
+        held[req.request_id] = k
+    for rid in [r for r, k in held.items() if k == 2]:
+        pol.on_release(rid, "completed")
+        del held[rid]
+    pol.remove_worker(2)
+    assert pol.num_workers == K
+    for i in range(50):
+        k = pol.choose(_random_request(rng, rid=f"b{i}"), rng.integers(0, 4, K).astype(float))
+        assert 0 <= k < K
+    for rid in held:
+        pol.on_release(rid, "completed")
+    if name == "eldr_cost":
+        fp = pol.footprint
+        assert len(fp) == 0 and fp.count.shape == (K,) and not fp.count.any()
+        assert not fp.log_miss.any() and fp.miss.shape == (K, PROFILE_SHAPE[0] *
+                                                          PROFILE_SHAPE[1])
+    while pol.num_workers > 1:
+        pol.remove_worker(0)
+    with pytest.raises(ValueError, match="last decode worker"):
+        pol.remove_worker(0)
+    with pytest.raises(ValueError, match="out of range"):
+        pol.add_worker(like=5)
+    assert pol.choose(_random_request(rng), np.zeros(1)) == 0
+
+
+def test_band_new_decoder_splits_the_cluster_it_copies():
+    pol = make_policy("eldr", num_workers=K, centroids=CENTROIDS, tau=0.1)
+    pol.add_worker(like=1)
+    np.testing.assert_array_equal(pol.centroids[K], CENTROIDS[1])
+    req = _req([0, 1, 0, 0])
+    loads = np.array([0.0, 3.0, 0.0, 0.0, 1.0])
+    d = pol.decide(req, loads)  # both twins are in the band; the less loaded one wins
+    assert d.worker == K and d.band_size == 2
+    pol.remove_worker(0)  # centroid rows follow their decoders down one index
+    np.testing.assert_array_equal(pol.centroids, np.vstack([CENTROIDS[1:], CENTROIDS[1]]))
+    assert pol.centroids.flags.c_contiguous
+    assert pol.choose(_req([0, 0, 0, 1]), np.zeros(K)) == 2  # old worker 3
+
+
+def test_round_robin_keeps_its_turn_across_a_removal():
+    pol = make_policy("round_robin", num_workers=4)
+    assert [pol.choose(_req(), np.zeros(4)) for _ in range(2)] == [0, 1]
+    pol.remove_worker(0)  # old 2 (due next) is now index 1
+    assert pol.choose(_req(), np.zeros(3)) == 1
+    pol.remove_worker(2)  # the one due next (old 3) is gone: wrap to the first
+    assert pol.choose(_req(), np.zeros(2)) == 0
+
+
+def test_cost_policy_footprint_follows_a_removal():
+    pol = make_policy("eldr_cost", num_workers=3, num_layers=2, num_experts=4)
+    p = np.full(PROFILE_SHAPE, 0.5, dtype=np.float32)
+    pol.on_dispatch(RouteRequest("a", profile=p), 0)
+    pol.on_dispatch(RouteRequest("b", profile=p), 2)
+    before = pol.footprint.distinct[2]
+    pol.remove_worker(1)
+    fp = pol.footprint
+    assert fp.count.tolist() == [1, 1] and fp.distinct[1] == before
+    pol.on_release("b", "completed")  # released under its new index
+    assert fp.count.tolist() == [1, 0] and not fp.log_miss[1].any()
+    assert pol.add_worker() == 2
+    # the new, empty, idle decoder is the cheapest place: J = 0 + (0 + 1) * sum(p)
+    d = pol.decide(RouteRequest("c", profile=p), np.array([1.0, 1.0, 0.0]))
+    assert d.worker == 2 and d.cost == pytest.approx(float(p.sum()))

@@ -47,6 +47,17 @@ def test_eldr_policy_without_artifact_exits_2(capsys):
     assert "needs a routing artifact" in capsys.readouterr().err
 
 
+def test_a_missing_serve_extra_is_one_line_naming_it(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "prometheus_client" else real(name, *a))
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs prometheus_client" in err and "[serve]" in err and "Traceback" not in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,3 +152,165 @@ def test_admin_token_from_a_file_or_the_environment_never_the_command_line(tmp_p
     empty.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         config_from_args(_args(*base, "--admin-token-file", str(empty)))
+
+
+def _get(url: str, token: str | None = None, data: bytes | None = None):
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=5) as resp:  # a new connection every call
+        return resp.read()
+
+
+def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
+    """--workers 2: both workers serve on one port, a load dispatched by one is seen by
+    both, and an admin reload received by one reaches the other."""
+    extra = _artifact_for_the_fake_engine(tmp_path / "art")
+    token = "workers-token-123"
+
+    async def go():
+        pre, dec = await FakeEngine("p").start(), await FakeEngine("e").start()
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--prefill", pre.url, "--decode", dec.url,
+             "--policy", "jsq", "--port", str(port), "--workers", "2",
+             "--health-interval", "0.2", *extra], stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "ELDR_ADMIN_TOKEN": token})
+        base = f"http://127.0.0.1:{port}"
+        out = {}
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                try:
+                    await asyncio.to_thread(_get, base + "/health")
+                    break
+                except OSError:
+                    continue
+            else:
+                pytest.fail("eldr serve --workers 2 did not come up")
+            await asyncio.sleep(0.5)  # the second worker binds a moment later
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            for _ in range(24):
+                doc = json.loads(await asyncio.to_thread(_get, base + "/v1/completions",
+                                                         None, body))
+                assert doc["choices"][0]["text"] == "tok0tok1tok2"
+            # each router process prefixes its upstream ids with its own random tag
+            out["processes"] = {rid.rsplit("-", 1)[0] for rid in pre.request_ids}
+            out["reload"] = json.loads(await asyncio.to_thread(
+                _get, base + "/admin/reload", token, b""))
+            await asyncio.sleep(0.5)  # the parent relays it to the other worker
+            out["metrics"] = [(await asyncio.to_thread(_get, base + "/metrics")).decode()
+                              for _ in range(16)]
+            dec.mode = "hang"  # one decode stays in flight at decoder e
+            hung = asyncio.ensure_future(asyncio.to_thread(
+                lambda: urllib.request.urlopen(urllib.request.Request(
+                    base + "/v1/completions", data=body, method="POST"), timeout=8)))
+            await asyncio.sleep(0.5)
+            out["loads"] = [json.loads(await asyncio.to_thread(_get, base + "/health"))
+                            ["decode"][0]["load"] for _ in range(16)]
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.05)
+            hung.cancel()
+            return out, proc.returncode, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            await pre.close()
+            await dec.close()
+
+    out, rc, err = asyncio.run(go())
+    assert len(out["processes"]) == 2, out["processes"]  # served by both workers
+    assert out["reload"]["reloaded"] is True
+    for page in out["metrics"]:  # every worker reloaded exactly once
+        assert 'eldr_artifact_reloads_total{result="ok"} 1.0' in page, page
+    assert out["loads"] == [1.0] * 16  # both workers see the other's in-flight decode
+    assert rc == 0, err
+    assert "2 workers on http://127.0.0.1" in err
+
+
+def test_decoders_come_from_decode_or_from_a_decoders_file(tmp_path):
+    path = tmp_path / "decoders"
+    path.write_text("# the decode pool\na=http://d:1\n\nb=http://d:2  # the second\n")
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decoders-file", str(path),
+                                 "--policy", "jsq"))
+    assert cfg.decode_ids == ("a", "b") and cfg.decode_urls == ("http://d:1", "http://d:2")
+    assert cfg.decoders_file == str(path)
+    for argv in ((), ("--decode", "http://d:1", "--decoders-file", str(path))):
+        with pytest.raises(ValueError, match="one of the two"):
+            config_from_args(_args("--prefill", "http://p:1", *argv))
+
+
+def test_learning_is_refused_with_several_workers(tmp_path, capsys):
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1", "--policy",
+                 "jsq", "--workers", "2", "--learn", str(tmp_path / "learn")]) == 2
+    assert "cannot be combined with --workers" in capsys.readouterr().err
+
+
+def test_serve_process_grows_over_http_and_follows_its_decoders_file_on_sighup(tmp_path):
+    decoders = tmp_path / "decoders"
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    auth = {"Authorization": "Bearer s3cret-token"}
+
+    async def go():
+        pre, d0, d1, d2 = [await FakeEngine(n).start() for n in ("p", "d0", "d1", "d2")]
+        decoders.write_text(f"a={d0.url}\n")
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--prefill", pre.url, "--decoders-file",
+             str(decoders), "--policy", "jsq", "--port", str(port), "--health-interval",
+             "0.2", "--admin-token-file", str(token)],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        base = f"http://127.0.0.1:{port}"
+
+        def call(method, path, body=None):
+            req = urllib.request.Request(base + path, method=method, headers=auth,
+                                         data=None if body is None else json.dumps(body).encode())
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, json.loads(resp.read())
+
+        def names():
+            return [d["name"] for d in call("GET", "/admin/decoders")[1]["decoders"]]
+
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                try:
+                    await asyncio.to_thread(call, "GET", "/admin/decoders")
+                    break
+                except OSError:
+                    continue
+            else:
+                pytest.fail("eldr serve did not come up")
+            added = await asyncio.to_thread(call, "POST", "/admin/decoders", {"url": d1.url,
+                                                                              "name": "b"})
+            decoders.write_text(f"b={d1.url}\nc={d2.url}\n")  # a goes, c comes
+            proc.send_signal(signal.SIGHUP)
+            seen = []
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                seen = await asyncio.to_thread(names)
+                if seen == ["b", "c"]:
+                    break
+            served = [(await asyncio.to_thread(call, "POST", "/v1/completions",
+                                               {"prompt": f"p{i}"}))[0] for i in range(4)]
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.05)
+            return added, seen, served, proc.returncode, proc.stderr.read(), \
+                len(d0.requests), len(d2.requests) + len(d1.requests)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for e in (pre, d0, d1, d2):
+                await e.close()
+
+    added, seen, served, rc, err, at_a, at_bc = asyncio.run(go())
+    assert added[0] == 201 and [d["name"] for d in added[1]["decoders"]] == ["a", "b"]
+    assert seen == ["b", "c"] and served == [200] * 4 and at_a == 0 and at_bc == 4
+    assert "decoder c" in err and "drained and removed" in err and rc == 0, err

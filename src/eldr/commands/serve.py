@@ -23,9 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     policies = sorted(n for n in POLICIES if n not in EVALUATION_ONLY_POLICIES)
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill instance, e.g. http://10.0.0.1:8100 (repeatable)")
-    p.add_argument("--decode", action="append", required=True, metavar="[ID=]URL",
+    p.add_argument("--decode", action="append", default=None, metavar="[ID=]URL",
                    help="a decode instance (repeatable); ID = its worker id in the artifact, "
                         "else decoders match the artifact's workers in order")
+    p.add_argument("--decoders-file", default=None, metavar="PATH",
+                   help="the decode instances, one [ID=]URL a line (# comments), instead of "
+                        "--decode; SIGHUP re-reads it and adds or drains decoders to match "
+                        "(docs/serve.md, the elastic decoder pool)")
     p.add_argument("--artifact", metavar="DIR", help="routing artifact written by eldr fit "
                    "(required by eldr and eldr_top1; eldr_cost uses its predictor and "
                    "cluster profiles when given, and runs without one)")
@@ -78,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
                    help="seconds an open breaker holds a decoder off before one probe; "
                         "doubled after each failed probe (up to 120 s)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="router processes on the port (SO_REUSEPORT), sharing each "
+                        "decoder's load; for machines with more cores than one (default 1)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
     from eldr.proxy import learning
@@ -88,7 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from eldr.proxy.config import ServeConfig, parse_decode_spec
 
-    specs = [parse_decode_spec(s) for s in args.decode]
+    decoders_file = getattr(args, "decoders_file", None)
+    if (args.decode is None) == (decoders_file is None):
+        raise ValueError("give the decode instances with --decode [ID=]URL (repeatable) or "
+                         "with --decoders-file PATH, one of the two")
+    if decoders_file is not None:
+        from eldr.proxy.elastic import read_decoders_file
+
+        specs = read_decoders_file(decoders_file)
+    else:
+        specs = [parse_decode_spec(s) for s in args.decode]
     ids = [i for i, _ in specs]
     if any(i is None for i in ids) and any(i is not None for i in ids):
         raise ValueError("give worker ids for all --decode URLs (ID=URL) or for none")
@@ -109,7 +125,8 @@ def config_from_args(args: argparse.Namespace):
         max_attempts=args.max_attempts, release_kv=args.release_kv,
         breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,
-        breaker_max_backoff=max(120.0, args.breaker_backoff))
+        breaker_max_backoff=max(120.0, args.breaker_backoff), workers=args.workers,
+        decoders_file=decoders_file)
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
@@ -140,19 +157,30 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     return None
 
 
-async def serve(router, *, ready=None) -> None:
-    """Run the router until SIGINT/SIGTERM; SIGHUP reloads the artifact."""
+async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool = False,
+                reload=None) -> None:
+    """Run the router until SIGINT/SIGTERM; SIGHUP re-reads the decoders file (if serve has
+    one: decoders are added or drained to match it) and reloads the artifact.
+
+    ``port`` overrides the config's (a worker of ``--workers N`` binds the port its parent
+    reserved, with ``reuse_port``); ``reload`` is what SIGHUP calls (default
+    ``router.reload``).
+    """
     from aiohttp import web
 
     runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, router.config.host, router.config.port, backlog=1024)
+    site = web.TCPSite(runner, router.config.host,
+                       router.config.port if port is None else port, backlog=1024,
+                       reuse_port=reuse_port or None)
     await site.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_reload(router)))
+    reload = router.reload if reload is None else reload
+    loop.add_signal_handler(signal.SIGHUP,
+                            lambda: loop.create_task(_hangup(router, reload)))
     host, port = site._server.sockets[0].getsockname()[:2]  # the real port when port=0
     state = router.state
     print(f"eldr serve: listening on http://{host}:{port} (policy {state.policy.name}, "
@@ -166,25 +194,46 @@ async def serve(router, *, ready=None) -> None:
         await runner.cleanup()
 
 
-async def _reload(router) -> None:
+async def _reload(reload) -> None:
     try:
-        await router.reload()
+        await reload()
     except Exception:  # logged and counted by reload(); the running artifact stays
         pass
 
 
+async def _hangup(router, reload) -> None:
+    """SIGHUP: the decoders file first (so an artifact for the new set fits), then the
+    artifact. Each step logs its own outcome; neither stops the router."""
+    if router.config.decoders_file is not None:
+        try:
+            await router.elastic.sync_file()
+        except Exception as exc:  # a bad file or a fixed pool: logged, nothing changed
+            logging.getLogger("eldr.serve").error("decoders file not applied: %s", exc)
+    await _reload(reload)
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        import aiohttp  # noqa: F401
-    except ModuleNotFoundError as exc:
-        raise ValueError("eldr serve needs aiohttp: pip install 'eldr[serve]'") from exc
+    import importlib.util
+
+    missing = [m for m in ("aiohttp", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"eldr serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
+                         f"from the source tree")
     from eldr.proxy import learning
     from eldr.proxy.app import Router
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, learn = learning.configure(config_from_args(args), args)
-    router = Router(config)
+    if config.workers > 1 and learn is not None:
+        raise ValueError("--learn runs in one router process: it cannot be combined with "
+                         "--workers (each worker would fit and swap its own artifact)")
+    router = Router(config)  # a bad artifact fails here, before any socket or worker
+    if config.workers > 1:
+        from eldr.proxy.workers import run_workers
+
+        del router
+        return run_workers(config, lambda: Router(config), serve)
     learning.attach(router, learn)
     try:
         import uvloop  # optional: a faster event loop when installed

@@ -1,56 +1,61 @@
 """Exact capacitated assignment (the transportation problem with few columns).
 
 Problem: rows ``i < N`` each go to one column ``k < K`` at cost ``C[i, k]``; column ``k``
-takes at most ``cap`` rows; minimise the total cost. K is small (decode workers), N is
+takes at most ``caps[k]`` rows; minimise the total cost. K is small (decode workers), N is
 large (calibration requests), so everything is organised around K-dimensional duals.
 
-Duality. Add a dummy row carrying the ``S = K·cap − N`` unused slots at cost 0 everywhere,
+Duality. Add a dummy row carrying the ``S = Σ caps − N`` unused slots at cost 0 everywhere,
 so every column is filled exactly. An assignment is optimal iff there are column prices
-``p`` (K,) with every row (and every dummy slot) in a column of minimum ``C[i, k] + p[k]``
-(complementary slackness), i.e. iff its residual graph has no negative cycle.
+``p`` (K,) with every row in a column of minimum ``C[i, k] + p[k]`` and every unused slot
+in a column of minimum ``p[k]`` (complementary slackness). :func:`solve` returns such
+prices with its labels: they certify the optimum, and they warm-start the next call when
+the costs change a little (the next K-means iteration).
 
 Two phases, because exactness and speed want different tools:
 
 1. :func:`entropic_prices` (speed). Damped Newton on the entropy-smoothed dual
-   ``Σ_i −ε·log Σ_k exp(−(C[i,k] + p_k)/ε) − cap·Σ_k p_k`` (+ the dummy row) in K
-   dimensions: gradient = softmin column sums − cap, Hessian = a K×K weighted graph
-   Laplacian, solved exactly; Armijo backtracking inside a trust region of 8ε. ε starts
-   at the 90th percentile of the rows' best-vs-second gaps and shrinks 4× per stage;
-   the first stages run on evenly spaced subsamples (N/4^j rows, fractional capacity).
-   Rows whose best column beats the second by ≥ 30ε are one-hot to within e^-30 and
-   are counted, not exponentiated, so late stages touch only rows near a boundary.
-   Stops once ``argmin(C + p)`` overfills the columns by at most max(4, N/1000) rows,
-   when prices stop moving (what is left is exact ties), or at ε = 1e-5 of the largest
-   gap (float32 resolution). Approximate; its output is only a starting point.
-2. :func:`repair` (exactness). Successive shortest paths in the K-node column graph,
+   ``Σ_i −ε·log Σ_k exp(−(C[i,k] + p_k)/ε) − Σ_k caps_k·p_k`` (+ the dummy row) in K
+   dimensions: gradient = softmin column sums − caps, Hessian = a K×K weighted graph
+   Laplacian, solved exactly, inside a trust radius (4ε at a stage's start, widened
+   whenever the model holds); a step is accepted when the smoothed dual rises or the
+   imbalance halves. ε starts at the 90th percentile of the rows' best-vs-second gaps and
+   shrinks 4× whenever a stage's Newton step falls below ε/2;
+   on large N the first stages run on evenly spaced subsamples (N/4^j rows, fractional
+   capacities), and rows whose best column beats the second by ≥ 30ε + 2·(trust radius)
+   are one-hot to within e^-30 and are counted, not exponentiated. Stops once
+   ``argmin(C + p)`` overfills the columns by at most ``target_excess`` rows, when the
+   overfill stops falling (exact ties: the repair's job), or at float32 resolution.
+   Approximate; its output is only a starting point.
+2. :func:`repair` (exactness). Successive shortest paths on the K-node column graph,
    starting from ``argmin(C + p)`` — optimal for its own column sizes, since ``p``
-   certifies it — moving one row (or dummy slot) at a time from an over-full column to
-   one with room along a shortest path (Bellman–Ford on K nodes; an edge a→b costs
-   ``min_{i in a} C[i, b] − C[i, a]``). Each augmentation keeps the residual graph free
-   of negative cycles, so the result is an exact optimum: only float64 comparisons of
-   the given costs, no scaling, no rounding. Edge minima are kept over a pool of rows
-   near the boundary; a row outside the pool provably costs at least a known bound, and
-   the pool is widened whenever an edge's minimum crosses that bound. Exact ties (many
-   identical rows) are cheap: the starting argmin deals tied rows round-robin over their
-   minimal columns, and units whose rows tie on every edge of a shortest path move
-   together in one augmentation.
+   certifies it. Edge a→b carries the cheapest move of one row (or unused slot) from a to
+   b at reduced cost ``C[i, b] − C[i, a] + p_b − p_a ≥ 0``; a shortest path from the
+   over-full columns (Bellman–Ford on K nodes) to the nearest column with room gives the
+   potential update ``p ← p − min(dist, dist_t)`` that keeps every reduced cost ≥ 0 and
+   makes the path's edges tight, and one unit moves along it. Rows that tie exactly on
+   every edge of the path (duplicated requests) move together. Edge minima are kept over
+   a pool of boundary rows per column, with a proven lower bound for the rest; a path that
+   leans on a bound widens that pool and is searched again. The final ``p`` certifies the
+   result (float64 arithmetic on the given costs; no scaling to integers, no rounding).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_NEWTON_STEPS = 8  # Newton iterations per ε stage at most
-_MAX_STAGES = 40  # ε stages at most on the full problem
-_HARD_MARGIN = 30.0  # rows with gap ≥ 30ε are treated as one-hot (error ≤ e^-30)
-_TRUST = 8.0  # a Newton step moves p by at most 8ε (≪ 30ε: hard rows stay one-hot)
-_MIN_LEVEL = 200  # rows in the smallest coarse level
-_EPS0_QUANTILE = 0.9  # first ε: this quantile of the rows' best-vs-second gaps
+_NEWTON_STEPS = 12  # line-searched Newton steps per ε stage at most
+_MAX_EVALS = 400  # smoothed-dual evaluations at most (a safety net, never reached in tests)
+_HARD_MARGIN = 30.0  # rows with gap ≥ 30ε (+ 2·trust) are treated as one-hot (error ≤ e^-30)
+_TRUST = 8.0  # with one-hot rows, p moves at most 8ε before the split is redone
+_DENSE_ROWS = 8192  # up to this many rows every stage exponentiates all of them
+_MIN_LEVEL = 1024  # rows in the smallest coarse level
+_DTOL = 0.5  # a stage has converged once the Newton step is below 0.5ε
 _SHRINK = 4.0  # ε shrinks this much per stage
-_EPS_FLOOR = 1e-5  # smallest ε relative to the largest gap: float32 resolves ~1e-7
+_TR0 = 4.0  # a stage's first trust radius, in units of ε
+_STALLS = 3  # stages in a row without progress before the overfill is left to the repair
+_EPS_FLOOR = 1e-6  # smallest ε relative to the cost spread: float32 resolves ~1e-7
 _EXP_FLOOR = 60.0  # exp(-60) ≈ 1e-26 stands for anything smaller
-_DUMMY = -1  # marks an edge realised by moving a dummy (unused) slot
-_BOUND = -2  # marks an edge holding a lower bound for rows outside the pool
+_POOL = 32  # boundary rows per column the repair scans first
 
 # The price phase works on the transposed cost CT (K, N): numpy reduces over a short
 # last axis an order of magnitude slower than over the first axis of a C-ordered array.
@@ -68,151 +73,191 @@ def _top2(RT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return best, gap
 
 
-def _excess(best: np.ndarray, K: int, cap: int) -> int:
-    return int(np.maximum(np.bincount(best, minlength=K) - cap, 0).sum())
-
-
-def _smoothed(CT: np.ndarray, fixed: np.ndarray, p: np.ndarray, S: float, cap: float,
-              eps: float) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Smoothed dual at p with soft rows CT (K, n) float32 and ``fixed`` one-hot counts.
-
-    Returns (value, gradient (K,), unnormalised softmin weights E (K, n) with their
-    per-row sums folded in as ``inv_s`` (n,) — P = E · inv_s —, column sums of P plus
-    the dummy row's, the dummy row's probabilities (K,)). float32 arrays, float64 sums:
-    the prices only need to be approximately right (the repair phase is exact).
+class _Point:
+    """The smoothed dual of soft rows CT (K, n) float32 plus one-hot ``fixed`` counts, at
+    (p, ε): value ``f``, gradient ``g`` (softmin column sums − caps), the Hessian's
+    Laplacian ``L`` (Hessian = −L/ε) and ``over``, how many rows ``argmin(C + p)``
+    puts above the capacities (ties counted in every tied column). float32 arrays,
+    float64 sums: the prices only need to be roughly right (the repair is exact).
     """
-    E = CT + (p.astype(np.float32))[:, None]
-    m = E.min(0)
-    np.subtract(m, E, out=E)
-    E *= np.float32(1.0 / eps)
-    np.maximum(E, np.float32(-_EXP_FLOOR), out=E)  # exp of huge negatives is slow
-    np.exp(E, out=E)
-    s = E.sum(0)
-    inv_s = 1.0 / s
-    pm = p.min()
-    ez = np.exp((pm - p) / eps)
-    sz = ez.sum()
-    f = float(m.sum(dtype=np.float64) - eps * np.log(s).sum(dtype=np.float64) + fixed @ p
-              + S * (pm - eps * np.log(sz)) - cap * p.sum())
-    pz = ez / sz
-    cols = (E @ inv_s).astype(np.float64) + S * pz
-    return f, cols + fixed - cap, (E, inv_s), cols, pz
+
+    __slots__ = ("L", "f", "g", "over", "p")
+
+    def __init__(self, CT: np.ndarray, fixed: np.ndarray, caps: np.ndarray, S: float,
+                 p: np.ndarray, eps: float) -> None:
+        E = CT + p.astype(np.float32)[:, None]
+        m = E.min(0)
+        E -= m
+        hard = np.count_nonzero(E == 0.0, axis=1) + fixed
+        self.over = float(np.maximum(hard - caps, 0.0).sum())
+        E *= np.float32(-1.0 / eps)
+        np.maximum(E, np.float32(-_EXP_FLOOR), out=E)  # exp of huge negatives is slow
+        np.exp(E, out=E)
+        s = E.sum(0)
+        E /= s  # softmin probabilities P (K, n)
+        pm = p.min()
+        ez = np.exp((pm - p) / eps)
+        pz = ez / ez.sum()  # the dummy row's probabilities
+        cols = E.sum(1, dtype=np.float64) + S * pz
+        self.p = p
+        self.f = float(m.sum(dtype=np.float64) - eps * np.log(s).sum(dtype=np.float64)
+                       + fixed @ p + S * (pm - eps * np.log(ez.sum())) - caps @ p)
+        self.g = cols + fixed - caps
+        L = np.diag(cols) - (E @ E.T).astype(np.float64) - S * np.outer(pz, pz)
+        L.flat[::L.shape[0] + 1] += 1e-9 * float(cols.mean()) + 1e-12
+        self.L = L
 
 
-def _stages(CT: np.ndarray, cap: float, p: np.ndarray, eps: float, *, max_stages: int,
-            target_excess: int | None, eps_stop: float = 0.0) -> tuple[np.ndarray, float]:
-    """Newton stages on the smoothed dual of rows CT (K, n), ε shrinking per stage.
+class _Level:
+    """The rows one stage works on: all of them, or the soft ones plus one-hot counts."""
 
-    Stops when ε < ``eps_stop``, or (``target_excess`` given) when ``argmin(C + p)``
-    overfills the columns by at most ``target_excess`` rows. Returns (p, ε reached).
+    def __init__(self, CT: np.ndarray, caps: np.ndarray, S: float) -> None:
+        self.CT, self.caps, self.S = CT, caps, S
+        self.soft, self.fixed = CT, np.zeros(caps.size)
+        self.p_ref, self.radius = None, np.inf
+
+    def split(self, p: np.ndarray, eps: float) -> None:
+        """Treat rows with gap ≥ 30ε + 2·radius under p as one-hot (large levels only)."""
+        if self.CT.shape[1] <= _DENSE_ROWS:
+            return
+        best, gap = _top2(self.CT + p.astype(np.float32)[:, None])
+        self.radius = _TRUST * eps
+        soft = gap < _HARD_MARGIN * eps + 2.0 * self.radius
+        self.fixed = np.bincount(best[~soft], minlength=self.caps.size).astype(np.float64)
+        self.soft, self.p_ref = self.CT[:, soft], p
+
+    def at(self, p: np.ndarray, eps: float) -> _Point:
+        return _Point(self.soft, self.fixed, self.caps, self.S, p, eps)
+
+    def room(self, p: np.ndarray) -> float:
+        """How far p may still move before the one-hot split must be redone."""
+        return np.inf if self.p_ref is None else self.radius - float(np.abs(p - self.p_ref).max())
+
+
+def _stages(level: _Level, p: np.ndarray, eps: float, *, eps_stop: float,
+            target: float | None) -> tuple[np.ndarray, float, int]:
+    """Trust-region Newton on the smoothed dual, ε shrinking 4× whenever a stage converges.
+
+    With ``target`` None: one stage (a coarse level). Otherwise stages until at most
+    ``target`` rows overfill, ε < ``eps_stop``, or the overfill has not reached a new low
+    for 3 stages (exact ties, duplicated rows: then the prices of the lowest). Returns
+    (p, ε for the next stage, evaluations).
     """
-    K, n = CT.shape
-    S = K * cap - n
-    g_tol = max(0.5, n / 200.0)  # rows of imbalance accepted before ε shrinks
-    done = 0
-    for _split in range(4 * max_stages):  # a stale split redoes the stage at the same ε
-        if done >= max_stages:
+    level.split(p, eps)
+    pt, evals = level.at(p, eps), 1
+    steps, last, radius, stalls, stuck = 0, None, _TR0 * eps, 0, False
+    while evals < _MAX_EVALS:
+        if target is not None and pt.over <= target:
             break
-        best, gap = _top2(CT + p.astype(np.float32)[:, None])
-        if eps < eps_stop or (target_excess is not None
-                              and _excess(best, K, int(cap)) <= target_excess):
-            break
-        soft = gap < _HARD_MARGIN * eps
-        fixed = np.bincount(best[~soft], minlength=K).astype(np.float64)
-        Cs = CT[:, soft]
-        p_ref = p.copy()
-        stale = False  # p drifted far enough that the hard/soft split must be redone
-        f, g, P, cols, pz = _smoothed(Cs, fixed, p, S, cap, eps)
-        for _ in range(_NEWTON_STEPS):
-            if np.abs(g).sum() < g_tol:
-                break
-            E, inv_s = P
-            Ps = E * inv_s
-            L = np.diag(cols) - (Ps @ Ps.T).astype(np.float64) - S * np.outer(pz, pz)
-            L[np.diag_indices(K)] += 1e-9 * (np.trace(L) / K + 1.0)
-            d = np.linalg.solve(L, eps * g)
-            slope = float(g @ d)
-            # trust region: the hard rows' linear terms are only valid while p stays close
-            t = min(1.0, _TRUST * eps / max(float(np.abs(d).max()), 1e-300))
-            for _backtrack in range(6):
-                fn, gn, Pn, coln, pzn = _smoothed(Cs, fixed, p + t * d, S, cap, eps)
-                if fn >= f + 1e-4 * t * slope:
-                    break
-                t *= 0.25
+        # Levenberg–Marquardt: a column with no soft rows has (almost) no curvature, and a
+        # plain Newton step would fling its price; μ caps such a step near the radius.
+        mu = eps * float(np.abs(pt.g).max()) / min(radius, 1e300)
+        d = np.linalg.solve(pt.L + mu * np.eye(pt.L.shape[0]), eps * pt.g)
+        dm = max(float(np.abs(d).max()), 1e-300)
+        stuck = stuck if steps else False
+        converged = dm <= _DTOL * eps or float(np.abs(pt.g).sum()) < 0.5
+        if converged or steps >= _NEWTON_STEPS:
+            p = pt.p + min(1.0, level.room(pt.p) / dm) * d if converged else pt.p
+            if converged or stuck:
+                eps /= _SHRINK  # else the same ε again: a smaller one would only slow it
+            if target is None:
+                return p, eps, evals
+            if last is None or pt.over < last[0]:
+                last, stalls = (pt.over, p), 0
             else:
-                break  # no ascent along d (float32 resolution reached): next stage
-            p = p + t * d
-            f, g, P, cols, pz = fn, gn, Pn, coln, pzn
-            if np.abs(p - p_ref).max() > _TRUST * eps:
-                stale = True
+                stalls += 1
+            if stalls >= _STALLS:  # the overfill stopped falling: exact ties or duplicated
+                return last[1], eps, evals  # rows, which the repair moves in bulk
+            if eps < eps_stop:
+                return p, eps, evals
+            steps, radius = 0, _TR0 * eps
+            level.split(p, eps)
+            pt, evals = level.at(p, eps), evals + 1
+            continue
+        slope, g1 = float(pt.g @ d), float(np.abs(pt.g).sum())
+        for _retry in range(8):
+            t = min(1.0, radius / dm, level.room(pt.p) / dm)
+            trial, evals = level.at(pt.p + t * d, eps), evals + 1
+            if trial.f >= pt.f + 1e-4 * t * slope or float(np.abs(trial.g).sum()) <= 0.5 * g1:
+                if t < 1.0:
+                    radius *= 4.0  # the model held up to the radius: trust it further
                 break
-        if not stale:
-            if target_excess is not None and np.abs(p - p_ref).max() < 1e-3 * eps:
-                break  # prices stopped moving: what overfills now is exact ties (repair's)
-            eps /= _SHRINK
-            done += 1
-    return p, eps
+            radius = t * dm / 4.0
+        else:
+            steps, stuck = _NEWTON_STEPS, True  # no progress along d (float32 resolution)
+            continue
+        pt, steps = trial, steps + 1
+        if level.room(pt.p) <= 1e-9 * eps:  # the one-hot split is stale: redo it, same ε
+            level.split(pt.p, eps)
+            pt, evals = level.at(pt.p, eps), evals + 1
+    return pt.p, eps, evals
 
 
-def entropic_prices(C: np.ndarray, cap: int, *, target_excess: int) -> np.ndarray:
-    """Approximate optimal column prices (K,) for ``C`` (N, K) float64 under ``cap``.
+def entropic_prices(C: np.ndarray, caps: np.ndarray, *, target_excess: int,
+                    prices: np.ndarray | None = None) -> np.ndarray:
+    """Approximate optimal column prices (K,) for ``C`` (N, K) float64 under ``caps`` (K,).
 
-    Coarse stages run on evenly spaced subsamples (N/4^j rows, capacity scaled to them:
-    the smoothed dual accepts fractional capacities), one ε stage per level; the fine
-    stages run on all rows, where by then only rows near a boundary are soft.
+    ``prices`` warm-starts from a previous solution (e.g. the last K-means iteration's):
+    the first stage then starts at the ε of the rows it leaves on the wrong side.
     """
     N, K = C.shape
-    CT = np.ascontiguousarray(C.T, dtype=np.float32)
-    p = np.zeros(K)
-    _, gap = _top2(CT)
-    span = float(gap.max())
-    if span <= 0.0:
-        return p  # every row is indifferent: any feasible split is optimal
-    eps = float(np.quantile(gap, _EPS0_QUANTILE)) or span
-    sizes = []  # coarse levels: N/4, N/16, ... rows, at least _MIN_LEVEL each
-    while N // 4 ** (len(sizes) + 1) >= _MIN_LEVEL:
-        sizes.append(N // 4 ** (len(sizes) + 1))
-    for n in reversed(sizes):  # one ε stage per level, ε and sample shrinking together
-        idx = np.linspace(0, N - 1, n).round().astype(np.int64)
-        p, _ = _stages(CT[:, idx], cap * n / N, p, eps, max_stages=1, target_excess=None)
-        eps /= _SHRINK
-    p, _ = _stages(CT, cap, p, eps, max_stages=_MAX_STAGES, target_excess=target_excess,
-                   eps_stop=span * _EPS_FLOOR)
+    CT = np.ascontiguousarray((C - C.min(1, keepdims=True)).T, dtype=np.float32)
+    span = float(CT.max())
+    if span <= 0.0 or K == 1:
+        return np.zeros(K)  # every row is indifferent: any feasible split is optimal
+    capf = caps.astype(np.float64)
+    S = float(capf.sum() - N)
+    best, gap = _top2(CT if prices is None else CT + np.asarray(prices, np.float32)[:, None])
+    eps_stop = span * _EPS_FLOOR
+    if prices is None:
+        p = np.zeros(K)
+        # The 90th percentile of the best-vs-second gaps, or more when a column is nobody's
+        # first choice: its price must come down by that much before any row moves there.
+        eps = max(float(np.quantile(gap, 0.9)), float(CT.min(1).max())) or span
+        sizes = []  # coarse levels: N/4, N/16, ... rows, at least _MIN_LEVEL each
+        while N // 4 ** (len(sizes) + 1) >= _MIN_LEVEL:
+            sizes.append(N // 4 ** (len(sizes) + 1))
+        for n in reversed(sizes):  # one ε stage per level, ε and sample shrinking together
+            idx = np.linspace(0, N - 1, n).round().astype(np.int64)
+            level = _Level(np.ascontiguousarray(CT[:, idx]), capf * n / N, S * n / N)
+            p, eps, _ = _stages(level, p, eps, eps_stop=eps_stop, target=None)
+    else:
+        p = np.asarray(prices, dtype=np.float64) - float(np.min(prices))
+        wrong = int(np.maximum(np.bincount(best, minlength=K) - caps, 0).sum())
+        if wrong <= target_excess:
+            return p
+        cold = int(np.maximum(np.bincount(CT.argmin(0), minlength=K) - caps, 0).sum())
+        if 2 * wrong >= cold:  # the costs moved too far for these prices: start cold
+            return entropic_prices(C, caps, target_excess=target_excess)
+        eps = max(float(np.quantile(gap, min(1.0, 64.0 * wrong / N))), eps_stop)
+    p, _, _ = _stages(_Level(CT, capf, S), p, eps, eps_stop=eps_stop,
+                      target=float(target_excess))
     return p - p.min()
 
 
 class _ColumnGraph:
     """The K-node residual graph: ``W[a, b]`` = cheapest move of one unit from a to b.
 
-    Row moves are scanned over a pool per column: the rows nearest a boundary under the
-    starting prices ``p``, plus every row that moved in. A row of column a outside the
-    pool has a reduced gap ≥ ``margin[a]``, so its move to b costs ≥ ``margin[a] + p[a] −
-    p[b]``; where that bound is below the pool's minimum, the edge holds the bound (a
-    lower bound, marked ``_BOUND``). A shortest path that uses only exact edges is a true
-    shortest path; one that uses a bound edge widens that pool and is searched again.
+    ``W`` holds raw costs ``C[i, b] − C[i, a]`` (potentials are added per search). Row
+    moves are scanned over a pool per column: the rows nearest a boundary under the
+    starting prices ``p0``, plus every row that moved in. A row of column a outside the
+    pool has a reduced gap ≥ ``margin[a]`` under ``p0``, so its move to b costs at least
+    ``margin[a] + Δp_b − Δp_a`` under the current prices (Δp = p − p0).
     """
 
-    def __init__(self, C: np.ndarray, labels: np.ndarray, p: np.ndarray, gap: np.ndarray,
-                 dummy: np.ndarray, pool_size: int) -> None:
+    def __init__(self, C: np.ndarray, labels: np.ndarray, gap: np.ndarray,
+                 pool_size: int) -> None:
         K = C.shape[1]
-        self.C, self.labels, self.p, self.gap, self.K = C, labels, p, gap, K
+        self.C, self.labels, self.gap, self.K = C, labels, gap, K
         order = np.lexsort((gap, labels))  # by column, then nearest the boundary first
         bounds = np.searchsorted(labels[order], np.arange(K + 1))
         self.start = [order[bounds[k]:bounds[k + 1]] for k in range(K)]  # rows at start
-        self.dummy = dummy  # (K,) dummy slots held by each column
         self.margin = np.full(K, np.inf)  # rows of a outside its pool have gap >= margin
         self.pools = [st[:pool_size] for st in self.start]
         self.requested = np.full(K, pool_size)  # prefix of `start` the pool was built from
         for a, st in enumerate(self.start):
             if st.size > pool_size:
                 self.margin[a] = float(gap[st[pool_size]])
-        self.W = np.full((K, K), np.inf)
-        self.A = np.zeros((K, K), dtype=np.int64)  # row index, _DUMMY or _BOUND
-        self._refresh_all()
-
-    def _refresh_all(self) -> None:
-        """``refresh`` of every column at once (pools padded to one length)."""
-        K, C = self.K, self.C
         size = max(1, max(pool.size for pool in self.pools))
         idx = np.zeros((K, size), dtype=np.int64)
         valid = np.zeros((K, size), dtype=bool)
@@ -221,112 +266,101 @@ class _ColumnGraph:
             valid[a, :pool.size] = True
         keys = C[idx] - C[idx, np.arange(K)[:, None]][:, :, None]  # (K, size, K)
         keys[~valid] = np.inf
-        j = keys.argmin(1)  # (K, K)
-        W = np.take_along_axis(keys, j[:, None, :], axis=1)[:, 0, :]
-        A = np.take_along_axis(idx, j, axis=1)
-        has_dummy = (self.dummy > 0)[:, None] & (W > 0.0)
-        W[has_dummy] = 0.0
-        A[has_dummy] = _DUMMY
-        bound = self.margin[:, None] + self.p[:, None] - self.p[None, :]
-        use = bound < W
-        W[use] = bound[use]
-        A[use] = _BOUND
-        np.fill_diagonal(W, np.inf)
-        self.W, self.A = W, A
+        j = keys.argmin(1)
+        self.W = np.take_along_axis(keys, j[:, None, :], axis=1)[:, 0, :]
+        np.fill_diagonal(self.W, np.inf)
 
     def widen(self, a: int) -> None:
         start = self.start[a]
-        size = self.requested[a] = 4 * max(int(self.requested[a]), 16)
-        if size >= start.size:
-            self.margin[a] = np.inf
-        else:
-            self.margin[a] = float(self.gap[start[size]])
+        size = self.requested[a] = 4 * int(self.requested[a])
+        self.margin[a] = np.inf if size >= start.size else float(self.gap[start[size]])
         pool = np.union1d(start[:size], self.pools[a])
         self.pools[a] = pool[self.labels[pool] == a]
         self.refresh(a)
 
     def refresh(self, a: int) -> None:
         pool = self.pools[a]
-        W, A = self.W[a], self.A[a]
         if pool.size:
-            keys = self.C[pool] - self.C[pool, a][:, None]
-            j = keys.argmin(0)
-            W[:] = keys[j, np.arange(self.K)]
-            A[:] = pool[j]
+            self.W[a] = (self.C[pool] - self.C[pool, a][:, None]).min(0)
         else:
-            W[:] = np.inf
-        if self.dummy[a] > 0:
-            use = W > 0.0
-            W[use] = 0.0
-            A[use] = _DUMMY
-        bound = self.margin[a] + self.p[a] - self.p
-        use = bound < W
-        W[use] = bound[use]
-        A[use] = _BOUND
-        W[a] = np.inf
+            self.W[a] = np.inf
+        self.W[a, a] = np.inf
 
-    def capacity(self, a: int, b: int) -> int:
-        """How many units can cross edge a→b at exactly its current cost W[a, b]."""
-        r = int(self.A[a, b])
-        if r == _DUMMY:
-            return int(self.dummy[a])
+    def take(self, a: int, b: int, amount: int) -> np.ndarray:
+        """Up to ``amount`` pool rows of a whose move to b costs exactly W[a, b]."""
         pool = self.pools[a]
         keys = self.C[pool, b] - self.C[pool, a]
-        return int(np.count_nonzero(keys == self.W[a, b]))
+        return pool[keys == self.W[a, b]][:amount]
 
-    def move(self, a: int, b: int, amount: int) -> None:
-        """Move ``amount`` units across a→b, each at cost W[a, b] (rows tied at it)."""
-        r = int(self.A[a, b])
-        if r == _DUMMY:
-            self.dummy[a] -= amount
-            self.dummy[b] += amount
-            return
-        pool = self.pools[a]
-        keys = self.C[pool, b] - self.C[pool, a]
-        rows = pool[keys == self.W[a, b]][:amount]
+    def move(self, rows: np.ndarray, a: int, b: int) -> None:
         self.labels[rows] = b
+        pool = self.pools[a]
         self.pools[a] = pool[self.labels[pool] == a]
         self.pools[b] = np.concatenate([self.pools[b], rows])
 
 
-def repair(C: np.ndarray, cap: int, p: np.ndarray) -> np.ndarray:
-    """Exact optimum from prices ``p`` by successive shortest paths (module docstring)."""
+def _start(C: np.ndarray, caps: np.ndarray, p: np.ndarray):
+    """argmin(C + p) with ties dealt round-robin, unused slots, gaps: the SSP start."""
     N, K = C.shape
-    RT = (C + p).T.copy()
-    best, gap = _top2(RT)
-    labels = best.astype(np.int64)
-    tied = np.flatnonzero(gap == 0.0)
+    R = C + p
+    labels = R.argmin(1)
+    ar = np.arange(N)
+    b1 = R[ar, labels]
+    is_min = R == b1[:, None]
+    n_min = is_min.sum(1)
+    R[is_min] = np.inf
+    gap = R.min(1) - b1
+    tied = np.flatnonzero(n_min > 1)
     if tied.size:  # any minimiser is optimal for its own sizes: deal ties out round-robin
-        is_min = RT[:, tied] == RT[best[tied], tied]
-        rank = np.cumsum(is_min, axis=0)  # (K, n_tied) 1-based rank among a row's minima
-        want = tied % is_min.sum(0) + 1
-        labels[tied] = np.argmax(is_min & (rank == want), axis=0)
+        gap[tied] = 0.0
+        im = is_min[tied]
+        rank = np.cumsum(im, axis=1)  # (n_tied, K) 1-based rank among a row's minima
+        want = tied % n_min[tied] + 1
+        labels[tied] = np.argmax(im & (rank == want[:, None]), axis=1)
     counts = np.bincount(labels, minlength=K)
-    slots = K * cap - N
+    slots = int(caps.sum()) - N
     dummy = np.zeros(K, dtype=np.int64)
-    for k in np.flatnonzero(p == p.min()):  # dummy slots only where the price is lowest
-        take = min(slots, max(cap - int(counts[k]), 0))
+    for k in np.flatnonzero(p == p.min()):  # unused slots only where the price is lowest
+        take = min(slots, max(int(caps[k] - counts[k]), 0))
         dummy[k] += take
         slots -= take
     if slots:
         dummy[int(np.argmin(p))] += slots
-    excess = counts + dummy - cap
+    return labels.astype(np.int64), gap, counts + dummy - caps, dummy
+
+
+def repair(C: np.ndarray, caps: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact optimum from prices ``p`` by successive shortest paths (module docstring).
+
+    Returns (labels (N,) int64, prices (K,) float64 that certify them, min price 0).
+    """
+    K = C.shape[1]
+    p = np.asarray(p, dtype=np.float64) - float(np.min(p))
+    labels, gap, excess, dummy = _start(C, caps, p)
     if not (excess > 0).any():
-        return labels
-    graph = _ColumnGraph(C, labels, p, gap, dummy, pool_size=max(16, 2 * int(excess.max())))
+        return labels, p
+    graph = _ColumnGraph(C, labels, gap, pool_size=max(_POOL, 2 * int(excess.max())))
+    p0 = p.copy()
     ar = np.arange(K)
-    # Float rounding can make a zero-cost cycle of moves look slightly negative; improving
-    # a distance only by more than `tol` keeps Bellman–Ford (and its paths) finite.
-    tol = 1e-12 * max(1.0, float(np.abs(C).max()))
     while (excess > 0).any():
-        # Bellman–Ford from every over-full column (no negative cycles: see docstring)
+        dp = p - p0
+        W = graph.W + (p[None, :] - p[:, None])  # reduced costs of the pool minima
+        B = graph.margin[:, None] + (dp[None, :] - dp[:, None])  # rows outside the pools
+        loose = B < W
+        W = np.where(loose, B, W)
+        Wd = p[None, :] - p[:, None]  # moving an unused slot
+        slot = (dummy > 0)[:, None] & (Wd <= W)
+        W = np.where(slot, Wd, W)
+        loose &= ~slot
+        np.maximum(W, 0.0, out=W)  # reduced costs are >= 0 up to float rounding
+        np.fill_diagonal(W, np.inf)
         dist = np.where(excess > 0, 0.0, np.inf)
         pred = np.full(K, -1)
-        for _ in range(K + 1):
-            cand = dist[:, None] + graph.W
+        for _ in range(K):  # Bellman–Ford: nonnegative weights, so at most K rounds
+            cand = dist[:, None] + W
             j = cand.argmin(0)
             v = cand[j, ar]
-            upd = v < dist - tol
+            upd = v < dist
             if not upd.any():
                 break
             dist = np.where(upd, v, dist)
@@ -341,19 +375,48 @@ def repair(C: np.ndarray, cap: int, p: np.ndarray) -> np.ndarray:
                 raise RuntimeError("balanced_assign: cyclic path (internal error)")
             path.append((int(pred[s]), s))
             s = int(pred[s])
-        loose = [a for a, b in path if graph.A[a, b] == _BOUND]
-        if loose:
-            for a in loose:
+        widen = [a for a, b in path if loose[a, b]]
+        if widen:
+            for a in widen:
                 graph.widen(a)
             continue
-        # Units whose rows tie on every edge of the path all take it at the same cost, and
-        # shortest-path costs never decrease in SSP, so they go in one augmentation.
-        amount = min(int(excess[s]), -int(excess[t]),
-                     *(graph.capacity(a, b) for a, b in path))
+        p -= np.minimum(dist, dist[t])  # every reduced cost stays >= 0; the path is tight
+        # Units whose rows tie on every edge of the path all take it at the same cost.
+        amount = min(int(excess[s]), -int(excess[t]))
+        moves = []
         for a, b in path:
-            graph.move(a, b, amount)
+            if slot[a, b]:
+                amount = min(amount, int(dummy[a]))
+                moves.append((a, b, None))
+            else:
+                rows = graph.take(a, b, amount)
+                amount = min(amount, rows.size)
+                moves.append((a, b, rows))
+        for a, b, rows in moves:
+            if rows is None:
+                dummy[a] -= amount
+                dummy[b] += amount
+            else:
+                graph.move(rows[:amount], a, b)
         excess[s] -= amount
         excess[t] += amount
-        for a in {t, *(a for a, _ in path)}:
-            graph.refresh(a)
-    return labels
+        for col in {x for a, b, _ in moves for x in (a, b)}:
+            graph.refresh(col)
+    return labels, p - p.min()
+
+
+def solve(C: np.ndarray, caps: np.ndarray, prices: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact assignment of ``C`` (N, K) float64 under ``caps`` (K,) int64 (Σ caps ≥ N).
+
+    ``prices`` (K,): optional warm start (a previous call's duals). Returns (labels (N,)
+    int64, prices (K,) float64 certifying optimality, min price 0). Without a warm start,
+    the plain argmin (lowest column on ties) when it already fits, with zero prices.
+    """
+    N, K = C.shape
+    if prices is None:
+        labels = C.argmin(1).astype(np.int64)
+        if (np.bincount(labels, minlength=K) <= caps).all():
+            return labels, np.zeros(K)
+    p = entropic_prices(C, caps, target_excess=max(4, N // 1000), prices=prices)
+    return repair(C, caps, p)

@@ -13,20 +13,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr.fit.assign import entropic_prices, repair
+from eldr.fit.assign import solve
 
 __all__ = ["BalancedKMeans", "balanced_assign"]
 
 
-def balanced_assign(cost: np.ndarray, capacity: int | None = None) -> np.ndarray:
+def balanced_assign(cost: np.ndarray, capacity: int | np.ndarray | None = None, *,
+                    prices: np.ndarray | None = None, return_prices: bool = False):
     """Exact minimum-cost assignment of rows to columns with at most ``capacity`` each.
 
-    ``cost`` (N, K) float (converted to float64); ``capacity`` defaults to ⌈N/K⌉.
-    Returns labels (N,) int64 minimising ``cost[arange(N), labels].sum()`` subject to
-    ``bincount(labels) <= capacity``. Exact (float64 comparisons of the given costs, no
-    scaling or rounding) and deterministic; returns the plain ``argmin`` (lowest column
-    on ties) whenever that already fits. Raises ``ValueError`` for NaN/Inf costs or when
-    N > K · capacity.
+    ``cost`` (N, K) float (converted to float64); ``capacity`` an int for every column
+    or (K,) ints per column, default ⌈N/K⌉. Returns labels (N,) int64 minimising
+    ``cost[arange(N), labels].sum()`` subject to ``bincount(labels) <= capacity``; with
+    ``return_prices=True``, ``(labels, prices)``: the column prices (K,) float64 (min 0)
+    that certify the optimum — every row sits in a column of minimum ``cost + prices``,
+    and a column left with room has price 0. Pass them back as ``prices`` to warm-start
+    the next call on similar costs (the next K-means iteration); the result is just as
+    exact, only faster. Exact (float64 arithmetic on the given costs, no scaling or
+    rounding) and deterministic; without ``prices``, the plain ``argmin`` (lowest column
+    on ties) whenever that already fits. Raises ``ValueError`` for NaN/Inf costs or
+    prices, bad shapes, or when N > Σ capacity.
     """
     C = np.asarray(cost, dtype=np.float64)
     if C.ndim != 2 or C.shape[1] == 0:
@@ -34,15 +40,31 @@ def balanced_assign(cost: np.ndarray, capacity: int | None = None) -> np.ndarray
     N, K = C.shape
     if not np.isfinite(C).all():
         raise ValueError("balanced_assign: cost contains NaN or Inf")
-    cap = _capacity(capacity, N, K, "balanced_assign")
+    caps = _capacities(capacity, N, K)
+    if prices is not None:
+        prices = np.asarray(prices, dtype=np.float64)
+        if prices.shape != (K,) or not np.isfinite(prices).all():
+            raise ValueError(f"balanced_assign: prices must be ({K},) finite floats, "
+                             f"got shape {prices.shape}")
     if N == 0:
-        return np.zeros(0, dtype=np.int64)
-    labels = C.argmin(1).astype(np.int64)
-    if np.bincount(labels, minlength=K).max() <= cap:
-        return labels
-    C = np.ascontiguousarray(C)
-    p = entropic_prices(C, cap, target_excess=max(4, N // 1000))
-    return repair(C, cap, p)
+        labels, duals = np.zeros(0, dtype=np.int64), np.zeros(K)
+    else:
+        labels, duals = solve(np.ascontiguousarray(C), caps, prices)
+    return (labels, duals) if return_prices else labels
+
+
+def _capacities(capacity: int | np.ndarray | None, N: int, K: int) -> np.ndarray:
+    """Per-column capacities (K,) int64 from an int, (K,) ints or None (⌈N/K⌉)."""
+    if capacity is None or np.ndim(capacity) == 0:
+        return np.full(K, _capacity(capacity, N, K, "balanced_assign"), dtype=np.int64)
+    caps = np.asarray(capacity)
+    if caps.shape != (K,) or caps.dtype == bool or not np.issubdtype(caps.dtype, np.integer):
+        raise ValueError(f"balanced_assign: capacity must be an integer or ({K},) integers, "
+                         f"got {capacity!r}")
+    caps = caps.astype(np.int64)
+    if (caps < 0).any() or N > int(caps.sum()):
+        raise ValueError(f"balanced_assign: {N} rows do not fit capacities {caps.tolist()}")
+    return caps
 
 
 def _capacity(capacity: int | None, N: int, K: int, who: str) -> int:
@@ -133,23 +155,25 @@ class BalancedKMeans:
         self.capacity_ = cap
         return self
 
-    def _assign(self, X: np.ndarray, centers: np.ndarray, cap: int) -> np.ndarray:
+    def _assign(self, X: np.ndarray, centers: np.ndarray, cap: int,
+                prices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(labels, the assignment's column prices to warm-start the next iteration)."""
         cost = 1.0 - X @ centers.T
         if self.balanced:
-            return balanced_assign(cost, cap)
-        return cost.argmin(1).astype(np.int64)
+            return balanced_assign(cost, cap, prices=prices, return_prices=True)
+        return cost.argmin(1).astype(np.int64), None
 
     def _run(self, X: np.ndarray, cap: int, rng: np.random.Generator):
         K = int(self.n_clusters)
         centers = _kmeans_pp(X, K, rng)
-        labels = self._assign(X, centers, cap)
+        labels, prices = self._assign(X, centers, cap, None)
         n_iter = 0
         while n_iter < self.max_iter:
             n_iter += 1
             new = _update_centers(X, labels, centers)
             shift = float(np.max(1.0 - np.sum(new * centers, axis=1)))
             centers = new
-            new_labels = self._assign(X, centers, cap)
+            new_labels, prices = self._assign(X, centers, cap, prices)
             done = np.array_equal(new_labels, labels) or shift <= self.tol
             labels = new_labels
             if done:

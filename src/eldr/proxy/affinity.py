@@ -66,6 +66,11 @@ class PrefixAffinity:
 
         Raises ``LookupError`` when no instance is healthy.
         """
+        if self.num_instances == 1:  # no choice to make: skip the table and the arrays
+            if not healthy[0]:
+                raise LookupError("no healthy prefill instance")
+            self._next += 1
+            return 0
         idx = np.flatnonzero(healthy)
         if idx.size == 0:
             raise LookupError("no healthy prefill instance")

@@ -9,6 +9,8 @@ Routes::
                                  (URLs, artifact path, last errors: admin token only)
     GET  /metrics                Prometheus text (eldr.proxy.metrics.RouterMetrics)
     POST /admin/reload           re-read the routing artifact (bearer token required)
+    GET|POST /admin/decoders     list or add decoders at run time (eldr.proxy.elastic; token)
+    DELETE /admin/decoders/NAME  drain a decoder, then remove it (token)
     GET|POST anything else       vLLM's auxiliary routes (/tokenize, /version, ...), forwarded
                                  to a healthy prefill instance (eldr.proxy.forward)
 
@@ -32,20 +34,21 @@ from eldr.proxy.admin import FailedAttempts, ReloadRefused
 from eldr.proxy.affinity import PrefixAffinity
 from eldr.proxy.bodies import parse_body
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.decision import RoutingState, build_state
+from eldr.proxy.decision import RoutingState, WorkerMismatch, build_state
+from eldr.proxy.elastic import ElasticPool
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.flow import RequestFlow
 from eldr.proxy.forward import KNOWN_ROUTES, OWN_ROUTES, Forwarder, classify, vllm_detail
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.relay import is_stream_done
-from eldr.proxy.upstream import UpstreamPool
+from eldr.proxy.upstream import UpstreamPool, make_session
 
 __all__ = ["Router"]
 
 log = logging.getLogger("eldr.serve")
 
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-_OTHER_ROUTES = ("/v1/models", "/health", "/metrics", "/admin/reload")
+_OTHER_ROUTES = ("/v1/models", "/health", "/metrics", "/admin/reload", "/admin/decoders")
 
 
 class Router:
@@ -74,6 +77,7 @@ class Router:
         # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
         self.engine_shape: tuple[int, int] | None = None
         self.learner = None  # eldr.proxy.learning.LiveLearning with eldr serve --learn
+        self.elastic = ElasticPool(self)  # decoders added/removed at run time
 
     def _on_recover(self, inst) -> None:
         if inst.role == "prefill":  # a restarted engine has an empty prefix cache
@@ -95,6 +99,8 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_post("/admin/reload", self.admin_reload)
+        app.router.add_route("*", "/admin/decoders", self.elastic.collection)
+        app.router.add_route("*", "/admin/decoders/{name}", self.elastic.item)
         app.router.add_route("*", "/{tail:.*}", self.other_route)  # last: ours win
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -105,10 +111,10 @@ class Router:
 
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
         # No Accept-Encoding: engines answer uncompressed, and bytes are relayed as they come.
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",
-                                                                "Accept-Encoding"),
-                                             cookie_jar=aiohttp.DummyCookieJar())
+        self.session = make_session(aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar()))
         await self.pool.start(self.session)
         if self.learner is not None:
             await self.learner.start()
@@ -116,6 +122,7 @@ class Router:
     async def _cleanup(self, app) -> None:
         if self.learner is not None:
             await self.learner.stop()
+        await self.elastic.stop()
         await self.flow.stop()
         await self.pool.stop()
         if self.session is not None:
@@ -163,6 +170,8 @@ class Router:
 
     def _count(self, request, status: int) -> None:
         path = request.path
+        if path.startswith("/admin/decoders/"):
+            path = "/admin/decoders"  # one series for every decoder name
         endpoint = _ENDPOINTS.get(path) or (
             path if path in _OTHER_ROUTES or path in KNOWN_ROUTES else "other")
         self.metrics.requests.inc(endpoint=endpoint, status=str(status))
@@ -268,7 +277,7 @@ class Router:
         ok = any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode)
         degraded = not all(i.healthy for i in (*pool.prefill, *pool.decode))
         admin = "Authorization" in request.headers and self._is_admin(request)
-        public = ("name", "healthy", "in_flight", "engine_load", "breaker")
+        public = ("name", "healthy", "in_flight", "engine_load", "breaker", "draining")
 
         def show(inst, **extra) -> dict:
             doc = inst.describe()
@@ -375,7 +384,10 @@ class Router:
             config = self.config if artifact is None else \
                 dataclasses.replace(self.config, artifact=artifact)
             try:
-                state = await loop.run_in_executor(None, build_state, config)
+                try:
+                    state = await loop.run_in_executor(None, build_state, config)
+                except WorkerMismatch as exc:  # e.g. fitted before a decoder was added
+                    raise ReloadRefused(str(exc), "artifact_workers") from None
                 if state.worker_names != self.state.worker_names:
                     raise ReloadRefused(
                         f"the new artifact's decoders {list(state.worker_names)} differ from "

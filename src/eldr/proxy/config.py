@@ -78,6 +78,8 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     affinity_capacity: int = 100_000  # remembered block → prefill entries (LRU)
     affinity_spill: float = 4.0  # the affine prefill is skipped if this much busier than least
     random_state: int | None = 0  # seed of randomised policies (random, p2c)
+    workers: int = 1  # router processes on the port (SO_REUSEPORT), sharing decode loads
+    decoders_file: str | None = None  # [ID=]URL per line; SIGHUP syncs the pool to it
 
     def __post_init__(self) -> None:
         from eldr.routing import POLICIES
@@ -118,6 +120,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
                 not self.upstream_api_key or any(c in self.upstream_api_key for c in "\r\n")):
             raise ValueError("the upstream API key must be non-empty, on one line")
         object.__setattr__(self, "models", tuple(self.models))
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) \
+                or not 1 <= self.workers <= 256:
+            raise ValueError(f"workers must be an integer in [1, 256], got {self.workers!r}")
         positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
                     "decode_read_timeout", "write_timeout", "max_prefill_bytes",
                     "max_response_bytes", "max_buffered_bytes", "health_interval",

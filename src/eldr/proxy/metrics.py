@@ -248,6 +248,7 @@ KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
 # distinct experts per layer per decode step: from top-k (>= 1) to a model's experts (<= 512)
 DISTINCT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+POOL_ACTIONS = ("added", "draining", "removed")  # eldr.proxy.elastic
 UPSTREAM_ERROR_KINDS = ("timeout", "connect", "disconnect", "protocol", "http_5xx",
                         "too_large", "other")  # eldr.proxy.upstream.error_kind and the flow
 
@@ -305,6 +306,13 @@ class RouterMetrics:
             "decode aborted).")
         self.reloads = reg.counter(
             "eldr_artifact_reloads_total", "Routing artifact reloads by result.", ("result",))
+        self.pool_changes = reg.counter(
+            "eldr_decoder_pool_changes_total",
+            "Decoders added, put to drain, and removed at run time (POST/DELETE "
+            "/admin/decoders).", ("action",))
+        reg.gauge("eldr_decoder_draining", "1 while the decoder drains (no new request; "
+                  "removed when its in-flight requests end), else 0.", ("decoder",),
+                  collect=lambda: {(i.name,): float(i.draining) for i in pool.decode})
         reg.gauge("eldr_decoder_in_flight", "Requests of this router at each decoder.",
                   ("decoder",), collect=lambda: {(i.name,): i.in_flight for i in pool.decode})
         reg.gauge("eldr_decoder_load", "Load the policy sees per decoder (in-flight, or the "
@@ -341,16 +349,21 @@ class RouterMetrics:
     def _prime(self, pool) -> None:
         """Zero-valued series for every label set known at start-up."""
         self.requests.prime(*((e, "200") for e in ENDPOINTS))
-        policy = getattr(getattr(pool, "config", None), "policy", None)
-        if policy is not None:
-            self.decisions.prime(*((policy, i.name) for i in pool.decode))
         self.signatures.prime(*((s,) for s in SIGNATURE_SOURCES))
         self.fallbacks.prime(*((r,) for r in FALLBACK_REASONS))
         self.abandoned.prime(*((r,) for r in ABANDON_REASONS))
         self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
         self.reloads.prime(*((r,) for r in RELOAD_RESULTS))
         self.decode_payloads.prime(("read",), ("invalid",))
-        self.decode_distinct.prime(*((i.name,) for i in pool.decode))
-        self.upstream_errors.prime(*((i.role, i.name, k) for i in (*pool.prefill, *pool.decode)
+        self.pool_changes.prime(*((a,) for a in POOL_ACTIONS))
+        self.prime_instances(pool, (*pool.prefill, *pool.decode))
+
+    def prime_instances(self, pool, instances) -> None:
+        """Zero-valued per-engine series (at start-up, and for a decoder added later)."""
+        policy = getattr(getattr(pool, "config", None), "policy", None)
+        if policy is not None:
+            self.decisions.prime(*((policy, i.name) for i in instances if i.role == "decode"))
+        self.decode_distinct.prime(*((i.name,) for i in instances if i.role == "decode"))
+        self.upstream_errors.prime(*((i.role, i.name, k) for i in instances
                                      for k in UPSTREAM_ERROR_KINDS))
 

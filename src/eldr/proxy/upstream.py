@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,9 +33,9 @@ from eldr.proxy.bodies import json_object, read_upto
 from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.metrics import parse_samples
-from eldr.routing.loads import LoadTracker
+from eldr.proxy.workers import make_tracker
 
-__all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind"]
+__all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind", "make_session"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -66,6 +67,8 @@ class Instance:
     # mean distinct experts per layer per decode step over the engine's last steps: its own
     # live footprint (eldr plugin), scraped; the same for every router replica
     engine_distinct: float | None = None
+    draining: bool = False  # being removed: no new request, its in-flight ones finish
+    removed: bool = False  # out of the pool (a late health check or scrape is ignored)
 
     def describe(self) -> dict:
         doc = {"name": self.name, "url": self.url, "healthy": self.healthy,
@@ -73,13 +76,31 @@ class Instance:
                "engine_load": self.engine_load, "last_error": self.last_error}
         if self.breaker is not None:
             doc["breaker"] = self.breaker.state
+        if self.role == "decode":
+            doc["draining"] = self.draining
         return doc
+
+
+def make_session(session):
+    """The client the router talks to engines with: :class:`eldr.proxy.client.UpstreamSession`
+    over the aiohttp ``session`` (which serves what it does not), or the aiohttp session
+    itself when ``httptools`` is not installed."""
+    try:
+        from eldr.proxy.client import UpstreamSession
+    except ModuleNotFoundError:
+        return session
+    return UpstreamSession(session)
 
 
 def error_kind(exc: BaseException) -> str:
     """A short label for an upstream failure: the ``kind`` of the error metric."""
     import aiohttp
 
+    client = sys.modules.get("eldr.proxy.client")  # not loaded: none of its errors exist
+    if client is not None and isinstance(exc, client.UpstreamConnectError):
+        return "connect"
+    if client is not None and isinstance(exc, client.UpstreamProtocolError):
+        return "protocol"
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return "timeout"
     if isinstance(exc, aiohttp.ClientConnectorError):
@@ -99,20 +120,46 @@ class UpstreamPool:
         self.config = config
         self.prefill = [Instance("prefill", i, u, f"prefill-{i}")
                         for i, u in enumerate(config.prefill_urls)]
-        self.decode = [Instance("decode", k, u, decode_names[k], breaker=CircuitBreaker(
-                           failures=config.breaker_failures, backoff=config.breaker_backoff,
-                           max_backoff=config.breaker_max_backoff))
+        self.decode = [self._decoder(k, u, decode_names[k])
                        for k, u in enumerate(config.decode_urls)]
-        self.tracker = LoadTracker(len(self.decode))  # decode loads + health, for policies
+        # decode loads + health, for policies (shared by the workers of --workers N)
+        self.tracker = make_tracker(len(self.decode))
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
         self.prefill_healthy = np.ones(len(self.prefill), dtype=bool)  # (P,)
         self.on_recover = None  # callback(instance) when an instance comes back
         self._session = None
         self._tasks: list[asyncio.Task] = []
 
+    def _decoder(self, k: int, url: str, name: str, **kw) -> Instance:
+        config = self.config
+        return Instance("decode", k, url, name, breaker=CircuitBreaker(
+            failures=config.breaker_failures, backoff=config.breaker_backoff,
+            max_backoff=config.breaker_max_backoff), **kw)
+
+    # -- the elastic pool (eldr.proxy.elastic) -------------------------------------------
+    def add_decoder(self, url: str, name: str) -> Instance:
+        """A new decoder at index K, out of rotation until its first health check passes
+        (``healthy`` False here and in the tracker)."""
+        k = self.tracker.add_worker()
+        self.tracker.set_healthy(k, False)
+        inst = self._decoder(k, url, name, healthy=False)
+        self.decode.append(inst)
+        return inst
+
+    def remove_decoder(self, inst: Instance) -> int:
+        """Take a (drained) decoder out; those after it move down one index. Returns the
+        index it had."""
+        k = inst.index
+        self.tracker.remove_worker(k)
+        del self.decode[k]
+        for other in self.decode[k:]:
+            other.index -= 1
+        inst.removed = True
+        return k
+
     # -- state changes -------------------------------------------------------------------
     def _set_healthy(self, inst: Instance, ok: bool) -> None:
-        if inst.healthy == ok:
+        if inst.healthy == ok or inst.removed:
             return
         inst.healthy = ok
         if inst.role == "decode":
@@ -120,7 +167,7 @@ class UpstreamPool:
         else:
             self.prefill_healthy[inst.index] = ok
         log.warning("%s %s (%s) is %s%s", inst.role, inst.name, inst.url,
-                    "healthy again" if ok else "unhealthy",
+                    ("healthy again" if inst.last_error else "healthy") if ok else "unhealthy",
                     "" if ok else f": {inst.last_error}")
         if ok and self.on_recover is not None:
             self.on_recover(inst)
@@ -149,10 +196,11 @@ class UpstreamPool:
             inst.breaker.on_failure()
 
     def decode_available(self) -> np.ndarray:
-        """(K,) bool: decoders that are healthy and whose breaker lets a request through."""
+        """(K,) bool: decoders that are healthy, not draining, and whose breaker lets a
+        request through."""
         mask = self.tracker.healthy.copy()
         for inst in self.decode:
-            if mask[inst.index] and not inst.breaker.allows():
+            if mask[inst.index] and (inst.draining or not inst.breaker.allows()):
                 mask[inst.index] = False
         return mask
 
@@ -281,7 +329,7 @@ class UpstreamPool:
             return
         samples = parse_samples(text, (*ENGINE_LOAD_METRICS, ENGINE_DISTINCT_METRIC))
         inst.engine_distinct = samples.pop(ENGINE_DISTINCT_METRIC, inst.engine_distinct)
-        if not samples:
+        if not samples or inst.removed:
             return
         inst.engine_load = sum(samples.values())
         self.tracker.report(inst.index, inst.engine_load)

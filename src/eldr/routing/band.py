@@ -70,6 +70,21 @@ class EldrPolicy(PolicyBase):
         k = pickers.lowest(inside, scorers.load(loads), tiebreak=-sim)
         return Decision(k, band_size=int(np.count_nonzero(inside)))
 
+    def add_worker(self, *, like: int | None = None) -> int:
+        """A new decoder with a copy of ``like``'s centroid (default: decoder 0): the two
+        share that cluster (both always in the same band, load decides between them), a
+        split of it until a refit fits K + 1 centroids."""
+        src = self._index(0 if like is None else like)
+        k = super().add_worker(like=src)
+        self.centroids = np.ascontiguousarray(
+            np.concatenate([self.centroids, self.centroids[src:src + 1]]))
+        return k
+
+    def remove_worker(self, worker: int) -> None:
+        """Its centroid goes: its cluster's requests now match the next-nearest ones."""
+        super().remove_worker(worker)
+        self.centroids = np.ascontiguousarray(np.delete(self.centroids, worker, axis=0))
+
 
 def decode_patterns(decode_counts: np.ndarray) -> np.ndarray:
     """(R, L, E) decode counts → (R, L·E) float32 unit rows (all-zero rows stay zero).

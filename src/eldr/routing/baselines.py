@@ -2,7 +2,9 @@
 
 ``random``, ``round_robin``, ``jsq``, ``p2c`` balance load only; ``domain`` sends each
 oracle domain label to a fixed worker group sized by the domain's calibration share.
-Stateless: they ignore the dispatch/release events of :mod:`eldr.routing.protocol`.
+Stateless: they ignore the dispatch/release events of :mod:`eldr.routing.protocol`; a
+decoder added or removed at run time (``add_worker``/``remove_worker``) only changes K
+(round robin keeps its turn, ``domain`` its groups).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class RoundRobinPolicy(PolicyBase):
                 self._next = (k + 1) % K
                 return k
         raise _no_healthy(self.name)
+
+    def remove_worker(self, worker: int) -> None:
+        super().remove_worker(worker)
+        if self._next > worker:  # the decoder due next keeps its turn under its new index
+            self._next -= 1
+        self._next %= self.num_workers
 
 
 class JSQPolicy(PolicyBase):
@@ -183,3 +191,19 @@ class DomainPolicy(PolicyBase):
             self.num_fallbacks += 1
             return _jsq(self.name, loads, healthy)
         return k
+
+    def add_worker(self, *, like: int | None = None) -> int:
+        """The new decoder joins ``like``'s domain groups (none without ``like``: it gets
+        only fallbacks)."""
+        k = super().add_worker(like=like)
+        column = self._masks[:, like:like + 1] if like is not None else \
+            np.zeros((self._masks.shape[0], 1), dtype=bool)
+        self._masks = np.concatenate([self._masks, column], axis=1)
+        self.groups_ = [np.flatnonzero(m) for m in self._masks]
+        return k
+
+    def remove_worker(self, worker: int) -> None:
+        """A group left empty sends its domain to JSQ (a fallback)."""
+        super().remove_worker(worker)
+        self._masks = np.delete(self._masks, worker, axis=1)
+        self.groups_ = [np.flatnonzero(m) for m in self._masks]

@@ -168,6 +168,38 @@ class ExpertFootprint:
         self._refresh(d)
         return True
 
+    def add_worker(self, like: int | None = None) -> None:
+        """A new, empty decoder row; its fitted "type" is a copy of ``like``'s (or, with
+        the online memory, starts empty)."""
+        K, n = self.num_workers, self.num_cells
+        self.log_miss = np.vstack([self.log_miss, np.zeros((1, n))])
+        self.miss = np.vstack([self.miss, np.ones((1, n), dtype=np.float32)])
+        self.distinct = np.append(self.distinct, 0.0)
+        self.context = np.append(self.context, 0.0)
+        self.count = np.append(self.count, np.int64(0))
+        if self.typical is not None:
+            row = self.typical[like:like + 1] if like is not None and self._keep == 1.0 \
+                else np.zeros((1, n))
+            self.typical = np.vstack([self.typical, row])
+            self.typical_miss = np.vstack([self.typical_miss,
+                                           np.ones((1, n), dtype=np.float32)])
+        self.typical_distinct = np.append(self.typical_distinct, 0.0)
+        self.num_workers = K + 1
+
+    def remove_worker(self, worker: int) -> None:
+        """Drop decoder ``worker``'s row; requests still held there are forgotten (a
+        drained decoder holds none), those of higher decoders move down one index."""
+        for rid in [r for r, (d, _, _) in self._held.items() if d == worker]:
+            del self._held[rid]
+        self._held = {r: (d - 1 if d > worker else d, row, ctx)
+                      for r, (d, row, ctx) in self._held.items()}
+        for name in ("log_miss", "miss", "distinct", "context", "count", "typical",
+                     "typical_miss", "typical_distinct"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, np.delete(value, worker, axis=0))
+        self.num_workers -= 1
+
     def added(self, profile: np.ndarray) -> np.ndarray:
         """(K,) ``ΔD_d``: expected experts ``profile`` (L·E,) adds to each decoder."""
         return self.miss @ profile.reshape(-1)
@@ -290,3 +322,15 @@ class CostPolicy(PolicyBase):
 
     def on_release(self, request_id: str, outcome: Outcome) -> None:
         self.footprint.remove(request_id)
+
+    def add_worker(self, *, like: int | None = None) -> int:
+        """A new decoder with an empty footprint: needs no centroid, takes requests at once
+        (its ``D_d`` is 0, the cheapest place for anything). With fitted cluster profiles
+        it copies ``like``'s for the future term until a refit."""
+        k = super().add_worker(like=like)
+        self.footprint.add_worker(like)
+        return k
+
+    def remove_worker(self, worker: int) -> None:
+        super().remove_worker(worker)
+        self.footprint.remove_worker(worker)

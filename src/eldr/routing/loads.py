@@ -52,3 +52,19 @@ class LoadTracker:
 
     def set_healthy(self, worker: int, is_healthy: bool) -> None:
         self.healthy[self._index(worker)] = bool(is_healthy)
+
+    def add_worker(self) -> int:
+        """A new decoder at index K: no load, healthy. Returns its index."""
+        self.loads = np.append(self.loads, 0.0)
+        self.healthy = np.append(self.healthy, True)
+        self.num_workers += 1
+        return self.num_workers - 1
+
+    def remove_worker(self, worker: int) -> None:
+        """Drop decoder ``worker``; those above it move down one index."""
+        k = self._index(worker)
+        if self.num_workers == 1:
+            raise ValueError("the last decode worker cannot be removed")
+        self.loads = np.delete(self.loads, k)
+        self.healthy = np.delete(self.healthy, k)
+        self.num_workers -= 1

@@ -16,6 +16,14 @@ that engine-reported loads can overwrite them; ``healthy`` (K,) bool or ``None``
 
 Every policy releases each dispatched request exactly once; releasing an unknown id is a
 no-op (a request may be released by a timeout and again by its late completion).
+
+The decoder set may change while requests run (the router's elastic pool, docs/serve.md):
+
+    k = policy.add_worker(like=j)      # a new decoder at index K; it may start as j's twin
+    policy.remove_worker(k)            # decoder k is gone; indices above k move down by one
+
+A decoder is removed only once drained (every request placed there released); a policy
+forgets whatever it still held for it, so nothing leaks if one was not.
 """
 
 from __future__ import annotations
@@ -86,6 +94,10 @@ class Policy(Protocol):
 
     def on_release(self, request_id: str, outcome: Outcome) -> None: ...
 
+    def add_worker(self, *, like: int | None = None) -> int: ...
+
+    def remove_worker(self, worker: int) -> None: ...
+
 
 class PolicyBase:
     """Defaults for stateless policies: ``choose`` = ``decide().worker``, no-op events."""
@@ -108,3 +120,27 @@ class PolicyBase:
 
     def on_release(self, request_id: str, outcome: Outcome) -> None:
         """The request left its decoder (stateless policies ignore it)."""
+
+    def add_worker(self, *, like: int | None = None) -> int:
+        """Append a decoder; returns its index (the old ``num_workers``). ``like``: an
+        existing decoder whose fitted state (centroid, cluster profile) the new one copies,
+        splitting that decoder's cluster until a refit; load-only policies ignore it."""
+        if like is not None:
+            self._index(like)
+        self.num_workers += 1
+        return self.num_workers - 1
+
+    def remove_worker(self, worker: int) -> None:
+        """Drop decoder ``worker``; decoders above it move down one index. The last decoder
+        cannot be removed (``ValueError``)."""
+        self._index(worker)
+        if self.num_workers == 1:
+            raise ValueError(f"{self.name}: the last decode worker cannot be removed")
+        self.num_workers -= 1
+
+    def _index(self, worker) -> int:
+        if isinstance(worker, bool) or not isinstance(worker, (int, np.integer)) \
+                or not 0 <= worker < self.num_workers:
+            raise ValueError(f"{self.name}: worker {worker!r} out of range "
+                             f"[0, {self.num_workers})")
+        return int(worker)

@@ -1,0 +1,340 @@
+"""The elastic decoder pool: decoders added and removed while the router serves.
+
+Admin routes (bearer token, as ``/admin/reload``)::
+
+    GET    /admin/decoders              the decoders, their health, load, draining flag
+    POST   /admin/decoders              {"url": "http://HOST:PORT", "name": "d-3"} (name
+                                        optional) → 201; the decoder takes requests as soon
+                                        as its first health check passes (done before the
+                                        answer)
+    DELETE /admin/decoders/{name}       → 202: it drains; ``?wait=true`` → 200 once removed
+
+**Adding.** The decoder gets the next index K in the pool, the load tracker and the policy
+(``Policy.add_worker``). ``eldr_cost`` needs nothing fitted: the new decoder's footprint is
+empty, so it is the cheapest place for the next requests at once. The band (``eldr``,
+``eldr_top1``) needs a centroid: the new decoder copies the centroid of the decoder that
+took the most decisions so far (the largest cluster by traffic), so the two split that
+cluster (both are always in the same band; load decides between them) until a refit fits
+K + 1 centroids. Load-only policies just count one more decoder.
+
+**Removing.** The decoder drains: it takes no new request (``UpstreamPool.decode_available``
+masks it), its in-flight requests run to their end (no timeout beyond the decode's own),
+then, under the router's reload lock, it leaves the pool, the tracker and the policy
+(``Policy.remove_worker``: decoders above it move down one index) and its per-decoder
+gauges leave ``/metrics``. The last decoder that is not draining cannot be removed (409).
+
+**The routing snapshot.** Each change swaps ``router.state`` for a copy with the new decoder
+names (the policy object is the same, changed in place) and ``router.config`` for one
+whose ``decode_urls``/``decode_ids`` list the new set, so that an artifact reload — and a
+learned artifact, which ``--learn`` fits for the router's current decoders — is checked
+against the set being served. An artifact fitted for the old set is refused (409) after a
+change. A request whose snapshot names another decoder set takes the current one before it
+routes (``eldr.proxy.flow``); releases go to the policy object it dispatched to.
+
+**The decoders file.** ``eldr serve --decoders-file PATH`` (instead of ``--decode``) reads
+the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-reads it
+(:meth:`ElasticPool.sync_file`): URLs new to the pool are added (named by their ID, else
+``decode-N``), decoders whose URL is gone from the file drain and are removed, then the
+artifact is reloaded as before.
+
+**--workers N.** The decode loads of several router processes live in one shared table
+sized at start-up (:mod:`eldr.proxy.workers`), so the pool cannot change there: the routes
+answer 409 (restart with the new ``--decode`` list).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+
+from eldr.proxy.config import _check_url, parse_decode_spec
+from eldr.proxy.errors import ProxyError
+
+__all__ = ["ElasticPool", "read_decoders_file"]
+
+log = logging.getLogger("eldr.serve")
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_DRAIN_POLL = 0.02  # seconds between looks at a draining decoder's in-flight count
+_MAX_FILE_BYTES = 1 << 20
+
+
+def read_decoders_file(path: str) -> list[tuple[str | None, str]]:
+    """[(id or None, url)] of a decoders file: one ``[ID=]URL`` a line; blank lines and
+    ``#`` comments skipped. ``ValueError`` (with the line) for a bad line, a repeated URL
+    or id, ids on some lines only, or no decoder at all; ``OSError`` if unreadable."""
+    from eldr.fileio import open_regular
+
+    with open_regular(path, max_bytes=_MAX_FILE_BYTES, what="a decoders file") as fh:
+        try:
+            text = fh.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: the decoders file is not UTF-8 text") from None
+    specs: list[tuple[str | None, str]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            spec = parse_decode_spec(line)
+        except ValueError as exc:
+            raise ValueError(f"{path} line {n}: {exc}") from None
+        if spec[0] is not None and not _NAME.fullmatch(spec[0]):
+            raise ValueError(f"{path} line {n}: the id {spec[0]!r} must be 1-64 characters "
+                             f"of letters, digits and '._:-'")
+        specs.append(spec)
+    if not specs:
+        raise ValueError(f"{path}: the decoders file lists no decoder")
+    for what, values in (("URL", [u for _, u in specs]),
+                         ("id", [i for i, _ in specs if i is not None])):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{path}: a decoder {what} is listed twice")
+    if len({i is None for i, _ in specs}) > 1:
+        raise ValueError(f"{path}: give ids on every line (ID=URL) or on none")
+    return specs
+
+
+class ElasticPool:
+    """Adds and removes decoders of ``router`` (:class:`eldr.proxy.app.Router`)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self._drains: dict[str, asyncio.Task] = {}  # name -> its drain-and-remove task
+
+    # -- HTTP ------------------------------------------------------------------------------
+    async def collection(self, request):
+        """``GET`` lists, ``POST`` adds; any other method 405."""
+        from aiohttp import web
+
+        if request.method not in ("GET", "POST"):
+            return _not_allowed("GET, POST")
+        self.router._authorize(request)
+        if request.method == "GET":
+            return web.json_response(self.describe())
+        body = await _json_body(request)
+        unknown = set(body) - {"url", "name"}
+        if unknown:
+            raise ProxyError(400, f"unknown field(s) {sorted(unknown)}; expected 'url' and "
+                                  f"optionally 'name'", code="invalid_request")
+        url, name = body.get("url"), body.get("name")
+        if url is None:
+            raise ProxyError(400, "'url' is required: the decoder's base URL, "
+                                  "http://HOST:PORT", param="url")
+        try:
+            url = _check_url(url, "decode")
+        except ValueError as exc:
+            raise ProxyError(400, str(exc), param="url") from None
+        if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise ProxyError(400, "'name' must be 1-64 characters of letters, digits and "
+                                  "'._:-', starting with a letter or digit", param="name")
+        inst = await self.add(url, name)
+        return web.json_response({"added": inst.describe(), **self.describe()}, status=201)
+
+    async def item(self, request):
+        """``DELETE /admin/decoders/{name}``: drain, then remove."""
+        from aiohttp import web
+
+        if request.method != "DELETE":
+            return _not_allowed("DELETE")
+        self.router._authorize(request)
+        name = request.match_info["name"]
+        wait = request.query.get("wait", "false").lower()
+        if wait not in ("true", "false", "1", "0"):
+            raise ProxyError(400, "'wait' must be true or false", param="wait")
+        task = self.remove(name)
+        if wait in ("true", "1"):
+            await asyncio.shield(task)  # a client that leaves does not stop the drain
+            if self._find(name) is not None:  # _drain logged why
+                raise ProxyError(500, f"removing {name} failed; it stays draining (no new "
+                                      f"requests); see the router's log",
+                                 code="remove_failed")
+            return web.json_response({"removed": name, **self.describe()})
+        inst = self._find(name)
+        return web.json_response({"draining": name,
+                                  "in_flight": 0 if inst is None else inst.in_flight,
+                                  **self.describe()}, status=202)
+
+    def describe(self) -> dict:
+        router = self.router
+        return {"policy": router.state.policy.name,
+                "decoders": [{**i.describe(), "load": float(router.pool.tracker.loads[i.index])}
+                             for i in router.pool.decode]}
+
+    # -- operations ------------------------------------------------------------------------
+    def _check_elastic(self) -> None:
+        if self.router.config.workers > 1:
+            raise ProxyError(409, "the decoder pool cannot change with --workers > 1 (the "
+                                  "workers share a load table sized at start-up); restart "
+                                  "with the new --decode list", code="pool_fixed")
+
+    def _find(self, name: str):
+        return next((i for i in self.router.pool.decode if i.name == name), None)
+
+    async def add(self, url: str, name: str | None = None):
+        """Add a decoder (checked once for health first); returns its ``Instance``.
+        ``ProxyError`` 409 for a URL or name already in the pool."""
+        self._check_elastic()
+        router = self.router
+        async with router._reload_lock:
+            pool = router.pool
+            if any(i.url == url for i in pool.decode):
+                raise ProxyError(409, f"a decoder with URL {url} is already in the pool",
+                                 code="decoder_exists", param="url")
+            names = {i.name for i in pool.decode}
+            if name is None:
+                name = next(f"decode-{n}" for n in range(len(names) + 1)
+                            if f"decode-{n}" not in names)
+            elif name in names:
+                raise ProxyError(409, f"a decoder named {name!r} is already in the pool",
+                                 code="decoder_exists", param="name")
+            like = self._largest_cluster()
+            state = router.state
+            state.policy.add_worker(like=like)  # first: if it refuses, nothing else changed
+            inst = pool.add_decoder(url, name)  # out of rotation until the check passes
+            self._swap(state, (*state.worker_names, name))
+            router.metrics.prime_instances(pool, (inst,))
+            router.metrics.pool_changes.inc(action="added")
+            healthy = pool._session is not None and await pool.check(inst)
+        log.info("decoder %s (%s) added at index %d%s%s", name, url, inst.index,
+                 "" if like is None or "signature" not in state.policy.inputs else
+                 f", sharing the cluster of {state.worker_names[like]} until a refit",
+                 "" if healthy else f"; not healthy yet ({inst.last_error}), it takes "
+                                    f"requests once a health check passes")
+        self._tell_learner()
+        return inst
+
+    def remove(self, name: str) -> asyncio.Task:
+        """Start draining decoder ``name`` (or return the drain already running); the task
+        ends once it is out of the pool."""
+        self._check_elastic()
+        running = self._drains.get(name)
+        if running is not None:
+            return running
+        inst = self._find(name)
+        if inst is None:
+            known = [i.name for i in self.router.pool.decode]
+            raise ProxyError(404, f"no decoder named {name!r}; the decoders are {known}",
+                             code="decoder_not_found")
+        if not any(not i.draining for i in self.router.pool.decode if i is not inst):
+            raise ProxyError(409, f"{name} is the last decoder taking requests; add another "
+                                  f"before removing it", code="last_decoder")
+        inst.draining = True
+        self.router.metrics.pool_changes.inc(action="draining")
+        log.info("decoder %s (%s) draining: no new requests, %d in flight", name, inst.url,
+                 inst.in_flight)
+        task = asyncio.ensure_future(self._drain(inst))
+        self._drains[name] = task
+        task.add_done_callback(lambda _: self._drains.pop(name, None))
+        return task
+
+    async def _drain(self, inst) -> None:
+        try:
+            await self._drain_and_remove(inst)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug of ours: logged; the decoder stays draining (no traffic)
+            log.exception("removing decoder %s failed; it stays draining", inst.name)
+
+    async def _drain_and_remove(self, inst) -> None:
+        while inst.in_flight > 0:
+            await asyncio.sleep(_DRAIN_POLL)
+        router = self.router
+        async with router._reload_lock:
+            state = router.state
+            k = inst.index
+            state.policy.remove_worker(k)  # first: if it refuses, nothing else changed
+            router.pool.remove_decoder(inst)
+            self._swap(state, state.worker_names[:k] + state.worker_names[k + 1:])
+            router.metrics.pool_changes.inc(action="removed")
+        log.info("decoder %s (%s) drained and removed; %d decoders left", inst.name, inst.url,
+                 len(router.pool.decode))
+        self._tell_learner()
+
+    async def sync_file(self) -> dict:
+        """Re-read ``config.decoders_file`` and make the pool match it: its new URLs are
+        added, decoders whose URL it no longer lists drain. Returns
+        ``{"added": [names], "draining": [names]}``; raises ``ValueError``/``OSError`` for a
+        bad file (nothing changes) and ``ProxyError`` 409 with ``--workers`` > 1."""
+        self._check_elastic()
+        path = self.router.config.decoders_file
+        specs = await asyncio.to_thread(read_decoders_file, path)
+        listed = {u for _, u in specs}
+        added, draining = [], []
+        for name, url in specs:
+            inst = next((i for i in self.router.pool.decode if i.url == url), None)
+            if inst is not None:
+                if inst.draining:
+                    log.warning("decoders file: %s (%s) is still draining; it is not taken "
+                                "back (list it again once it is removed)", inst.name, url)
+                continue
+            try:
+                added.append((await self.add(url, name)).name)
+            except ProxyError as exc:  # e.g. an id already naming another decoder
+                log.error("decoders file: %s not added: %s", url, exc.message)
+        for inst in list(self.router.pool.decode):
+            if inst.url not in listed and not inst.draining:
+                try:
+                    self.remove(inst.name)
+                    draining.append(inst.name)
+                except ProxyError as exc:
+                    log.error("decoders file: %s not removed: %s", inst.name, exc.message)
+        log.info("decoders file %s applied: added %s, draining %s", path, added, draining)
+        return {"added": added, "draining": draining}
+
+    async def stop(self) -> None:
+        """Cancel drains still waiting (the router stops)."""
+        for task in list(self._drains.values()):
+            task.cancel()
+        await asyncio.gather(*self._drains.values(), return_exceptions=True)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _largest_cluster(self) -> int | None:
+        """The index of the decoder with the most routing decisions so far (None before any
+        decision): the cluster a new decoder splits, for the policies that have clusters."""
+        router = self.router
+        if "signature" not in router.state.policy.inputs and \
+                getattr(router.state.policy, "footprint", None) is None:
+            return None
+        taken = router.metrics.decisions.values
+        policy = router.state.policy.name
+        counts = [(taken.get((policy, i.name), 0.0), -i.index, i.index)
+                  for i in router.pool.decode if not i.draining]
+        best = max(counts, default=None)
+        return None if best is None or best[0] == 0 else best[2]
+
+    def _swap(self, state, names: tuple[str, ...]) -> None:
+        router = self.router
+        router.state = dataclasses.replace(state, worker_names=names)
+        router.config = dataclasses.replace(
+            router.config, decode_urls=tuple(i.url for i in router.pool.decode),
+            decode_ids=names)
+
+    def _tell_learner(self) -> None:
+        learner = self.router.learner
+        if learner is not None and hasattr(learner, "on_pool_change"):
+            learner.on_pool_change(tuple(self.router.state.worker_names))
+
+
+async def _json_body(request) -> dict:
+    import json
+
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        raise ProxyError(400, "request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "request body must be a JSON object, e.g. "
+                              "{\"url\": \"http://HOST:PORT\"}", code="invalid_request")
+    return body
+
+
+def _not_allowed(allow: str):
+    from aiohttp import web
+
+    from eldr.proxy.forward import vllm_detail
+
+    return web.Response(status=405, body=vllm_detail("Method Not Allowed"),
+                        content_type="application/json", headers={"Allow": allow})
