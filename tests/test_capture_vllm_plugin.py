@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from eldr.capture import vllm_plugin as plugin
+from eldr.capture import vllm_prefill as prefill
 from eldr.capture.enginecache import BlockRowCache, PrefillStep
 from eldr.capture.payload import decode_counts, decode_payload
 
@@ -109,7 +110,7 @@ def _tally(counts, tokens, wanted, layers=None):
     params = {"do_remote_decode": wanted}
     if layers is not None:
         params["eldr_layers"] = layers
-    return plugin._Tally(PrefillStep(counts, tokens, 0, ()), params)
+    return prefill.Tally(PrefillStep(counts, tokens, 0, ()), params)
 
 
 def test_payload_attached_only_to_finished_wanted_requests():
@@ -122,7 +123,7 @@ def test_payload_attached_only_to_finished_wanted_requests():
                             kv_transfer_params=None),
             SimpleNamespace(request_id="other", finish_reason="stop",
                             kv_transfer_params={"x": 1})]
-    plugin._attach_payloads(acc, {0: SimpleNamespace(outputs=outs)})
+    prefill.attach_payloads(acc, {0: SimpleNamespace(outputs=outs)})
     payload = outs[0].kv_transfer_params["eldr"]
     assert payload["v"] == 2
     np.testing.assert_array_equal(decode_counts(payload, num_layers=1, num_experts=4), counts)
@@ -135,14 +136,14 @@ def test_payload_attached_only_to_finished_wanted_requests():
 
 def test_payload_follows_the_requested_layer_mask_and_version(monkeypatch):
     counts = np.arange(12, dtype=np.int32).reshape(3, 4)
-    masked = plugin._payload(_tally(counts, 11, True, layers=[0, 2]), "2")
+    masked = prefill._payload(_tally(counts, 11, True, layers=[0, 2]), "2")
     got = decode_payload(masked, num_layers=3, num_experts=4)
     assert got.layers.tolist() == [0, 2] and got.tokens == 11
     np.testing.assert_array_equal(got.counts, [[0, 1, 2, 3], [0, 0, 0, 0], [8, 9, 10, 11]])
-    bad = plugin._payload(_tally(counts, 11, True, layers=[5]), "2")  # not a layer: all
+    bad = prefill._payload(_tally(counts, 11, True, layers=[5]), "2")  # not a layer: all
     assert "layers" not in bad
     np.testing.assert_array_equal(decode_counts(bad, num_layers=3, num_experts=4), counts)
-    old = plugin._payload(_tally(counts, 11, True), "1")
+    old = prefill._payload(_tally(counts, 11, True), "1")
     assert old["v"] == 1 and old["tokens"] == 11
 
 
@@ -172,18 +173,18 @@ def test_absorb_adds_reused_block_rows_so_counts_cover_the_prompt():
     row0 = np.array([[[2, 0, 0, 0]]], np.int8)
     row1 = np.array([[[0, 1, 1, 0]]], np.int8)
     acc = {}
-    plugin._absorb(sched, acc, {"a": PrefillStep(np.array([[2, 1, 1, 0]], np.int32), 4, 0,
+    prefill.absorb(sched, acc, {"a": PrefillStep(np.array([[2, 1, 1, 0]], np.int32), 4, 0,
                                                  ((0, np.concatenate([row0, row1])),))})
     cache = sched.kv_cache_manager.block_pool._eldr_rows
     assert isinstance(cache, BlockRowCache) and len(cache) == 2
-    plugin._absorb(sched, acc, {"b": PrefillStep(np.array([[0, 0, 0, 1]], np.int32), 1, 4,
+    prefill.absorb(sched, acc, {"b": PrefillStep(np.array([[0, 0, 0, 1]], np.int32), 1, 4,
                                                  ())})
     np.testing.assert_array_equal(acc["b"].counts, [[2, 1, 1, 1]])
     assert acc["b"].tokens == 5
     cache.evict(5)  # vLLM evicted block 5: a later reuse finds only block 3's row
     sched.requests["d"] = SimpleNamespace(kv_transfer_params=wanted)
     sched.kv_cache_manager.coordinator.get_blocks = lambda rid: ([*a_blocks, _Block(1, None)],)
-    plugin._absorb(sched, acc, {"d": PrefillStep(np.array([[0, 0, 0, 1]], np.int32), 1, 4,
+    prefill.absorb(sched, acc, {"d": PrefillStep(np.array([[0, 0, 0, 1]], np.int32), 1, 4,
                                                  ())})
     assert acc["d"].tokens == 3  # partial, never stale
     np.testing.assert_array_equal(acc["d"].counts, [[2, 0, 0, 1]])

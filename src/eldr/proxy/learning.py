@@ -158,9 +158,10 @@ class LiveLearning:
     # -- the hook ---------------------------------------------------------------------------
     def on_request_done(self, doc: dict, decoder: str, resp=None, decode=None) -> None:
         """A decode completed: ``doc`` is its prefill response, ``decoder`` the decoder's
-        name, ``resp`` the client's answer (its usage, if small), ``decode`` the engines'
-        decode report (an object with ``counts`` (L, E) and ``tokens``; None until the
-        engines send one). Never raises: learning must not fail a request."""
+        name, ``resp`` the client's answer (its usage, if small), ``decode`` the decode
+        engine's report (:class:`eldr.capture.decode.DecodeReport`: ``counts`` (L, E),
+        ``tokens`` decoded, ``steps`` and ``mean_distinct``; None when the decoder sent
+        none). Never raises: learning must not fail a request."""
         try:
             result = self._collect(doc, decoder, resp, decode)
         except Exception:  # a bug of ours: logged, the request is unaffected
@@ -182,13 +183,21 @@ class LiveLearning:
         if not k:
             return "unknown_top_k"
         dec_counts = getattr(decode, "counts", None)
+        decoded = getattr(decode, "tokens", None)  # forward passes: generated tokens - 1
+        out = _answer_tokens(resp) or (decoded + 1 if isinstance(decoded, int) else None)
         try:
             record = make_record(counts.counts, top_k=k, decoder=decoder, time=time.time(),
                                  tokens=counts.tokens, decode_counts=dec_counts,
-                                 output_tokens=getattr(decode, "tokens", None)
-                                 or _answer_tokens(resp))
+                                 output_tokens=out)
         except ValueError:
-            return "inconsistent"
+            if dec_counts is None:
+                return "inconsistent"
+            try:  # decode counts of another shape or top-k: the prompt's still count
+                record = make_record(counts.counts, top_k=k, decoder=decoder,
+                                     time=time.time(), tokens=counts.tokens,
+                                     output_tokens=out)
+            except ValueError:
+                return "inconsistent"
         if buf.top_k is None:
             buf.top_k = int(k)
             known = router.pool.models()
@@ -200,6 +209,9 @@ class LiveLearning:
         if state.encoder is not None and counts.counts.shape == state.shape:
             signature = np.asarray(state.encode(counts.counts), dtype=np.float64)
         self.learner.observe(record, signature)
+        steps = getattr(decode, "steps", 0)
+        if steps:  # the engine-measured distinct experts per layer per step of its batches
+            self.learner.observe_steps(decoder, np.array([decode.mean_distinct]))
         return "collected"
 
     # -- events → metrics and log -----------------------------------------------------------

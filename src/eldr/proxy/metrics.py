@@ -246,6 +246,8 @@ FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_
 ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.flow
 KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
+# distinct experts per layer per decode step: from top-k (>= 1) to a model's experts (<= 512)
+DISTINCT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 POOL_ACTIONS = ("added", "draining", "removed")  # eldr.proxy.elastic
 UPSTREAM_ERROR_KINDS = ("timeout", "connect", "disconnect", "protocol", "http_5xx",
                         "too_large", "other")  # eldr.proxy.upstream.error_kind and the flow
@@ -330,6 +332,18 @@ class RouterMetrics:
                   ("role", "instance"),
                   collect=lambda: {(i.role, i.name): float(i.healthy)
                                    for i in (*pool.prefill, *pool.decode)})
+        self.decode_payloads = reg.counter(
+            "eldr_decode_payloads_total", "Decode answers by what their engine's decode "
+            "payload was (read, invalid: stripped and ignored).", ("result",))
+        self.decode_distinct = reg.histogram(
+            "eldr_decoder_distinct_experts", "Measured by the decode engine, per completed "
+            "request: mean distinct experts per MoE layer per decode step of the batches it "
+            "decoded in.", ("decoder",), buckets=DISTINCT_BUCKETS)
+        reg.gauge("eldr_decoder_engine_distinct_experts", "A decode engine's own live "
+                  "footprint (scraped): mean distinct experts per MoE layer per decode step "
+                  "over its last steps.", ("decoder",),
+                  collect=lambda: {(i.name,): float(i.engine_distinct) for i in pool.decode
+                                   if i.engine_distinct is not None})
         self._prime(pool)
 
     def _prime(self, pool) -> None:
@@ -340,6 +354,7 @@ class RouterMetrics:
         self.abandoned.prime(*((r,) for r in ABANDON_REASONS))
         self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
         self.reloads.prime(*((r,) for r in RELOAD_RESULTS))
+        self.decode_payloads.prime(("read",), ("invalid",))
         self.pool_changes.prime(*((a,) for a in POOL_ACTIONS))
         self.prime_instances(pool, (*pool.prefill, *pool.decode))
 
@@ -348,5 +363,7 @@ class RouterMetrics:
         policy = getattr(getattr(pool, "config", None), "policy", None)
         if policy is not None:
             self.decisions.prime(*((policy, i.name) for i in instances if i.role == "decode"))
+        self.decode_distinct.prime(*((i.name,) for i in instances if i.role == "decode"))
         self.upstream_errors.prime(*((i.role, i.name, k) for i in instances
                                      for k in UPSTREAM_ERROR_KINDS))
+

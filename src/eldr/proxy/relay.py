@@ -24,6 +24,7 @@ from eldr.proxy.bodies import (
     read_upto,
     within,
 )
+from eldr.proxy.decodepayload import DecodeStripper, record_payload, strip_json
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.upstream import Instance, error_kind
 from eldr.routing import Outcome
@@ -157,6 +158,9 @@ class DecodeRelay:
             raise self._decode_failure(inst, error_kind(exc), exc) from None
         if not whole:
             raise self._too_large(inst, limit)
+        raw, payload = strip_json(raw)  # the engines' decode counts: the router's alone
+        if payload is not None:
+            record_payload(request, self.metrics, inst, payload)
         doc = json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
         if doc is None:
             raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
@@ -206,6 +210,7 @@ class DecodeRelay:
             raise self._decode_failure(inst, "protocol",
                                        f"stream answered as {resp.content_type!r}")
         usage = SSEUsage(decision.prompt_tokens)
+        strip = DecodeStripper()  # drops the engines' decode-payload event
         try:
             raw_first = await resp.content.readany()
         except Exception as exc:  # nothing was sent yet: retryable
@@ -213,7 +218,7 @@ class DecodeRelay:
         if not raw_first:
             raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
         try:
-            first = usage.feed(raw_first)
+            first = strip.feed(usage.feed(raw_first))
         except BadEvent as exc:
             raise self._decode_failure(inst, "protocol", exc) from None
         self.pool.request_succeeded(inst)
@@ -236,7 +241,8 @@ class DecodeRelay:
                     break
                 try:
                     chunk = await resp.content.readany()
-                    data = usage.feed(chunk) if chunk else usage.flush()
+                    data = (strip.feed(usage.feed(chunk)) if chunk
+                            else strip.feed(usage.flush()) + strip.flush())
                 except Exception as exc:  # too late to retry: tell the client
                     kind = "protocol" if isinstance(exc, BadEvent) else error_kind(exc)
                     self._upstream_error(inst, kind, exc)
@@ -246,11 +252,18 @@ class DecodeRelay:
                     chunk = b""
             await self._deliver(request, out, None)
         except ConnectionResetError:  # the client left: stop reading (closes upstream)
+            self._take_stream_payload(request, inst, strip)
             if is_stream_done(request):
                 return out, outcome
             self.metrics.client_disconnects.inc()
             outcome = "cancelled"
+        self._take_stream_payload(request, inst, strip)
         return out, outcome
+
+    def _take_stream_payload(self, request, inst: Instance, strip: DecodeStripper) -> None:
+        if strip.payload is not None:
+            record_payload(request, self.metrics, inst, strip.payload)
+            strip.payload = None
 
     def _finish_later(self, resp) -> None:
         """Read the decoder's stream to its end after ``[DONE]``, in the background.

@@ -40,6 +40,8 @@ __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind", "mak
 log = logging.getLogger("eldr.serve")
 
 ENGINE_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# the eldr plugin's live footprint of a decode engine (docs/capture.md), read when present
+ENGINE_DISTINCT_METRIC = "eldr_engine_step_distinct_experts"
 # bytes read of an engine's answers to the router's own calls (never the whole of a runaway)
 _HEALTH_BODY_LIMIT = 64 * 1024
 _MODELS_BODY_LIMIT = 1024 * 1024
@@ -62,6 +64,9 @@ class Instance:
     models: tuple[str, ...] = field(default_factory=tuple)  # ids from its /v1/models
     max_model_len: int | None = None  # context length its /v1/models reports, if any
     breaker: CircuitBreaker | None = None  # request-outcome breaker (decoders), or None
+    # mean distinct experts per layer per decode step over the engine's last steps: its own
+    # live footprint (eldr plugin), scraped; the same for every router replica
+    engine_distinct: float | None = None
     draining: bool = False  # being removed: no new request, its in-flight ones finish
     removed: bool = False  # out of the pool (a late health check or scrape is ignored)
 
@@ -322,7 +327,8 @@ class UpstreamPool:
         except Exception as exc:  # health checks decide about health
             log.debug("scrape of %s failed: %s", inst.url, exc)
             return
-        samples = parse_samples(text, ENGINE_LOAD_METRICS)
+        samples = parse_samples(text, (*ENGINE_LOAD_METRICS, ENGINE_DISTINCT_METRIC))
+        inst.engine_distinct = samples.pop(ENGINE_DISTINCT_METRIC, inst.engine_distinct)
         if not samples or inst.removed:
             return
         inst.engine_load = sum(samples.values())

@@ -1,0 +1,205 @@
+"""Decode-side capture: each request's decode-token expert counts and the distinct experts
+per layer of the batches it decoded in (issue 13, items 2 and 6). Numpy only.
+
+Three pieces, wired into vLLM by :mod:`eldr.capture.vllm_plugin`:
+
+- worker (model runner), per step: :func:`decode_step` takes the step's (T, L, k) top-k
+  rows and which of them are decode tokens (positions past the prompt) and returns a
+  :class:`DecodeStep`: those rows' ids (compact dtype), the request each belongs to, and
+  the step's distinct experts per layer over all its decode rows (L,). It ships to the
+  engine core with the step's output (the plugin's ``eldr_decode`` attribute).
+- engine core: :class:`DecodeTally` accumulates per request the (L, E) counts, the decode
+  tokens, Σ over its steps of the batch's distinct experts per layer and the step count;
+  :class:`Footprint` keeps the engine-wide ring of the last W steps' per-layer expert use
+  (the live footprint every router replica can read, item 6).
+- wire format: :func:`encode_decode_payload` / :func:`decode_decode_payload`, the
+  version-2 count payload of :mod:`eldr.capture.payload` plus two keys::
+
+      {"v": 2, "shape": [L, E], "tokens": D, "enc": ..., "w": ..., "data": ...,
+       "steps": S,                # decode steps the request took part in
+       "distinct": [d_0, ...],    # (L,) Σ over those steps of the batch's distinct experts
+       "own": 1}                  # optional: the plugin created kv_transfer_params
+
+  The mean distinct experts per layer per step of the request's batches is
+  ``distinct / steps``. It travels under :data:`DECODE_KEY` of the decode response's
+  ``kv_transfer_params`` (JSON) or as one extra SSE event before ``[DONE]`` (streams);
+  the router strips both (:mod:`eldr.proxy.decodepayload`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from eldr.capture.payload import decode_payload, encode_payload
+
+__all__ = ["DECODE_KEY", "REPORT_KEY", "DecodeReport", "DecodeStep", "DecodeTally", "Footprint",
+           "decode_decode_payload", "decode_step", "distinct_per_layer",
+           "encode_decode_payload", "is_decode_leg"]
+
+DECODE_KEY = "eldr_decode"  # key in kv_transfer_params (JSON) and of the SSE event
+# set by the router in a decode leg's kv_transfer_params: "report this request's decode"
+# (connectors such as vLLM's ExampleConnector send the decode leg no other mark)
+REPORT_KEY = "eldr_report"
+
+
+class DecodeStep(NamedTuple):
+    """One engine step's decode rows, worker → engine core (pickled)."""
+
+    req_ids: tuple  # (R,) request ids, in the order of ``owner``'s indices
+    owner: np.ndarray  # (T,) int32 index into req_ids of each decode row
+    ids: np.ndarray  # (T, L, k) int16/int32 top-k expert ids of the decode rows
+    distinct: np.ndarray  # (L,) int32 distinct experts per layer over all T rows
+
+
+def is_decode_leg(params: object) -> bool:
+    """A request's ``kv_transfer_params`` mark it as the decode leg of a PD pair: the
+    router's :data:`REPORT_KEY`, or ``do_remote_prefill`` named (True as sent; connectors
+    such as NIXL set it to False once the KV is pulled, so the key, not its value, is the
+    mark), and it is not a prefill leg."""
+    return (isinstance(params, dict) and not params.get("do_remote_decode")
+            and (bool(params.get(REPORT_KEY)) or "do_remote_prefill" in params))
+
+
+def _compact(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    return ids.astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
+
+
+def distinct_per_layer(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """(L,) int32 number of distinct experts per layer among (T, L, k) ids (0 when T=0)."""
+    T, L, _ = ids.shape
+    if T == 0:
+        return np.zeros(L, np.int32)
+    seen = np.zeros((L, num_experts), bool)
+    seen[np.arange(L)[None, :, None], ids] = True
+    return seen.sum(axis=1).astype(np.int32)
+
+
+def decode_step(rows: np.ndarray, spans: list, num_experts: int) -> DecodeStep | None:
+    """The step's decode rows. ``rows``: (T_all, L, k) ids of the whole step; ``spans``:
+    (req_id, first_row, num_rows) of each request's decode positions. None: no decode row."""
+    spans = [s for s in spans if s[2] > 0]
+    if not spans:
+        return None
+    pick = np.concatenate([np.arange(a, a + n) for _, a, n in spans])
+    ids = rows[pick]
+    owner = np.repeat(np.arange(len(spans), dtype=np.int32), [n for _, _, n in spans])
+    return DecodeStep(tuple(r for r, _, _ in spans), owner, _compact(ids, num_experts),
+                      distinct_per_layer(ids, num_experts))
+
+
+class DecodeTally:
+    """One request's decode counts so far (engine core)."""
+
+    __slots__ = ("counts", "distinct", "steps", "tokens")
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.counts = np.zeros((num_layers, num_experts), np.int32)  # (L, E)
+        self.tokens = 0  # decode tokens counted
+        self.distinct = np.zeros(num_layers, np.int64)  # (L,) Σ per-step batch distinct
+        self.steps = 0  # steps it decoded in
+
+    def add(self, ids: np.ndarray, distinct: np.ndarray) -> None:
+        """Add this request's (t, L, k) decode rows of one step whose batch had
+        ``distinct`` (L,) experts per layer. Top-k ids of one token are distinct, so a
+        plain fancy-index add is exact."""
+        L = self.counts.shape[0]
+        layer = np.arange(L)[:, None]
+        for tok in ids:
+            self.counts[layer, tok] += 1
+        self.tokens += len(ids)
+        self.distinct += distinct
+        self.steps += 1
+
+
+class Footprint:
+    """The engine's live footprint: per layer, the experts used by its decode batches over
+    the last ``window`` steps (a ring of (W, L, E) booleans)."""
+
+    def __init__(self, window: int, num_layers: int, num_experts: int) -> None:
+        if type(window) is not int or window <= 0:
+            raise ValueError(f"footprint window must be a positive integer, got {window!r}")
+        self.used = np.zeros((window, num_layers, num_experts), bool)
+        self.distinct = np.zeros(window, np.float64)  # mean over layers of each step
+        self.filled = 0
+        self.pos = 0
+
+    def push(self, ids: np.ndarray) -> None:
+        """One decode step's (T, L, k) ids."""
+        W, L, _ = self.used.shape
+        slot = self.used[self.pos]
+        slot[:] = False
+        slot[np.arange(L)[None, :, None], ids] = True
+        self.distinct[self.pos] = slot.sum() / L
+        self.pos = (self.pos + 1) % W
+        self.filled = min(self.filled + 1, W)
+
+    def snapshot(self) -> dict:
+        """JSON-able: ``experts`` (L,) experts used over the window per layer,
+        ``step_distinct_mean`` the mean distinct experts per layer per step, ``steps``."""
+        n = self.filled
+        if n == 0:
+            return {"steps": 0, "experts": [0] * self.used.shape[1], "step_distinct_mean": 0.0}
+        idx = [(self.pos - 1 - i) % self.used.shape[0] for i in range(n)]
+        experts = self.used[idx].any(axis=0).sum(axis=1)
+        return {"steps": n, "experts": [int(x) for x in experts],
+                "step_distinct_mean": float(self.distinct[idx].mean())}
+
+
+class DecodeReport(NamedTuple):
+    """What the router read from one decode payload."""
+
+    counts: np.ndarray  # (L, E) int32 decode-token selections
+    tokens: int  # decode tokens counted
+    steps: int  # decode steps the request took part in
+    distinct: np.ndarray  # (L,) float64 mean distinct experts per layer per step
+
+    @property
+    def mean_distinct(self) -> float:
+        """Mean over layers of ``distinct`` (NaN without steps)."""
+        return float(self.distinct.mean()) if self.steps else float("nan")
+
+
+def encode_decode_payload(tally: DecodeTally, *, own: bool = False) -> dict:
+    """The wire payload of a request's tally (module docstring)."""
+    obj = encode_payload(tally.counts, tokens=tally.tokens)
+    obj["steps"] = int(tally.steps)
+    obj["distinct"] = [int(x) for x in tally.distinct]
+    if own:
+        obj["own"] = 1
+    return obj
+
+
+def decode_decode_payload(obj: object, *, num_layers: int | None = None,
+                          num_experts: int | None = None) -> DecodeReport:
+    """Validate and read a decode payload; ``ValueError`` naming the problem otherwise.
+    Without an expected shape, the payload's own ``shape`` is used (bounded)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"eldr decode payload: must be a JSON object, got "
+                         f"{type(obj).__name__}")
+    shape = obj.get("shape")
+    if num_layers is None or num_experts is None:
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(type(s) is int and 0 < s <= 4096 for s in shape)):
+            raise ValueError(f"eldr decode payload: bad shape {shape!r}")
+        num_layers, num_experts = shape
+    if obj.get("v") != 2:
+        raise ValueError(f"eldr decode payload: version {obj.get('v')!r}, expected 2")
+    p = decode_payload(obj, num_layers=num_layers, num_experts=num_experts)
+    steps, distinct = obj.get("steps"), obj.get("distinct")
+    if p.tokens is None:
+        raise ValueError("eldr decode payload: tokens missing")
+    if type(steps) is not int or steps < 0:
+        raise ValueError(f"eldr decode payload: steps must be a non-negative integer, got "
+                         f"{steps!r}")
+    if (not isinstance(distinct, list) or len(distinct) != num_layers
+            or not all(type(d) is int and 0 <= d <= num_experts * max(steps, 1)
+                       for d in distinct)):
+        raise ValueError(f"eldr decode payload: distinct must be {num_layers} integers in "
+                         f"[0, {num_experts} x steps]")
+    per_layer = p.counts.sum(axis=1)
+    if p.layers is None and per_layer.size and (per_layer != per_layer[0]).any():
+        raise ValueError("eldr decode payload: layers hold different numbers of selections")
+    mean = np.asarray(distinct, np.float64) / steps if steps else np.zeros(num_layers)
+    return DecodeReport(p.counts, int(p.tokens), int(steps), mean)

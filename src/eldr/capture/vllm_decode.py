@@ -1,0 +1,245 @@
+"""The decode half of the vLLM plugin (:mod:`eldr.capture.vllm_plugin` wires it).
+
+Engine-core process (the scheduler):
+
+- :func:`absorb_decode`: the worker's per-step :class:`~eldr.capture.decode.DecodeStep`
+  list (attribute ``eldr_decode`` of the ``ModelRunnerOutput``) feeds the engine's
+  :class:`~eldr.capture.decode.Footprint` (every decode row of every batch) and the
+  :class:`~eldr.capture.decode.DecodeTally` of each decode leg (``kv_transfer_params``
+  naming ``do_remote_prefill``) or, with ``ELDR_CAPTURE=all``, of every request.
+- :func:`attach_decode`: when such a request finishes, its payload goes under
+  :data:`~eldr.capture.decode.DECODE_KEY` of its final output's ``kv_transfer_params``
+  (created, and marked ``own``, when the connector returned none). vLLM's completion
+  and chat servers copy ``kv_transfer_params`` into a non-streaming response.
+- the footprint is written, at most every :data:`FOOTPRINT_PERIOD` seconds, atomically to
+  a small JSON file (``ELDR_FOOTPRINT_FILE``, default
+  ``<tmp>/eldr-footprint-<API server pid>.json``: the engine core is the API server's
+  child process).
+
+API-server process:
+
+- streams: vLLM puts ``kv_transfer_params`` into no stream chunk, so the completion and
+  chat stream generators are wrapped: the wrapper taps the engine's ``RequestOutput``\\ s
+  on their way in and, just before ``data: [DONE]``, sends one extra event
+  ``data: {"eldr_decode": <payload>}`` when a payload came (only decode legs get one).
+  No new connection, no round trip, no state kept after the stream: the cheapest
+  channel. The router strips that event (:mod:`eldr.proxy.decodepayload`).
+- ``/metrics``: a ``prometheus_client`` collector on the default registry (vLLM's,
+  unless ``PROMETHEUS_MULTIPROC_DIR`` is set) reads the footprint file on each scrape:
+  ``eldr_engine_footprint_experts{layer}``, ``eldr_engine_step_distinct_experts`` and
+  ``eldr_engine_footprint_steps`` (docs/capture.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import json
+import logging
+import os
+import tempfile
+import time
+from functools import wraps
+
+from eldr.capture.decode import (
+    DECODE_KEY,
+    DecodeTally,
+    Footprint,
+    encode_decode_payload,
+    is_decode_leg,
+)
+
+__all__ = ["FOOTPRINT_PERIOD", "absorb_decode", "attach_decode", "footprint_path",
+           "install_api_server_hooks"]
+
+logger = logging.getLogger("vllm.eldr_capture")
+FOOTPRINT_PERIOD = 0.2  # seconds between writes of the footprint file
+_WINDOW = int(os.environ.get("ELDR_FOOTPRINT_WINDOW", "32"))  # steps in the footprint
+_PATCHED = "_eldr_decode_patched"
+
+
+def footprint_path(server_pid: int | None = None) -> str:
+    """The footprint file of the API server ``server_pid`` (default: this process)."""
+    explicit = os.environ.get("ELDR_FOOTPRINT_FILE")
+    if explicit:
+        return explicit
+    pid = os.getpid() if server_pid is None else server_pid
+    return os.path.join(tempfile.gettempdir(), f"eldr-footprint-{pid}.json")
+
+
+# -- engine core -------------------------------------------------------------------------------
+def absorb_decode(sched, steps: list) -> None:
+    """Add one engine step's decode rows to the footprint and to each wanted request."""
+    if not steps:
+        return
+    d = sched.__dict__
+    tallies: dict = d.setdefault("_eldr_dec", {})
+    everything = os.environ.get("ELDR_CAPTURE") == "all"
+    _, L, _ = steps[0].ids.shape
+    fp = d.get("_eldr_footprint")
+    if fp is None:
+        E = int(sched.vllm_config.model_config.get_num_experts())
+        fp = d["_eldr_footprint"] = Footprint(max(_WINDOW, 1), L, E)
+        d["_eldr_fp_written"] = 0.0
+        atexit.register(_remove_footprint, footprint_path(os.getppid()))
+    for step in steps:
+        fp.push(step.ids)
+        for i, req_id in enumerate(step.req_ids):
+            tally = tallies.get(req_id)
+            if tally is None:
+                request = sched.requests.get(req_id)
+                if request is None:
+                    continue
+                if not (everything or is_decode_leg(request.kv_transfer_params)):
+                    tallies[req_id] = False  # not ours to report: remembered, skipped
+                    continue
+                tally = tallies[req_id] = DecodeTally(L, fp.used.shape[2])
+            elif tally is False:
+                continue
+            tally.add(step.ids[step.owner == i], step.distinct)
+    now = time.monotonic()
+    if now - d["_eldr_fp_written"] >= FOOTPRINT_PERIOD:
+        d["_eldr_fp_written"] = now
+        _write_footprint(fp)
+
+
+def _write_footprint(fp: Footprint) -> None:
+    path = footprint_path(os.getppid())
+    doc = {**fp.snapshot(), "time": time.time(), "window": int(fp.used.shape[0])}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)  # readers see the old file or the new one, never half
+    except OSError as exc:
+        logger.warning("eldr capture plugin: footprint not written to %s: %s", path, exc)
+
+
+def attach_decode(sched, outputs) -> None:
+    """Put each finished decode leg's payload into its final output."""
+    tallies: dict | None = sched.__dict__.get("_eldr_dec")
+    if not tallies:
+        return
+    for engine_outputs in outputs.values():
+        for out in engine_outputs.outputs:
+            if out.finish_reason is None:
+                continue
+            tally = tallies.pop(out.request_id, None)
+            if not tally:
+                continue
+            own = out.kv_transfer_params is None
+            params = dict(out.kv_transfer_params or {})
+            params[DECODE_KEY] = encode_decode_payload(tally, own=own)
+            out.kv_transfer_params = params
+    if len(tallies) > 2 * len(sched.requests) + 64:  # aborted requests leave entries
+        for req_id in [r for r in tallies if r not in sched.requests]:
+            del tallies[req_id]
+
+
+# -- API server --------------------------------------------------------------------------------
+def install_api_server_hooks() -> None:
+    """Wrap the stream generators and register the footprint collector (idempotent;
+    harmless in processes that serve no HTTP)."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    except Exception as exc:  # another layout: JSON answers still carry the payload
+        logger.info("eldr capture plugin: stream hooks not installed (%s)", exc)
+    else:
+        _wrap_stream(OpenAIServingCompletion, "completion_stream_generator")
+        _wrap_stream(OpenAIServingChat, "chat_completion_stream_generator")
+    _register_collector()
+
+
+def _payload_of(item) -> dict | None:
+    out = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+    params = getattr(out, "kv_transfer_params", None)
+    return params.get(DECODE_KEY) if isinstance(params, dict) else None
+
+
+def _wrap_stream(cls, name: str) -> None:
+    original = getattr(cls, name)
+    if getattr(original, _PATCHED, False):
+        return
+    signature = inspect.signature(original)
+
+    @wraps(original)
+    async def stream(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        found: list[dict] = []
+        source = bound.arguments.get("result_generator")
+        if source is not None:
+            async def tap(source=source):
+                async for item in source:
+                    payload = _payload_of(item)
+                    if payload is not None:
+                        found.append(payload)
+                    yield item
+            bound.arguments["result_generator"] = tap()
+        async for chunk in original(*bound.args, **bound.kwargs):
+            if found and isinstance(chunk, str) and chunk.startswith("data: [DONE]"):
+                for payload in found:
+                    yield "data: " + json.dumps({DECODE_KEY: payload},
+                                                separators=(",", ":")) + "\n\n"
+                found.clear()
+            yield chunk
+
+    setattr(stream, _PATCHED, True)
+    setattr(cls, name, stream)
+
+
+_COLLECTOR = []  # the one registered collector of this process
+
+
+class _FootprintCollector:
+    """Reads this API server's engine footprint file on each scrape."""
+
+    def describe(self):
+        return []  # no values read at registration
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            with open(footprint_path()) as fh:
+                doc = json.load(fh)
+            experts = [float(x) for x in doc["experts"]]
+            mean = float(doc["step_distinct_mean"])
+            steps = float(doc["steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # no decode step yet, or not a decode engine
+        per = GaugeMetricFamily("eldr_engine_footprint_experts", "Experts used per MoE layer "
+                                "by this engine's decode batches over its last W steps.",
+                                labels=["layer"])
+        for layer, value in enumerate(experts):
+            per.add_metric([str(layer)], value)
+        yield per
+        yield GaugeMetricFamily("eldr_engine_step_distinct_experts", "Mean distinct experts "
+                                "per MoE layer per decode step over the last W steps.",
+                                value=mean)
+        yield GaugeMetricFamily("eldr_engine_footprint_steps",
+                                "Decode steps in the footprint window.", value=steps)
+
+
+def _register_collector() -> None:
+    if _COLLECTOR:
+        return
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    collector = _FootprintCollector()
+    try:
+        REGISTRY.register(collector)
+    except ValueError:  # already registered by an earlier load of this module
+        return
+    _COLLECTOR.append(collector)
+    atexit.register(_remove_footprint, footprint_path())  # this server's file, if any
+
+
+def _remove_footprint(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:  # none was written (not a decode engine), or already gone
+        pass
+

@@ -1,0 +1,92 @@
+import numpy as np
+import pytest
+
+from eldr.capture.decode import (
+    DecodeTally,
+    Footprint,
+    decode_decode_payload,
+    decode_step,
+    distinct_per_layer,
+    encode_decode_payload,
+    is_decode_leg,
+)
+
+L, E, K = 3, 16, 2
+
+
+def _ids(rng, T):
+    """(T, L, K) distinct top-k ids per token and layer."""
+    return np.stack([[rng.choice(E, K, replace=False) for _ in range(L)] for _ in range(T)])
+
+
+def test_distinct_per_layer_counts_unique_experts():
+    ids = np.array([[[0, 1], [2, 3], [4, 5]], [[1, 2], [2, 3], [6, 7]]])
+    assert distinct_per_layer(ids, 8).tolist() == [3, 2, 4]
+    assert distinct_per_layer(ids[:0], 8).tolist() == [0, 0, 0]
+
+
+def test_decode_step_splits_rows_by_request():
+    rng = np.random.default_rng(0)
+    rows = _ids(rng, 6)
+    step = decode_step(rows, [("a", 1, 2), ("b", 3, 0), ("c", 5, 1)], E)
+    assert step.req_ids == ("a", "c") and step.owner.tolist() == [0, 0, 1]
+    assert np.array_equal(step.ids, rows[[1, 2, 5]]) and step.ids.dtype == np.int16
+    assert step.distinct.tolist() == distinct_per_layer(rows[[1, 2, 5]], E).tolist()
+    assert decode_step(rows, [("a", 0, 0)], E) is None
+
+
+def test_payload_round_trip_and_tally():
+    rng = np.random.default_rng(1)
+    tally = DecodeTally(L, E)
+    per_step = []
+    for _ in range(5):
+        ids = _ids(rng, 1)
+        d = distinct_per_layer(_ids(rng, 4), E)  # the batch's distinct
+        tally.add(ids, d)
+        per_step.append(d)
+    assert tally.counts.sum(axis=1).tolist() == [5 * K] * L
+    obj = encode_decode_payload(tally, own=True)
+    assert obj["own"] == 1 and obj["steps"] == 5
+    rep = decode_decode_payload(obj)
+    assert np.array_equal(rep.counts, tally.counts) and rep.tokens == 5 and rep.steps == 5
+    assert np.allclose(rep.distinct, np.mean(per_step, axis=0))
+    assert rep.mean_distinct == pytest.approx(np.mean(per_step))
+    same = decode_decode_payload(obj, num_layers=L, num_experts=E)
+    assert np.array_equal(same.counts, rep.counts)
+
+
+@pytest.mark.parametrize("change", [
+    {"steps": -1}, {"steps": "2"}, {"distinct": [1]}, {"distinct": [1, 2, 10**6]},
+    {"shape": [L, 99999]}, {"v": 1}, {"tokens": None}, {"data": "!!"},
+])
+def test_malformed_payloads_are_refused_with_value_error(change):
+    tally = DecodeTally(L, E)
+    tally.add(_ids(np.random.default_rng(2), 1), np.array([2, 2, 2]))
+    obj = {**encode_decode_payload(tally), **change}
+    if change.get("tokens", 0) is None:
+        del obj["tokens"]
+    with pytest.raises(ValueError, match="eldr"):
+        decode_decode_payload(obj)
+    with pytest.raises(ValueError):
+        decode_decode_payload([obj])
+
+
+def test_footprint_window_forgets_old_steps():
+    fp = Footprint(2, 1, 8)
+    for experts in ([0, 1], [2, 3], [4, 5]):
+        fp.push(np.array([[experts]]))
+    snap = fp.snapshot()
+    assert snap["steps"] == 2 and snap["experts"] == [4]  # {2, 3, 4, 5}
+    assert snap["step_distinct_mean"] == 2.0
+    assert Footprint(3, 2, 4).snapshot()["steps"] == 0
+    with pytest.raises(ValueError):
+        Footprint(0, 1, 1)
+
+
+def test_decode_leg_mark():
+    assert is_decode_leg({"do_remote_prefill": True})
+    assert is_decode_leg({"do_remote_prefill": False})  # NIXL flips it after the pull
+    assert not is_decode_leg({"do_remote_decode": True, "do_remote_prefill": False})
+    assert not is_decode_leg(None) and not is_decode_leg({})
+    assert is_decode_leg({"eldr_report": True})  # the router's mark (ExampleConnector)
+    assert not is_decode_leg({"eldr_report": True, "do_remote_decode": True})
