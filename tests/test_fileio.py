@@ -36,3 +36,19 @@ def test_permissions_follow_umask_not_mkstemp(tmp_path):
 def test_bad_mode_refused(tmp_path):
     with pytest.raises(ValueError, match="mode"), atomic_file(tmp_path / "a", "a"):
         pass
+
+
+def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
+    from eldr.fileio import atomic_directory
+
+    target = tmp_path / "art"
+    with atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("one")
+    with atomic_directory(target) as tmp:
+        (tmp / "b.txt").write_text("two")
+    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]  # replaced whole
+    with pytest.raises(RuntimeError), atomic_directory(target) as tmp:
+        (tmp / "c.txt").write_text("half")
+        raise RuntimeError("disk full")
+    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temp or old left

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import stat
 import tempfile
 import zipfile
@@ -68,6 +69,36 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """``with atomic_directory(d) as tmp: <write files into tmp>`` replaces ``d`` whole.
+
+    ``tmp`` is a fresh directory beside ``d`` (same file system, so the final rename is
+    atomic). On success an existing ``d`` is moved aside, ``tmp`` renamed to ``d`` and the
+    old one removed (a directory cannot be renamed over a non-empty one); on any error
+    ``tmp`` is removed and ``d`` is left as it was. Readers never see a half-written ``d``.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    old = None
+    try:
+        os.chmod(tmp, default_dir_mode())
+        yield tmp
+        if target.exists():
+            old = target.with_name(f".{target.name}.{os.getpid()}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not target.exists():
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr.fileio import default_dir_mode, open_regular
+from eldr.fileio import atomic_directory, open_regular
 from eldr.fit._artifact_io import (  # noqa: F401  (re-exported: the reader moved there)
     _ARRAYS,
     _JSON,
@@ -244,11 +242,7 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
             raise ValueError(f"{target}: not an artifact directory (holds {foreign[:3]}); "
                              "refusing to replace it")
     doc = _document(artifact)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
-    old = None
-    try:
-        os.chmod(tmp, default_dir_mode())
+    with atomic_directory(target) as tmp:
         (tmp / _JSON).write_text(json.dumps(doc, indent=2) + "\n")
         arrays = {"idf": np.asarray(artifact.encoder.idf_, dtype=np.float64),
                   "centroids": np.asarray(artifact.centroids, dtype=np.float32)}
@@ -258,17 +252,6 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
                                                     dtype=np.float32)
         with open(tmp / _ARRAYS, "wb") as fh:
             np.savez(fh, **arrays)
-        if target.exists():  # a directory cannot be os.replace'd over a non-empty one
-            old = target.with_name(f".{target.name}.{os.getpid()}.old")
-            os.replace(target, old)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not target.exists():
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return target
 
 

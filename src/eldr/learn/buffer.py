@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from eldr.fileio import default_dir_mode, open_regular
+from eldr.fileio import atomic_directory, open_regular
 from eldr.traces import trace as trace_io
 from eldr.traces.trace import Trace, TraceMeta
 
@@ -178,11 +176,7 @@ def save(buffer_dir: str | os.PathLike, records: list[Record], *, model: str,
          top_k: int | None, num_seen: int, num_dropped: int, state: dict) -> Path:
     """Write ``records`` and the learner's ``state`` to ``buffer_dir`` (replaced whole)."""
     target = Path(buffer_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
-    old = None
-    try:
-        os.chmod(tmp, default_dir_mode())
+    with atomic_directory(target) as tmp:
         doc = {"version": _STATE_VERSION, "model": model, "top_k": top_k,
                "num_seen": int(num_seen), "num_dropped": int(num_dropped), "state": state,
                "decode_known": [], "output_tokens": [], "times": []}
@@ -193,18 +187,6 @@ def save(buffer_dir: str | os.PathLike, records: list[Record], *, model: str,
                        output_tokens=[r.output_tokens for r in records],
                        times=[round(r.time, 3) for r in records])
         (tmp / "learn.json").write_text(json.dumps(doc) + "\n")
-        if target.exists():
-            old = target.with_name(f".{target.name}.{os.getpid()}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not target.exists():
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return target
 
 
