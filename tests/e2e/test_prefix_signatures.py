@@ -22,12 +22,10 @@ About 2–3 minutes on two busy cores (two engines start in parallel).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _engines import _free_port, _model_dir, _plugin_pythonpath, _skip_reason
 
 pytestmark = pytest.mark.e2e
 
@@ -44,35 +43,6 @@ READY_TIMEOUT_S = 420
 BLOCK = 32  # vLLM-CPU's attention takes multiples of 32
 NUM_BLOCKS = 32  # KV cache of the prefill engine: 31 usable blocks, 992 tokens
 MODEL = "tiny"
-
-
-def _model_dir() -> Path:
-    env = os.environ.get("ELDR_E2E_MODEL")
-    if env:
-        return Path(env)
-    from eldr.capture import tiny_moe_dir
-
-    return Path(tiny_moe_dir())
-
-
-def _skip_reason() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # not installed, or a broken torchvision next to CPU torch
-        return f"vllm is not importable: {exc}"
-    if importlib.util.find_spec("aiohttp") is None:
-        return "aiohttp is not installed (pip install 'eldr[serve]')"
-    try:
-        _model_dir()
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -127,22 +97,6 @@ class _Proc:
         except ProcessLookupError:
             pass
         self._out.close()
-
-
-def _plugin_pythonpath(tmp: Path) -> str:
-    """PYTHONPATH on which vLLM finds the eldr plugin's entry point (see test_serve_e2e)."""
-    from importlib.metadata import entry_points
-
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if not any(ep.name == "eldr_capture" for ep in entry_points(group="vllm.general_plugins")):
-        info = tmp / "plugin_path" / "eldr_e2e_plugin-0.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: eldr-e2e-plugin\n"
-                                       "Version: 0\n")
-        (info / "entry_points.txt").write_text(
-            "[vllm.general_plugins]\neldr_capture = eldr.capture.vllm_plugin:register\n")
-        paths.insert(0, str(tmp / "plugin_path"))
-    return os.pathsep.join(paths)
 
 
 @pytest.fixture(scope="module")
