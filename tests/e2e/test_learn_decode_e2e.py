@@ -305,8 +305,9 @@ def test_router_without_artifact_learns_swaps_and_is_measured_against_jsq(engine
     print(f"locality ceiling (oracle against mixed split): expected {100 * ceiling:.1f} %, "
           f"measured {100 * ceiling_measured:.1f} %")
     jsq = (figures["JSQ"], figures["JSQ again"])
-    jsq_measured = np.mean([j["measured"] for j in jsq])
-    jsq_expected = np.mean([j["expected"] for j in jsq])
+    # (NaN, skipped, for a JSQ run without a B/B wave; both without one fail below)
+    jsq_measured = np.nanmean([j["measured"] for j in jsq])
+    jsq_expected = np.nanmean([j["expected"] for j in jsq])
     for name in ("learned, eldr_cost", "learned, eldr"):
         f = figures[name]
         print(f"{name} against the JSQ mean: purity {f['purity']:.2f} vs "
@@ -315,3 +316,15 @@ def test_router_without_artifact_learns_swaps_and_is_measured_against_jsq(engine
               f"expected {100 * (f['expected'] / jsq_expected - 1):+.1f} %")
     # Every figure is the engines' own measurement of a real batch
     assert all(K <= x <= NUM_EXPERTS for f in figures.values() for x in f["all"])
+    # What held with margin in every run (docs/learn.md): the tiny MoE's decode routing
+    # separates the two domains (the timing-free ceiling: 12.6 % in every run); both
+    # learned policies split the domains across the decoders more than JSQ does; and the
+    # eldr band policy's splits are worth at least 5 % fewer expected distinct experts per
+    # step than JSQ's (10–12 % in every run: it made the oracle split in every wave). The
+    # engines' measured comparison is printed, not asserted: it still moves with timing
+    # (the two JSQ runs of one test differ by up to 18 %), and eldr_cost's figures cover
+    # only the waves it happened to split B/B (it also made 7/1 and 5/3 splits).
+    assert ceiling > 0.05, figures
+    for name in ("learned, eldr_cost", "learned, eldr"):
+        assert figures[name]["purity"] > max(j["purity"] for j in jsq), (name, figures)
+    assert figures["learned, eldr"]["expected"] < 0.95 * jsq_expected, figures
