@@ -28,7 +28,7 @@ learned artifact), a router with ``--policy eldr --artifact <learned> --tau 0``,
 JSQ again (an order effect shows as a gap between the JSQ runs); ExampleConnector's
 store is emptied before each phase.
 
-Three engines (≈ 9 GB of RAM), about 2–3 minutes on 2 cores; marked ``e2e``.
+Three engines (≈ 9 GB of RAM), about 1.5–3 minutes on 2 cores; marked ``e2e``.
 """
 
 from __future__ import annotations
@@ -272,11 +272,12 @@ def test_router_without_artifact_learns_swaps_and_is_measured_against_jsq(engine
         "--policy", "eldr", "--artifact", str(learned_dir), "--tau", "0"])
     waves, half = _waves(), PER_DECODER // 2
     oracle = [[0 if dom == A else 1 for dom, _ in wave] for wave in waves]
-    mixed = [[0 if i < PER_DECODER else 1 for i in range(len(wave))] for wave in waves]
-    for assign, wave in zip(mixed, waves, strict=True):  # the first B/2 of each domain on decoder 0
+    mixed = []  # the first B/2 of each domain on decoder 0, the others on decoder 1
+    for wave in waves:
         seen = {A: 0, B: 0}
-        for i, (dom, _) in enumerate(wave):
-            assign[i] = 0 if seen[dom] < half else 1
+        mixed.append([])
+        for dom, _ in wave:
+            mixed[-1].append(0 if seen[dom] < half else 1)
             seen[dom] += 1
 
     p, results = {}, {}
@@ -322,7 +323,7 @@ def test_router_without_artifact_learns_swaps_and_is_measured_against_jsq(engine
     # eldr band policy's splits are worth at least 5 % fewer expected distinct experts per
     # step than JSQ's (10–12 % in every run: it made the oracle split in every wave). The
     # engines' measured comparison is printed, not asserted: it still moves with timing
-    # (the two JSQ runs of one test differ by up to 18 %), and eldr_cost's figures cover
+    # (the two JSQ runs of one test differ by up to 24 %), and eldr_cost's figures cover
     # only the waves it happened to split B/B (it also made 7/1 and 5/3 splits).
     assert ceiling > 0.05, figures
     for name in ("learned, eldr_cost", "learned, eldr"):
