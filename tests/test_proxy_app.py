@@ -5,7 +5,7 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, fake_centroids, run
-from eldr.proxy import app as app_mod
+from eldr.proxy import admin as admin_mod
 from eldr.proxy.app import parse_body
 from eldr.proxy.errors import ProxyError
 from eldr.routing import make_policy
@@ -125,7 +125,7 @@ def _swapped_state(router):
 def test_admin_reload_needs_the_token(monkeypatch):
     async def go():
         async with cluster(admin_token=TOKEN) as (router, client, _, _d):
-            monkeypatch.setattr(app_mod, "build_state", lambda config: _swapped_state(router))
+            monkeypatch.setattr(admin_mod, "build_state", lambda config: _swapped_state(router))
             before = await client.post("/v1/completions", json=CODE)
             no = await client.post("/admin/reload")
             wrong = await client.post("/admin/reload",
@@ -160,7 +160,7 @@ def test_failed_reload_keeps_the_running_artifact(monkeypatch):
     async def go():
         async with cluster(admin_token=TOKEN) as (router, client, _, _d):
             old = router.state
-            monkeypatch.setattr(app_mod, "build_state", broken)
+            monkeypatch.setattr(admin_mod, "build_state", broken)
             r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
             return router, old, r.status, await r.json()
 
@@ -174,7 +174,7 @@ def test_reload_does_not_drop_requests_in_flight(monkeypatch):
     async def go():
         async with cluster(admin_token=TOKEN, engine_kw={"tokens": 20}) as (router, client, _,
                                                                                 decoders):
-            monkeypatch.setattr(app_mod, "build_state", lambda config: _swapped_state(router))
+            monkeypatch.setattr(admin_mod, "build_state", lambda config: _swapped_state(router))
             decoders[0].mode = "slow"
             r = await client.post("/v1/completions", json={**CODE, "stream": True})
             first = await r.content.readany()
@@ -253,7 +253,7 @@ def test_reload_refuses_an_artifact_for_another_model(monkeypatch, fingerprint, 
             if traffic:  # the engines' payloads tell the model's (L, E)
                 assert (await client.post("/v1/completions", json=CODE)).status == 200
             old = router.state
-            monkeypatch.setattr(app_mod, "build_state",
+            monkeypatch.setattr(admin_mod, "build_state",
                                 lambda config: _other_model_state(router, **fingerprint))
             r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
             after = await client.post("/v1/completions", json=CODE)
@@ -279,7 +279,7 @@ def test_a_reload_failing_in_any_way_is_a_json_error_and_counted(monkeypatch, ex
 
     async def go():
         async with cluster(admin_token=TOKEN) as (router, client, _, _d):
-            monkeypatch.setattr(app_mod, "build_state", broken)
+            monkeypatch.setattr(admin_mod, "build_state", broken)
             r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"})
             return router, r.status, r.content_type, await r.json()
 
@@ -311,7 +311,7 @@ def test_engines_that_require_an_api_key(with_key):
 def test_wrong_admin_tokens_are_rate_limited_per_address(monkeypatch):
     async def go():
         async with cluster(admin_token=TOKEN) as (router, client, _, _d):
-            monkeypatch.setattr(app_mod, "build_state", lambda config: router.state)
+            monkeypatch.setattr(admin_mod, "build_state", lambda config: router.state)
             wrong = {"Authorization": "Bearer wrong-guess"}
             statuses = [(await client.post("/admin/reload", headers=wrong)).status
                         for _ in range(6)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from _proxy_fakes import FakeEngine, cluster, run
-from eldr.proxy import app as app_mod
+from eldr.proxy import admin as admin_mod
 from eldr.proxy.decision import WorkerMismatch
 from eldr.proxy.elastic import read_decoders_file
 
@@ -283,7 +283,7 @@ def test_an_artifact_for_another_decoder_set_is_refused_with_409(monkeypatch):
 
     async def go():
         async with cluster(admin_token=TOKEN) as (_router, client, _p, _d):
-            monkeypatch.setattr(app_mod, "build_state", mismatch)
+            monkeypatch.setattr(admin_mod, "build_state", mismatch)
             return await _json(await client.post("/admin/reload", headers=AUTH))
 
     status, doc = run(go())

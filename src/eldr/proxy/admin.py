@@ -1,14 +1,24 @@
-"""Admin-endpoint helpers of the router (:mod:`eldr.proxy.app`): the per-address limit on
-wrong admin tokens, and the error a reload that does not fit the deployment raises.
+"""The router's admin side (:mod:`eldr.proxy.app`): the bearer-token check with a
+per-address limit on wrong tokens, and the artifact reload (``POST /admin/reload``, SIGHUP,
+``--learn`` swaps) with the checks that keep an artifact for another deployment out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import dataclasses
+import hmac
+import logging
 import time
 from collections import OrderedDict
 
-__all__ = ["FailedAttempts", "ReloadRefused"]
+from eldr.proxy.decision import RoutingState, WorkerMismatch, build_state
+from eldr.proxy.errors import ProxyError
+
+__all__ = ["AdminRoutes", "FailedAttempts", "ReloadRefused"]
+
+log = logging.getLogger("eldr.serve")
 
 
 class FailedAttempts:
@@ -55,3 +65,119 @@ class ReloadRefused(ValueError):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class AdminRoutes:
+    """Mixin of :class:`eldr.proxy.app.Router`: the admin token and the artifact reload.
+
+    Uses the router's ``config``, ``state``, ``metrics``, ``engine_shape``,
+    ``_failed_tokens`` and ``_reload_lock``.
+    """
+
+    async def admin_reload(self, request):
+        from aiohttp import web
+
+        self._authorize(request)
+        try:
+            state = await self.reload()
+        except ReloadRefused as exc:
+            raise ProxyError(409, f"artifact reload refused, the previous one stays in use: "
+                                  f"{exc}", code=exc.code) from None
+        except (ValueError, OSError) as exc:
+            raise ProxyError(500, f"artifact reload failed, the previous one stays in use: "
+                                  f"{exc}", code="reload_failed") from None
+        except Exception as exc:  # reload() logged the traceback; name no internals
+            raise ProxyError(500, f"artifact reload failed ({type(exc).__name__}), the "
+                                  f"previous one stays in use", code="reload_failed") from None
+        return web.json_response({"reloaded": True, "artifact": state.artifact,
+                                  "policy": state.policy.name, "tau": state.tau,
+                                  "decoders": list(state.worker_names)})
+
+    def _authorize(self, request) -> None:
+        """Raise unless the request carries the admin token (403 disabled, 401 wrong, 429
+        after too many wrong tokens from its address)."""
+        if self.config.admin_token is None:
+            raise ProxyError(403, "admin endpoints are disabled: start eldr serve with "
+                                  "ELDR_ADMIN_TOKEN or --admin-token-file",
+                             code="admin_disabled")
+        peer = request.remote or "?"
+        if self._failed_tokens.is_limited(peer):
+            raise ProxyError(429, "too many wrong admin tokens from this address; wait a "
+                                  "minute", code="rate_limited")
+        if not self._token_matches(request):
+            self._failed_tokens.record(peer)
+            raise ProxyError(401, "missing or wrong admin token (Authorization: Bearer ...)",
+                             code="unauthorized")
+
+    def _is_admin(self, request) -> bool:
+        try:
+            self._authorize(request)
+        except ProxyError:
+            return False
+        return True
+
+    def _token_matches(self, request) -> bool:
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode(), self.config.admin_token.encode())
+
+    def _check_fingerprint(self, new: RoutingState) -> None:
+        """Refuse an artifact fitted for another model than the one being served.
+
+        Such an artifact loads fine and then silently routes every request by load (its
+        (L, E) never match a payload). The served model is known from the engines' payloads
+        (``engine_shape``) once a request went through; k, and everything before the first
+        request, is compared with the running artifact. A deployment that changes model
+        restarts the router.
+        """
+        if new.num_layers is None:
+            return  # no artifact: nothing model-specific to compare
+        old = self.state
+        engines = self.engine_shape
+        if engines is not None and engines != (new.num_layers, new.num_experts):
+            raise ReloadRefused(
+                f"the new artifact is for {new.fingerprint()}, the engines' prefill payloads "
+                f"have L={engines[0]} E={engines[1]}", "artifact_model_mismatch")
+        same_shape = (old.num_layers, old.num_experts) == (new.num_layers, new.num_experts)
+        if old.num_layers is not None and (engines is None or same_shape) and \
+                old.fingerprint() != new.fingerprint():
+            raise ReloadRefused(
+                f"the new artifact is for {new.fingerprint()}, the running artifact is for "
+                f"{old.fingerprint()}", "artifact_model_mismatch")
+
+    async def reload(self, artifact: str | None = None) -> RoutingState:
+        """Re-read the artifact off the event loop, check it, swap the routing snapshot.
+
+        Requests in flight keep the snapshot they started with. A bad artifact raises
+        ``ValueError`` and the current one stays. ``artifact``: load this directory instead
+        of the configured one, which it becomes on success (``--learn`` swaps this way).
+        """
+        async with self._reload_lock:
+            loop = asyncio.get_running_loop()
+            config = self.config if artifact is None else \
+                dataclasses.replace(self.config, artifact=artifact)
+            try:
+                try:
+                    state = await loop.run_in_executor(None, build_state, config)
+                except WorkerMismatch as exc:  # e.g. fitted before a decoder was added
+                    raise ReloadRefused(str(exc), "artifact_workers") from None
+                if state.worker_names != self.state.worker_names:
+                    raise ReloadRefused(
+                        f"the new artifact's decoders {list(state.worker_names)} differ from "
+                        f"the running {list(self.state.worker_names)}", "artifact_workers")
+                self._check_fingerprint(state)
+            except (ValueError, OSError) as exc:
+                self.metrics.reloads.inc(result="error")
+                log.error("artifact reload failed (keeping the current one): %s", exc)
+                raise
+            except Exception:  # an artifact must never take the router down
+                self.metrics.reloads.inc(result="error")
+                log.exception("artifact reload failed (keeping the current one)")
+                raise
+            self.config = config
+            self.state = state
+            self.metrics.reloads.inc(result="ok")
+            log.info("routing artifact reloaded from %s", state.artifact)
+            return state
+
