@@ -173,3 +173,19 @@ def _engine(name: str, tmp: Path, core: int, *, kv: bool, pythonpath: str) -> tu
     cmd = engine_command(spec, port, tmp / "kv" if kv else None, template)
     return (_Proc(name, cmd, engine_env(core, pythonpath), tmp / f"{name}.log"),
             f"http://127.0.0.1:{port}")
+
+
+def _start_engines(tmp: Path, layout, procs: dict, urls: dict, pythonpath: str) -> None:
+    """Start engines ``layout`` = [(name, kv), ...] in parallel, each pinned to a core in
+    turn, into ``procs``/``urls`` (filled as they start, so the caller's ``finally`` stops
+    whatever did start), and wait until every one answers /health."""
+    import time
+
+    cores = sorted(os.sched_getaffinity(0))
+    for i, (name, kv) in enumerate(layout):
+        procs[name], urls[name] = _engine(name, tmp, cores[i % len(cores)], kv=kv,
+                                          pythonpath=pythonpath)
+        procs[name].start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for name, _kv in layout:
+        procs[name].wait_ready(urls[name] + "/health", deadline)

@@ -27,8 +27,6 @@ import time
 import numpy as np
 import pytest
 from _engines import (
-    READY_TIMEOUT_S,
-    _engine,
     _free_port,
     _metric,
     _model_dir,
@@ -36,6 +34,7 @@ from _engines import (
     _Proc,
     _request,
     _skip_reason,
+    _start_engines,
     _text,
 )
 
@@ -60,17 +59,10 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("decode_e2e")
     (tmp / "kv").mkdir()
     pythonpath = _plugin_pythonpath(tmp)
-    cores = sorted(os.sched_getaffinity(0))
     procs, urls = {}, {}
     try:
-        for i, (name, kv) in enumerate([("reference", False), ("prefill", True),
-                                        ("decode", True)]):
-            procs[name], urls[name] = _engine(name, tmp, cores[i % len(cores)], kv=kv,
-                                              pythonpath=pythonpath)
-            procs[name].start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for name in ("reference", "prefill", "decode"):
-            procs[name].wait_ready(urls[name] + "/health", deadline)
+        _start_engines(tmp, [("reference", False), ("prefill", True), ("decode", True)],
+                       procs, urls, pythonpath)
         port = _free_port()
         procs["router"] = _Proc("router", [
             sys.executable, "-m", "eldr", "serve", "--prefill", urls["prefill"],

@@ -25,14 +25,13 @@ import pytest
 from _engines import (
     CHAT_TEMPLATE,
     MODEL_NAME,
-    READY_TIMEOUT_S,
-    _engine,
     _free_port,
     _metric,
     _plugin_pythonpath,
     _Proc,
     _request,
     _skip_reason,
+    _start_engines,
 )
 
 pytestmark = pytest.mark.e2e
@@ -108,17 +107,11 @@ def test_a_decoder_added_and_one_removed_under_load_lose_no_request(tmp_path):
     (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (tmp_path / "kv").mkdir()
     pythonpath = _plugin_pythonpath(tmp_path)
-    cores = sorted(os.sched_getaffinity(0))
     procs: dict[str, _Proc] = {}
     urls: dict[str, str] = {}
     try:
-        for i, name in enumerate(("prefill", "decode0", "decode1", "decode2")):
-            procs[name], urls[name] = _engine(name, tmp_path, cores[i % len(cores)], kv=True,
-                                              pythonpath=pythonpath)
-            procs[name].start()  # all four start in parallel
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for name in list(procs):
-            procs[name].wait_ready(urls[name] + "/health", deadline)
+        _start_engines(tmp_path, [(n, True) for n in ("prefill", "decode0", "decode1",
+                                                      "decode2")], procs, urls, pythonpath)
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
         procs["router"] = _Proc("router", [

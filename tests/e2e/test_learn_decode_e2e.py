@@ -43,14 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from _engines import (
-    READY_TIMEOUT_S,
-    _engine,
     _free_port,
     _metric,
     _plugin_pythonpath,
     _Proc,
     _request,
     _skip_reason,
+    _start_engines,
 )
 
 pytestmark = pytest.mark.e2e
@@ -99,16 +98,10 @@ def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("learn_decode_e2e")
     (tmp / "kv").mkdir()
     pythonpath = _plugin_pythonpath(tmp)
-    cores = sorted(os.sched_getaffinity(0))
     procs, urls = {}, {}
     try:
-        for i, name in enumerate(("prefill", "decode0", "decode1")):
-            procs[name], urls[name] = _engine(name, tmp, cores[i % len(cores)], kv=True,
-                                              pythonpath=pythonpath)
-            procs[name].start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for name in ("prefill", "decode0", "decode1"):
-            procs[name].wait_ready(urls[name] + "/health", deadline)
+        _start_engines(tmp, [(n, True) for n in ("prefill", "decode0", "decode1")],
+                       procs, urls, pythonpath)
         yield tmp, urls, procs
     finally:
         for proc in reversed(list(procs.values())):
