@@ -143,15 +143,14 @@ class LiveLearning:
         """A decoder was added or removed (:mod:`eldr.proxy.elastic`). Fits read the
         router's decoders when they start, so the next one is for ``names``; with an
         artifact running (fitted for the old set) a refit on the whole buffer is asked for
-        now, as after a drift. A fit already running finishes for the old set and is
-        refused at the swap."""
+        now (:meth:`eldr.learn.controller.Learner.pool_changed`). A fit already running
+        finishes for the old set, and the refit for ``names`` follows it."""
         learner = self.learner
+        learner.pool_changed()
         if self.router.config.artifact is None:
             log.info("learn: decoders are now %s; the first fit will be for them",
                      list(names))
             return
-        if learner.state["drift_point"] is None:
-            learner.state["drift_point"] = max(0, learner.buffer.num_seen - len(learner.buffer))
         log.info("learn: decoders are now %s; refitting for them once %d requests are in",
                  list(names), learner.config.min_requests)
 
