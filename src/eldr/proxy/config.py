@@ -78,6 +78,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     affinity_capacity: int = 100_000  # remembered block → prefill entries (LRU)
     affinity_spill: float = 4.0  # the affine prefill is skipped if this much busier than least
     random_state: int | None = 0  # seed of randomised policies (random, p2c)
+    # without an artifact, a policy that needs one runs eldr_cost until one is loaded
+    # (--learn sets it: the learner's first artifact then switches to ``policy``)
+    stand_in: bool = False
     workers: int = 1  # router processes on the port (SO_REUSEPORT), sharing decode loads
     decoders_file: str | None = None  # [ID=]URL per line; SIGHUP syncs the pool to it
 

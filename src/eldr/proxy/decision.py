@@ -268,7 +268,9 @@ def build_state(config: ServeConfig) -> RoutingState:
     ids, in order; the sets must match exactly. Policies that need fitted resources
     (centroids) need the artifact; ``eldr_cost`` needs only the model's (L, E), which it
     takes from the artifact or, without one, from the first prefill payload
-    (:class:`LazyCostPolicy`). Raises ``ValueError`` naming a mismatch.
+    (:class:`LazyCostPolicy`). With ``config.stand_in`` (``--learn``) and no artifact, a
+    policy that needs one runs that ``eldr_cost`` until an artifact is loaded. Raises
+    ``ValueError`` naming a mismatch.
     """
     K = len(config.decode_urls)
     encoder = art = order = None
@@ -293,12 +295,14 @@ def build_state(config: ServeConfig) -> RoutingState:
             names = config.decode_ids
         if config.tau is not None:
             tau = config.tau
-    elif spec.needs - _SHAPE_RESOURCES:
+    elif spec.needs - _SHAPE_RESOURCES and not config.stand_in:
         raise ValueError(f"policy {config.policy!r} needs a routing artifact (--artifact DIR)")
     else:
         names = config.decode_ids or tuple(f"decode-{i}" for i in range(K))
     policy: Policy
-    if L is None and spec.needs & _SHAPE_RESOURCES:
+    if art is None and spec.needs - _SHAPE_RESOURCES:  # stand_in: eldr_cost until one comes
+        policy = LazyCostPolicy(K, load_slack=config.load_slack)
+    elif L is None and spec.needs & _SHAPE_RESOURCES:
         policy = LazyCostPolicy(K, load_slack=config.load_slack)
     elif art is not None:  # the artifact's one bundle, decoders in the configured order
         resources = RoutingResources.from_artifact(

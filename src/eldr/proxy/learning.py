@@ -252,12 +252,13 @@ class LiveLearning:
 def configure(config, args: argparse.Namespace):
     """(serve config, learn config or None) from ``eldr serve``'s arguments: with
     ``--learn DIR`` and no ``--artifact``, the router starts with the artifact it learned
-    last in DIR (none: it starts without one)."""
+    last in DIR (none: it starts without one, a policy that needs one, such as ``eldr``,
+    running ``eldr_cost`` until the first learned artifact is swapped in)."""
     import dataclasses
 
     learn = config_from_args(args)
     if learn is not None and config.artifact is None:
-        config = dataclasses.replace(config, artifact=start_artifact(learn))
+        config = dataclasses.replace(config, artifact=start_artifact(learn), stand_in=True)
     return config, learn
 
 
