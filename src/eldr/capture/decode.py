@@ -165,6 +165,8 @@ def encode_engine_footprint(fp: Footprint, at: float) -> dict:
         {"v": 1, "shape": [L, E], "window": W, "steps": S, "time": at,
          "w": width, "data": <L·E counts in [0, S], base 91>}
 
+    The route that serves it adds ``"age"``: seconds since ``time`` on the same clock.
+
     ``data`` / ``steps`` is the fraction of the last ``S`` decode steps whose batch selected
     each expert (≈ 1 − the probability that a step's batch misses it); ``time`` (epoch
     seconds, the engine's clock) is when it was taken, so a reader can tell an idle
@@ -187,9 +189,10 @@ class EngineFootprint(NamedTuple):
 def decode_engine_footprint(obj: object, num_layers: int, num_experts: int, *,
                             now: float) -> EngineFootprint:
     """Validate and read an engine footprint document; ``ValueError`` naming the problem
-    (wrong version or shape, counts above ``steps``, foreign characters, a time in the
-    future by more than 5 s of clock skew...). ``now`` is the reader's epoch time; the
-    age is ``now - time``, clipped at 0 (small clock skew)."""
+    (wrong version or shape, counts above ``steps``, foreign characters...). The age is
+    the document's ``age`` (seconds, added by the serving route from the engine's own
+    clock: no skew between machines), else ``now - time`` with ``now`` the reader's epoch
+    time, clipped at 0 (a time more than 5 s ahead is refused)."""
     if not isinstance(obj, dict):
         raise ValueError(f"eldr footprint: must be a JSON object, got {type(obj).__name__}")
     if obj.get("v") != 1:
@@ -208,8 +211,14 @@ def decode_engine_footprint(obj: object, num_layers: int, num_experts: int, *,
                          f"characters")
     if isinstance(at, bool) or not isinstance(at, (int, float)) or not np.isfinite(at):
         raise ValueError(f"eldr footprint: time must be a finite number, got {at!r}")
-    if at > now + 5.0:
-        raise ValueError(f"eldr footprint: time {at} is {at - now:.1f} s in the future")
+    age = obj.get("age")
+    if age is None:  # no age from the server: the two clocks' difference, skew included
+        if at > now + 5.0:
+            raise ValueError(f"eldr footprint: time {at} is {at - now:.1f} s in the future")
+        age = max(0.0, float(now) - float(at))
+    elif isinstance(age, bool) or not isinstance(age, (int, float)) \
+            or not (np.isfinite(age) and age >= 0):
+        raise ValueError(f"eldr footprint: age must be a finite number >= 0, got {age!r}")
     counts = decode_digits(data, width)
     if counts.size and int(counts.max()) > steps:
         raise ValueError(f"eldr footprint: a count exceeds steps={steps} (or a character "
@@ -217,7 +226,7 @@ def decode_engine_footprint(obj: object, num_layers: int, num_experts: int, *,
     freq = counts.reshape(num_layers, num_experts).astype(np.float32)
     if steps:
         freq /= np.float32(steps)
-    return EngineFootprint(freq, steps, max(0.0, float(now) - float(at)))
+    return EngineFootprint(freq, steps, float(age))
 
 
 class DecodeReport(NamedTuple):

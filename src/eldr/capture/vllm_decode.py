@@ -275,6 +275,10 @@ class FootprintEndpoint:
             cells = read_footprint()
             if cells is None:  # 404, like any route a plain engine lacks
                 return JSONResponse({"error": "no decode footprint yet"}, status_code=404)
+            # its age on the engine's own clock: the router's may be skewed
+            at = cells.get("time")
+            if isinstance(at, (int, float)):
+                cells["age"] = max(0.0, time.time() - float(at))
             body = json.dumps(cells, separators=(",", ":"))
             return Response(body, media_type="application/json",
                             headers={"Cache-Control": "no-store"})
