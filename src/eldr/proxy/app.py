@@ -66,6 +66,7 @@ class Router(AdminRoutes):
             max_blocks=config.affinity_max_blocks, capacity=config.affinity_capacity,
             spill=config.affinity_spill)
         self.pool.on_recover = self._on_recover
+        self.pool.footprints.policy_of = lambda: self.state.policy  # reloads replace it
         self.metrics = RouterMetrics(self.pool)
         self.flow = RequestFlow(self)
         self.forwarder = Forwarder(self)

@@ -100,6 +100,16 @@ class LazyCostPolicy(PolicyBase):
         """The bound policy's :class:`~eldr.routing.ExpertFootprint`, or None."""
         return None if self.inner is None else self.inner.footprint
 
+    @property
+    def engine_footprint_shape(self) -> tuple[int, int] | None:  # type: ignore[override]
+        """(L, E) once bound: engine footprints are taken from then on."""
+        return None if self.inner is None else self.inner.shape
+
+    def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
+                       max_age_s: float) -> bool:
+        return self.inner is not None and self.inner.observe_engine(worker, freq, age_s,
+                                                                    max_age_s)
+
     def bind(self, num_layers: int, num_experts: int) -> None:
         """Build the cost policy for this (L, E); later calls change nothing."""
         if self.inner is None:
