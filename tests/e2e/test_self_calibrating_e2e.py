@@ -221,6 +221,10 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     cost = _router(tmp, urls, procs, "cost", ["--policy", "eldr_cost", "--artifact",
                                               str(learned)])
     _compare(tmp, urls, {"JSQ": jsq, "learner (eldr)": learner, "learned, eldr_cost": cost})
+    # eldr_cost read the decode engines' own footprints (GET /eldr/footprint) in its scrape
+    read = _metric(_page(cost), "eldr_engine_footprints_total", result="read")
+    print(f"   eldr_cost router: {read:.0f} engine footprints read")
+    assert read > 0
     procs.pop("jsq").stop()
     procs.pop("cost").stop()
 
