@@ -39,6 +39,10 @@ def test_judge_refuses_a_worse_candidate_with_reasons():
     worse = Evaluation(0.8, 8.0, 10.0, 1.1, (50, 50), 0.5)
     assert judge(good, None) == [] and judge(good, worse) == []
     assert [r.split(":")[0] for r in judge(worse, good)] == ["worse"]
+    tie = Evaluation(0.705, 7.05, 10.0, 1.1, (50, 50), 0.5)  # within the tolerance: accepted
+    assert judge(tie, good, score_tolerance=0.01) == []
+    assert [r.split(":")[0] for r in judge(tie, good)] == ["worse"]
+    assert [r.split(":")[0] for r in judge(worse, good, score_tolerance=0.01)] == ["worse"]
     lopsided = Evaluation(0.6, 6.0, 10.0, 2.5, (90, 10), 0.2)
     assert [r.split(":")[0] for r in judge(lopsided, good)] == ["unbalanced", "rho"]
     assert [r.split(":")[0] for r in judge(Evaluation(1.0, 10, 10, 1, (1,), None), None)] \

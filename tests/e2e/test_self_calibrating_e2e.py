@@ -27,6 +27,7 @@ Four engines (≈ 12 GB of RAM), about 4–6 minutes on 2 cores; marked ``e2e``.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -263,6 +264,17 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     assert shift["swaps"] > calm["swaps"], f"no refit swapped in: {shift}\n{log[-3000:]}"
     assert "(drift)" in log  # the swap came from a refit on drift
     assert "Traceback" not in log
+
+    # the learner over HTTP: its state, and what it learned from, as a trace file
+    status, _, raw = _request(learner + "/admin/learn", headers=AUTH)
+    state = json.loads(raw)
+    assert status == 200 and state["drifts"] >= 1 and state["policy"] == "eldr"
+    status, _, raw = _request(learner + "/admin/learn/trace?decode_only=1", headers=AUTH)
+    arrays = np.load(io.BytesIO(raw))
+    print(f"   /admin/learn: {state['requests']} buffered, {state['accepted']} accepted fits; "
+          f"/admin/learn/trace: {arrays['decode_counts'].shape} decode counts")
+    assert status == 200 and arrays["decode_counts"].shape[0] == state["with_decode"]
+    assert arrays["decode_counts"].sum() > 0
 
 
 def _fitting(url: str) -> bool:

@@ -228,7 +228,8 @@ class Learner:
                       current=self._current(), holdout=cfg.holdout,
                       batch_size=cfg.batch_size, min_gain=cfg.min_gain,
                       max_balance=cfg.max_balance, rho_tolerance=cfg.rho_tolerance,
-                      tau=cfg.tau, seed=cfg.seed, drift=drift, fit=fit)
+                      score_tolerance=cfg.score_tolerance, tau=cfg.tau, seed=cfg.seed,
+                      drift=drift, fit=fit)
 
     async def _run_fit(self, reason: str, records: list[Record], fit: bool) -> None:
         loop = asyncio.get_running_loop()
