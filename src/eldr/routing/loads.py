@@ -26,10 +26,10 @@ class LoadTracker:
     report.
 
     A report never takes a worker's load below this router's own requests in flight
-    there: ``loads = max(own, reported + own − own at the report)``. An engine does not
-    yet count a request the router has just dispatched (still in transit, or waiting for
-    its KV), so an overwrite took a burst's first requests out of the load: JSQ sent 5–7
-    of 8 simultaneous arrivals to one decoder. Without a report, ``loads = own``.
+    there: ``loads = max(own, reported + own − own at the report)``. They are a lower
+    bound on its load, and an engine does not yet count a request the router has just
+    dispatched (still in transit, or waiting for its KV): an overwrite took such requests
+    out of the load until the next report. Without a report, ``loads = own``.
     """
 
     def __init__(self, num_workers: int) -> None:
