@@ -6,6 +6,7 @@ Every process runs in its own session and is stopped by its process group id.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -189,3 +190,27 @@ def _start_engines(tmp: Path, layout, procs: dict, urls: dict, pythonpath: str) 
     deadline = time.monotonic() + READY_TIMEOUT_S
     for name, _kv in layout:
         procs[name].wait_ready(urls[name] + "/health", deadline)
+
+
+@contextlib.contextmanager
+def engine_set(tmp_path_factory, name: str, layout):
+    """A module fixture's engines: skip when vLLM or the model is missing, start ``layout``
+    ([(engine name, kv)]) in a fresh ``name`` directory with a connector store, give
+    (tmp, urls, procs) (the caller may add processes, a router, to ``procs``), then stop
+    every process and empty the store (the ExampleConnector never cleans up)."""
+    import shutil
+
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "kv").mkdir()
+    procs: dict[str, _Proc] = {}
+    urls: dict[str, str] = {}
+    try:
+        _start_engines(tmp, layout, procs, urls, _plugin_pythonpath(tmp))
+        yield tmp, urls, procs
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.stop()
+        shutil.rmtree(tmp / "kv", ignore_errors=True)

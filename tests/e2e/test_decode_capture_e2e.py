@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -30,12 +29,10 @@ from _engines import (
     _free_port,
     _metric,
     _model_dir,
-    _plugin_pythonpath,
     _Proc,
     _request,
-    _skip_reason,
-    _start_engines,
     _text,
+    engine_set,
 )
 
 pytestmark = pytest.mark.e2e
@@ -53,16 +50,8 @@ PD_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engin
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("decode_e2e")
-    (tmp / "kv").mkdir()
-    pythonpath = _plugin_pythonpath(tmp)
-    procs, urls = {}, {}
-    try:
-        _start_engines(tmp, [("reference", False), ("prefill", True), ("decode", True)],
-                       procs, urls, pythonpath)
+    with engine_set(tmp_path_factory, "decode_e2e", [
+            ("reference", False), ("prefill", True), ("decode", True)]) as (tmp, urls, procs):
         port = _free_port()
         procs["router"] = _Proc("router", [
             sys.executable, "-m", "eldr", "serve", "--prefill", urls["prefill"],
@@ -74,10 +63,6 @@ def deployment(tmp_path_factory):
         procs["router"].start()
         procs["router"].wait_ready(urls["router"] + "/health", time.monotonic() + 60)
         yield urls, procs
-    finally:
-        for proc in reversed(list(procs.values())):
-            proc.stop()
-        shutil.rmtree(tmp / "kv", ignore_errors=True)  # the ExampleConnector never cleans up
 
 
 def _post(url, body):

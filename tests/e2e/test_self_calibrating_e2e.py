@@ -38,15 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from _engines import (
-    _free_port,
-    _metric,
-    _plugin_pythonpath,
-    _Proc,
-    _request,
-    _skip_reason,
-    _start_engines,
-)
+from _engines import _free_port, _metric, _Proc, _request, engine_set
 from _waves import body, direct_wave, empty_store, router_wave, summary
 
 pytestmark = pytest.mark.e2e
@@ -119,20 +111,9 @@ def _waves() -> list[list[tuple[str, str]]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("self_calibrating_e2e")
-    (tmp / "kv").mkdir()
-    procs, urls = {}, {}
-    try:
-        _start_engines(tmp, [(n, True) for n in ("prefill", "decode0", "decode1", "decode2")],
-                       procs, urls, _plugin_pythonpath(tmp))
-        yield tmp, urls, procs
-    finally:
-        for proc in reversed(list(procs.values())):
-            proc.stop()
-        empty_store(tmp / "kv")  # the ExampleConnector never cleans up
+    with engine_set(tmp_path_factory, "self_calibrating_e2e",
+                    [(n, True) for n in ("prefill", "decode0", "decode1", "decode2")]) as up:
+        yield up
 
 
 def _router(tmp, urls, procs, name, args) -> str:
