@@ -259,3 +259,72 @@ def test_pool_changes_on_one_worker_reach_every_worker_and_a_removal_fails_nothi
     assert out["served"] == [200] * 6
     assert "removed by every worker: slot 0 is free" in err
     assert rc == 0, err
+
+
+def _worker_pids(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
+    return sorted(int(p) for p in out.stdout.split())
+
+
+def test_a_restarted_worker_replays_the_pool_journal(tmp_path):
+    """After c is added, a removed, a reload (the journal's new base) and d added, a worker
+    killed and restarted builds the same pool (b, c, d) from the base and the entry after
+    it, with d in the same load slot as the other worker's."""
+
+    async def go():
+        pre = await FakeEngine("p").start()
+        engines = [await FakeEngine(n).start() for n in ("d0", "d1", "d2", "d3")]
+        srv = _Serve(tmp_path, "--prefill", pre.url, "--decode", f"a={engines[0].url}",
+                     "--decode", f"b={engines[1].url}", "--policy", "jsq")
+        out = {}
+        try:
+            await srv.up()
+            t0 = time.monotonic()
+            out["c"] = await asyncio.to_thread(srv.call, "POST", "/admin/decoders",
+                                               {"url": engines[2].url, "name": "c"})
+            out["a"] = await asyncio.to_thread(srv.call, "DELETE",
+                                               "/admin/decoders/a?wait=true")
+            out["reload"] = await asyncio.to_thread(srv.call, "POST", "/admin/reload", {})
+            out["d"] = await asyncio.to_thread(srv.call, "POST", "/admin/decoders",
+                                               {"url": engines[3].url, "name": "d"})
+            before = _worker_pids(srv.proc.pid)
+            await asyncio.sleep(max(0.0, 6.0 - (time.monotonic() - t0)))  # past start-up
+            os.kill(before[0], signal.SIGKILL)
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                after = _worker_pids(srv.proc.pid)
+                if len(after) == 2 and after != before:
+                    break
+            await asyncio.sleep(2.0)  # the new worker imports and binds
+            out["pids"] = before, after
+            out["names"] = await srv.names_everywhere()
+            for e in engines[1:]:
+                e.mode = "hang"
+            held = []
+            for i in range(3):  # one decode held at each of b, c, d, whichever worker
+                held.append(asyncio.ensure_future(asyncio.to_thread(
+                    srv.call, "POST", "/v1/completions", {"prompt": f"h{i}"}, 4)))
+                await asyncio.sleep(0.4)
+            out["held_at"] = [len(e.requests) for e in engines[1:]]
+            out["loads"] = set()
+            for _ in range(16):
+                _, doc = await asyncio.to_thread(srv.call, "GET", "/health")
+                out["loads"].add(tuple(d["load"] for d in doc["decode"]))
+            await asyncio.gather(*held, return_exceptions=True)
+            return out, *(await srv.stop())
+        finally:
+            if srv.proc.poll() is None:
+                srv.proc.kill()
+            for e in (pre, *engines):
+                await e.close()
+
+    out, rc, err = asyncio.run(go())
+    assert out["c"][0] == 201 and out["a"][0] == 200 and out["d"][0] == 201, out
+    assert out["reload"][0] == 200 and out["reload"][1]["decoders"] == ["b", "c"]
+    before, after = out["pids"]
+    assert before[0] not in after and len(after) == 2, out["pids"]
+    assert "starting it again" in err and "replayed 1 pool journal entries" in err, err
+    assert out["names"] == {("b", "c", "d")}, err
+    assert out["held_at"] == [1, 1, 1], err
+    assert out["loads"] == {(1.0, 1.0, 1.0)}, err
+    assert rc == 0, err
