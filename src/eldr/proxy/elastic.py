@@ -208,6 +208,8 @@ class ElasticPool:
 
     def _add_now(self, url: str, name: str, like: int | None, slot: int | None = None):
         router, pool = self.router, self.router.pool
+        if any(i.url == url or i.name == name for i in pool.decode):  # nothing changes
+            raise ValueError(f"decoder {name} ({url}) is already in the pool")
         state = router.state
         state.policy.add_worker(like=like)  # first: if it refuses, nothing else changed
         if slot is not None:
@@ -236,9 +238,7 @@ class ElasticPool:
         once the parent accepted it). Returns what ends once it is out of every pool."""
         if self.link is None:
             return self.remove(name)
-        if self._find(name) is None:  # answered here, without a round trip
-            self.remove(name)  # raises the 404
-        seq = await self.link.drain(name)
+        seq = await self.link.drain(name)  # the parent knows the pool: 404, 409 from there
         return asyncio.ensure_future(self.link.freed(seq))
 
     def remove(self, name: str) -> asyncio.Task:

@@ -138,26 +138,36 @@ class PoolLink:
     async def _apply_loop(self) -> None:
         while True:
             msg = await self._queue.get()
-            op = msg["op"]
-            if op == "hangup":
-                os.kill(os.getpid(), signal.SIGHUP)  # serve's handler: decoders file + reload
-                continue
-            if op == "freed":
-                self._freed.setdefault(msg["seq"], asyncio.Event()).set()
-                continue
-            fut = self._waiting.pop(msg.get("id"), None) \
-                if msg.get("origin", self.row) == self.row else None
-            if op == "refused":
-                _settle(fut, exc=ProxyError(msg["status"], msg["message"], code=msg["code"]))
-            elif op == "joined":
-                _settle(fut, result=msg["seq"])
+            try:
+                await self._handle(msg)
+            except Exception:  # a bug of ours: logged; the next entries still apply
+                log.exception("worker %d: handling %s from the parent failed", self.row,
+                              msg.get("op"))
+
+    async def _handle(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "hangup":
+            os.kill(os.getpid(), signal.SIGHUP)  # serve's handler: decoders file + reload
+            return
+        if op == "freed":
+            self._freed.setdefault(msg["seq"], asyncio.Event()).set()
+            return
+        fut = self._waiting.pop(msg.get("id"), None) \
+            if msg.get("origin", self.row) == self.row else None
+        if op == "refused":
+            _settle(fut, exc=ProxyError(msg["status"], msg["message"], code=msg["code"]))
+        elif op == "joined":
+            _settle(fut, result=msg["seq"])
+        else:
+            try:
+                result = await self._apply(msg)
+            except Exception as exc:
+                if op != "reload":  # a reload logged its own failure
+                    log.error("worker %d: journal entry %d (%s %s) failed here: %s",
+                              self.row, msg["seq"], op, msg.get("name"), exc)
+                _settle(fut, exc=exc)
             else:
-                try:
-                    result = await self._apply(msg)
-                except Exception as exc:  # logged where it happened (reload, elastic)
-                    _settle(fut, exc=exc)
-                else:
-                    _settle(fut, result=result)
+                _settle(fut, result=result)
 
     async def _apply(self, entry: dict):
         elastic, op = self.router.elastic, entry["op"]

@@ -82,9 +82,12 @@ def current_row() -> int | None:
 
 def make_tracker(num_decoders: int) -> LoadTracker:
     """The pool's tracker: shared across workers inside ``run_workers``, else local."""
-    if _current is not None and len(_current[2]) == num_decoders:
-        return SharedLoadTracker(*_current)
-    return LoadTracker(num_decoders)
+    if _current is None:
+        return LoadTracker(num_decoders)
+    if len(_current[2]) != num_decoders:
+        raise ValueError(f"a worker's pool of {num_decoders} decoders does not match its "
+                         f"{len(_current[2])} shared load slots")
+    return SharedLoadTracker(*_current)
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
