@@ -229,7 +229,10 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
                     break
                 except OSError:
                     continue
-            await asyncio.sleep(1.0)  # the second worker binds a moment later
+            for _ in range(600):  # both workers listen (each says so)
+                if (tmp_path / "serve.log").read_text().count("listening on") >= 2:
+                    break
+                await asyncio.sleep(0.1)
             for first in range(0, 40, 4):
                 docs = await asyncio.gather(*(asyncio.to_thread(
                     call, base, "/v1/completions", {"model": "tiny", "prompt": _prompt(i)})

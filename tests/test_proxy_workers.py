@@ -100,7 +100,12 @@ class _Serve:
                 continue
         else:
             pytest.fail("eldr serve --workers 2 did not come up")
-        await asyncio.sleep(1.0)  # the second worker binds a moment later
+        while time.monotonic() < deadline:  # both workers listen (each says so)
+            if (tmp := open(self.err.name).read()).count("listening on") >= 2:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the second worker did not come up: {tmp}")
 
     async def names_everywhere(self, calls: int = 16) -> set:
         """The decoder lists the workers answer, over ``calls`` connections."""
@@ -295,7 +300,10 @@ def test_a_restarted_worker_replays_the_pool_journal(tmp_path):
                 after = _worker_pids(srv.proc.pid)
                 if len(after) == 2 and after != before:
                     break
-            await asyncio.sleep(2.0)  # the new worker imports and binds
+            for _ in range(300):  # the new worker imports, replays and listens
+                if open(srv.err.name).read().count("listening on") >= 3:
+                    break
+                await asyncio.sleep(0.1)
             out["pids"] = before, after
             out["names"] = await srv.names_everywhere()
             for e in engines[1:]:

@@ -338,4 +338,4 @@ def attach_link(router, link) -> None:
         link.on_message = lambda msg: router.learner.on_forwarded(msg["parts"]) \
             if msg.get("op") == "learn" else None
     elif isinstance(router.learner, ForwardLearning):
-        router.learner._send = link.send
+        router.learner._send = lambda msg: link.send(msg, droppable=True)

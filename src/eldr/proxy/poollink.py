@@ -43,6 +43,7 @@ __all__ = ["PoolLink"]
 log = logging.getLogger("eldr.serve")
 
 MAX_LINE = 16 << 20  # bytes of one message (a learn record is the largest)
+MAX_BACKLOG = 8 << 20  # bytes waiting for the parent past which learn records are dropped
 # messages of the parent applied in order: journal entries, then answers and notices
 _JOURNAL = ("add", "drain", "reload", "refused", "joined", "freed", "hangup")
 
@@ -60,6 +61,7 @@ class PoolLink:
         self._queue: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self.on_message = None  # callback(dict) for messages other than the journal's
+        self.dropped = 0  # learn records not sent (the parent fell behind)
         router.elastic.link = self
 
     # -- life cycle ------------------------------------------------------------------------
@@ -79,10 +81,17 @@ class PoolLink:
                 fut.set_exception(ProxyError(503, "the router is stopping", code="stopping"))
         if self._writer is not None:
             self._writer.close()
+        if self.dropped:
+            log.info("worker %d: %d learn records were not forwarded (the parent fell "
+                     "behind)", self.row, self.dropped)
 
-    def send(self, msg: dict) -> None:
-        """One message to the parent (buffered by the transport, never blocking)."""
+    def send(self, msg: dict, *, droppable: bool = False) -> None:
+        """One message to the parent (buffered by the transport, never blocking).
+        ``droppable`` (a learn record): dropped while more than ``MAX_BACKLOG`` bytes wait."""
         if self._writer is None or self._writer.is_closing():
+            return
+        if droppable and self._writer.transport.get_write_buffer_size() > MAX_BACKLOG:
+            self.dropped += 1
             return
         self._writer.write(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
 
