@@ -8,6 +8,12 @@ the learner a record and the request's signature under the running artifact (for
 An accepted artifact is swapped in with the router's own reload (``Router.reload(path)``),
 so it is checked exactly like ``POST /admin/reload``. Learning metrics (``eldr_learn_*``)
 are registered on the router's registry and every stage is logged under ``eldr.learn``.
+
+With ``--workers N`` worker 0 has the :class:`LiveLearning`; the others have a
+:class:`ForwardLearning`, which reads each completed request the same way
+(:func:`read_parts`) and sends it to worker 0 through the parent (dropped, never waited
+for, when the learner falls behind); worker 0's swaps reach every worker through the pool
+journal (:mod:`eldr.proxy.poollink`) with the learned artifact's path.
 """
 
 from __future__ import annotations
