@@ -164,3 +164,25 @@ def test_replay_rebuilds_the_pool_of_a_restarted_worker(monkeypatch):
     names, slots, ids, k = run(go())
     assert names == ids == ("w-other", "x") and slots == [1, 3] and k == 2
     del table
+
+
+def test_a_removal_that_fails_in_a_worker_answers_500_and_keeps_the_slot(monkeypatch):
+    table = _shared(monkeypatch)
+
+    async def go():
+        async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, _d):
+            fake = _FakeParent(router, table)
+            await fake.start()
+            try:
+                def broken(worker):
+                    raise RuntimeError("a bug")
+
+                router.state.policy.remove_worker = broken
+                r = await client.delete("/admin/decoders/w-code?wait=true", headers=AUTH)
+                return r.status, await r.json(), fake.journal, router.pool.decode[0].draining
+            finally:
+                await fake.stop()
+
+    status, doc, journal, draining = run(go())
+    assert status == 500 and "stays draining" in doc["error"]["message"]
+    assert draining and journal.decoders["w-code"]["draining"]  # its slot is still held

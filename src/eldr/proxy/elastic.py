@@ -148,8 +148,8 @@ class ElasticPool:
             raise ProxyError(400, "'wait' must be true or false", param="wait")
         task = await self.start_removal(name)
         if wait in ("true", "1"):
-            await asyncio.shield(task)  # a client that leaves does not stop the drain
-            if self._find(name) is not None:  # _drain logged why
+            failed = await asyncio.shield(task)  # a client that leaves: the drain goes on
+            if failed is True or self._find(name) is not None:  # _drain logged why
                 raise ProxyError(500, f"removing {name} failed; it stays draining (no new "
                                       f"requests); see the router's log",
                                  code="remove_failed")
@@ -282,6 +282,8 @@ class ElasticPool:
             raise
         except Exception:  # a bug of ours: logged; the decoder stays draining (no traffic)
             log.exception("removing decoder %s failed; it stays draining", inst.name)
+            if self.link is not None:  # ?wait=true answers 500 in whichever worker
+                self.link.send({"op": "remove_failed", "name": inst.name})
 
     async def _drain_and_remove(self, inst) -> None:
         while inst.in_flight > 0:

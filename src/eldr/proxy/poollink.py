@@ -132,8 +132,12 @@ class PoolLink:
         """Start removing ``name`` in every worker; the drain's seq (for :meth:`freed`)."""
         return await self.request({"op": "drain", "name": name})
 
-    async def freed(self, seq: int) -> None:
-        await self._freed.setdefault(seq, asyncio.Event()).wait()
+    async def freed(self, seq: int) -> bool:
+        """Wait until drain ``seq`` ended in every worker; True if a worker failed to
+        remove the decoder (it stays draining there, its slot taken)."""
+        event = self._freed.setdefault(seq, asyncio.Event())
+        await event.wait()
+        return getattr(event, "failed", False)
 
     async def reload(self, artifact: str | None = None):
         """The artifact reload of every worker (``Router.reload``'s signature)."""
@@ -158,8 +162,10 @@ class PoolLink:
         if op == "hangup":
             os.kill(os.getpid(), signal.SIGHUP)  # serve's handler: decoders file + reload
             return
-        if op == "freed":
-            self._freed.setdefault(msg["seq"], asyncio.Event()).set()
+        if op == "freed":  # or a worker failed to remove it ("failed": it stays draining)
+            event = self._freed.setdefault(msg["seq"], asyncio.Event())
+            event.failed = bool(msg.get("failed"))
+            event.set()
             return
         fut = self._waiting.pop(msg.get("id"), None) \
             if msg.get("origin", self.row) == self.row else None

@@ -170,6 +170,12 @@ class _Parent:
                          freed["slot"])
                 self.broadcast({"op": "freed", **freed})
             return
+        if op == "remove_failed":  # a bug in that worker: its slot stays taken
+            pending = journal.pending.get(msg["name"])
+            if pending is not None:
+                self.broadcast({"op": "freed", "name": msg["name"], "seq": pending["seq"],
+                                "failed": True})
+            return
         if op == "reloaded":
             journal.reloaded(int(msg["seq"]), msg["artifact"], msg["names"])
             return
