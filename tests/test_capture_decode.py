@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,54 @@ def test_decode_leg_mark():
     assert not is_decode_leg(None) and not is_decode_leg({})
     assert is_decode_leg({"eldr_report": True})  # the router's mark (ExampleConnector)
     assert not is_decode_leg({"eldr_report": True, "do_remote_decode": True})
+
+
+# -- the engine's per-cell footprint (issue 13, item 6) -----------------------------------
+def _engine_doc(steps_ids, window=4, L=1, E=8, at=100.0):
+    from eldr.capture.decode import encode_engine_footprint
+
+    fp = Footprint(window, L, E)
+    for ids in steps_ids:
+        fp.push(np.asarray(ids))
+    return fp, encode_engine_footprint(fp, at)
+
+
+def test_engine_footprint_counts_each_cell_over_the_window_and_round_trips():
+    from eldr.capture.decode import decode_engine_footprint
+
+    # window 2: only the last two steps count ({0, 1} then {1, 2}); the first is gone
+    fp, doc = _engine_doc([[[[5, 6]]], [[[0, 1]]], [[[1, 2]]]], window=2)
+    assert fp.counts().tolist() == [[1, 2, 1, 0, 0, 0, 0, 0]]
+    assert doc["steps"] == 2 and doc["w"] == 1 and len(doc["data"]) == 8
+    read = decode_engine_footprint(json.loads(json.dumps(doc)), 1, 8, now=103.0)
+    np.testing.assert_allclose(read.freq, [[0.5, 1.0, 0.5, 0, 0, 0, 0, 0]])
+    assert read.steps == 2 and read.age == pytest.approx(3.0)
+    assert decode_engine_footprint({**doc, "age": 0.25}, 1, 8, now=500.0).age == 0.25
+
+
+def test_an_empty_engine_reads_as_zero_and_wide_windows_take_two_digits():
+    from eldr.capture.decode import decode_engine_footprint
+
+    _, empty = _engine_doc([])
+    read = decode_engine_footprint(empty, 1, 8, now=100.0)
+    assert read.steps == 0 and not read.freq.any()
+    _, wide = _engine_doc([[[[0, 1]]]] * 100, window=100)
+    assert wide["w"] == 2 and wide["steps"] == 100
+    assert decode_engine_footprint(wide, 1, 8, now=100.0).freq[0, :3].tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"v": 2}, "version"), ({"shape": [2, 4]}, "shape"), ({"steps": -1}, "steps"),
+    ({"steps": True}, "steps"), ({"w": 4}, "w must"), ({"data": "##"}, "characters"),
+    ({"data": 5}, "characters"), ({"time": "now"}, "time"), ({"time": 1e9}, "future"),
+    ({"age": -1.0}, "age"), ({"age": float("nan")}, "age"), ({"steps": 0}, "exceeds"),
+    ({"data": "\\" * 8}, "exceeds"), ({"data": "é" * 8}, "ASCII"),
+])
+def test_a_malformed_engine_footprint_is_refused_by_name(change, match):
+    from eldr.capture.decode import decode_engine_footprint
+
+    _, doc = _engine_doc([[[[0, 1]]]])
+    with pytest.raises(ValueError, match=match):
+        decode_engine_footprint({**doc, **change}, 1, 8, now=100.0)
+    with pytest.raises(ValueError, match="JSON object"):
+        decode_engine_footprint([doc], 1, 8, now=100.0)

@@ -105,3 +105,52 @@ def test_footprint_collector_reads_the_file(tmp_path, monkeypatch):
     fams = {f.name: f for f in vd._FootprintCollector().collect()}
     assert [s.value for s in fams["eldr_engine_footprint_experts"].samples] == [7, 9]
     assert fams["eldr_engine_step_distinct_experts"].samples[0].value == 4.5
+
+
+def test_the_footprint_file_carries_the_compact_cells(tmp_path, monkeypatch):
+    from eldr.capture.decode import decode_engine_footprint, decode_step
+
+    monkeypatch.setenv("ELDR_FOOTPRINT_FILE", str(tmp_path / "fp.json"))
+    assert vd.read_footprint() is None  # no decode step yet
+    sched = _engine_core({"d": {"eldr_report": True}})
+    vd.absorb_decode(sched, [decode_step(np.array([[[0, 1]]]), [("d", 0, 1)], 4)])
+    cells = vd.read_footprint()
+    read = decode_engine_footprint(cells, 1, 4, now=cells["time"])
+    assert read.steps == 1 and read.freq.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    (tmp_path / "fp.json").write_text("[1, 2]")
+    assert vd.read_footprint() is None  # a foreign file is no footprint
+
+
+def test_the_footprint_route_serves_the_cells_with_their_age(tmp_path, monkeypatch):
+    fastapi = pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("ELDR_FOOTPRINT_FILE", str(tmp_path / "fp.json"))
+    app = fastapi.FastAPI()
+    vd.FootprintEndpoint().attach_router(app)
+    client = TestClient(app)
+    assert client.get(vd.FOOTPRINT_ROUTE).status_code == 404  # no decode step yet
+    cells = {"v": 1, "shape": [1, 4], "steps": 1, "time": 1.0, "w": 1, "data": "$$##"}
+    (tmp_path / "fp.json").write_text(json.dumps({"steps": 1, "cells": cells}))
+    resp = client.get(vd.FOOTPRINT_ROUTE)
+    assert resp.status_code == 200 and resp.headers["cache-control"] == "no-store"
+    doc = resp.json()
+    assert doc["data"] == "$$##" and doc["age"] > 1e6  # epoch 1.0 is long ago
+
+
+def test_the_route_joins_vllms_endpoint_plugins_for_generating_servers(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("vllm.plugins")
+    theirs = SimpleNamespace(name="theirs")
+    fake.load_endpoint_plugins = lambda supported_tasks=None: [theirs]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.plugins", fake)
+    sys.modules["vllm"].plugins = fake
+    vd._add_endpoint()
+    vd._add_endpoint()  # idempotent: wrapped once
+    got = fake.load_endpoint_plugins(("generate",))
+    assert got[0] is theirs and [p.name for p in got] == ["theirs", "eldr_footprint"]
+    assert fake.load_endpoint_plugins(supported_tasks=("render",)) == [theirs]

@@ -11,7 +11,7 @@ import pytest
 
 from eldr.capture import tiny_moe_dir
 from eldr.deploy import ChildProcess, ClusterSpec, LocalCluster, engine_command
-from eldr.deploy.local import BLOCK_SIZE, has_chat_template
+from eldr.deploy.local import BLOCK_SIZE, has_chat_template, router_command
 
 
 def _spec(**kw) -> ClusterSpec:
@@ -27,6 +27,7 @@ def _spec(**kw) -> ClusterSpec:
     ({"trace": "/nonexistent.npz"}, "trace"),
     ({"store_ttl": 0}, "store_ttl"),
     ({"max_model_len": 8}, "max_model_len"),
+    ({"learn": __file__}, "not a directory"),
 ])
 def test_bad_cluster_specs_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -46,6 +47,23 @@ def test_engine_command_carries_the_pd_settings(tmp_path):
                   "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}
     assert cmd[-2:] == ["--seed", "1"]
     assert "--kv-transfer-config" not in engine_command(spec, 1, None, None)  # a plain one
+
+
+def test_router_command_forwards_learn_and_serve_args(tmp_path):
+    urls = {"prefill0": "http://p:1", "decode0": "http://d:1", "decode1": "http://d:2"}
+    spec = _spec(learn=str(tmp_path / "learn"), serve_args=("--learn-min-requests", "80"))
+    cmd = router_command(spec, urls, None, 9000)
+    assert cmd[:4] == [sys.executable, "-m", "eldr", "serve"]
+    assert cmd[cmd.index("--port") + 1] == "9000" and "--artifact" not in cmd
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--decode"] == \
+        ["http://d:1", "http://d:2"]
+    assert cmd[cmd.index("--learn") + 1] == str(tmp_path / "learn")
+    assert cmd[-2:] == ["--learn-min-requests", "80"]
+    # with --learn and neither --artifact nor --trace the router starts without one
+    assert LocalCluster(spec)._artifact() is None
+    plain = router_command(_spec(policy="jsq"), urls, "/art", 1)
+    assert plain[plain.index("--artifact") + 1] == "/art" and "--learn" not in plain
+    assert plain[plain.index("--policy") + 1] == "jsq"
 
 
 def test_the_tiny_moe_needs_a_chat_template(tmp_path):

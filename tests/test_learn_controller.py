@@ -186,3 +186,39 @@ def test_a_given_artifact_gets_a_drift_reference_from_the_traffic(tmp_path):
     assert learner.detector is not None and learner.detector.is_calibrated
     assert learner.state["fits"] == 0 and router.swaps == []
     assert [n for n, _ in router.events if n == "calibrated"]
+
+
+def test_a_pool_change_during_a_fit_is_followed_by_a_refit_for_the_new_decoders(tmp_path):
+    """The first fit runs for (d0, d1); a decoder joins meanwhile. Its candidate, for the
+    old set, swaps in (the fake router takes any artifact), and a refit for the three
+    decoders must follow at once, as a ``pool`` refit (not a drift one)."""
+    router = FakeRouter()
+    rng = np.random.default_rng(5)
+    ids = list(IDS)
+
+    async def go():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learner = Learner(LearnConfig(directory=str(tmp_path), min_requests=40,
+                                          drift_window=30, persist_interval=3600.0),
+                              worker_ids=lambda: tuple(ids),
+                              current_artifact=lambda: router.artifact, swap=router.swap,
+                              on_event=lambda n, i: router.events.append((n, i)),
+                              executor=pool)
+            await learner.start()
+            _feed(learner, records(rng, mix(rng, 40, (1, 1, 1, 0))))
+            first = learner.fit_task
+            await asyncio.sleep(0.01)  # the fit's job (decoders included) is built
+            ids.append("d2")  # the router's decoders change while the fit runs
+            learner.pool_changed()
+            await first
+            assert learner.fit_task is not first  # the refit started when the fit ended
+            await learner.fit_task
+            await learner.stop()
+            return learner
+
+    learner = asyncio.run(go())
+    started = [i["reason"] for n, i in router.events if n == "fit_started"]
+    assert started == ["first", "pool"], started
+    assert [n for n, _ in router.events].count("pool_refit") == 1
+    assert len(router.swaps) == 2 and learner.state["drift_point"] is None
+    assert tuple(artifact_io.load(router.swaps[-1]).worker_ids) == ("d0", "d1", "d2")

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import numpy as np
@@ -38,10 +39,24 @@ def test_judge_refuses_a_worse_candidate_with_reasons():
     worse = Evaluation(0.8, 8.0, 10.0, 1.1, (50, 50), 0.5)
     assert judge(good, None) == [] and judge(good, worse) == []
     assert [r.split(":")[0] for r in judge(worse, good)] == ["worse"]
+    tie = Evaluation(0.705, 7.05, 10.0, 1.1, (50, 50), 0.5)  # within the tolerance: accepted
+    assert judge(tie, good, score_tolerance=0.01) == []
+    assert [r.split(":")[0] for r in judge(tie, good)] == ["worse"]
+    assert [r.split(":")[0] for r in judge(worse, good, score_tolerance=0.01)] == ["worse"]
     lopsided = Evaluation(0.6, 6.0, 10.0, 2.5, (90, 10), 0.2)
     assert [r.split(":")[0] for r in judge(lopsided, good)] == ["unbalanced", "rho"]
     assert [r.split(":")[0] for r in judge(Evaluation(1.0, 10, 10, 1, (1,), None), None)] \
         == ["no_gain"]
+
+
+def test_judge_compares_rho_only_on_enough_held_out_decode_counts():
+    running = Evaluation(0.8, 8.0, 10.0, 1.1, (50, 50), 0.68, 40)
+    few = Evaluation(0.7, 7.0, 10.0, 1.1, (5, 5), 0.61, 10)  # a 40-request drift refit
+    many = Evaluation(0.7, 7.0, 10.0, 1.1, (20, 20), 0.61, 40)
+    assert judge(few, running) == []  # 10 held-out requests: their rho is noise
+    assert [r.split(":")[0] for r in judge(many, running)] == ["rho"]
+    negative = Evaluation(0.7, 7.0, 10.0, 1.1, (5, 5), -0.1, 10)
+    assert [r.split(":")[0] for r in judge(negative, running)] == ["rho"]  # always refused
 
 
 def test_fit_job_refuses_a_worse_candidate_and_writes_nothing(tmp_path, monkeypatch):
@@ -78,6 +93,38 @@ def test_fit_job_refuses_a_worse_candidate_and_writes_nothing(tmp_path, monkeypa
     assert bad.candidate["score"] > bad.current["score"]
     assert not (tmp_path / "bad").exists()
     assert (tmp_path / "running" / "arrays.npz").read_bytes() == before
+
+
+def test_a_refit_for_other_decoders_is_judged_against_load_balancing(tmp_path, monkeypatch):
+    """After a decoder joined, the running artifact (fitted for two) is no yardstick for
+    a candidate for three: a candidate that beats load balancing is accepted even where
+    the old artifact scores better on the same held-out requests."""
+    from eldr.learn import refit
+
+    rng = np.random.default_rng(4)
+    recs = records(rng, mix(rng, 240, (1, 1, 1, 1)))
+    trace, known = records_to_trace(recs, model="s", top_k=K)
+    running = fit_candidate(trace, known, worker_ids=IDS)
+    artifact_io.save(running, tmp_path / "running")
+    real = refit.evaluate
+
+    def evaluate(artifact, *args, **kwargs):  # the running artifact scores near-perfectly
+        ev = real(artifact, *args, **kwargs)
+        if artifact is not None and np.array_equal(artifact.centroids, running.centroids):
+            return dataclasses.replace(ev, score=0.01)
+        return ev
+
+    monkeypatch.setattr(refit, "evaluate", evaluate)
+    three = (*IDS, "d-new")
+    job = FitJob(records=recs, model="s", top_k=K, worker_ids=three,
+                 output=str(tmp_path / "cand"), current=str(tmp_path / "running"), drift=None)
+    out = run_fit_job(job)
+    assert out.accepted, out.reasons
+    assert out.current["score"] < out.candidate["score"] < 1.0
+    assert any("judged against load balancing only" in n for n in out.notes)
+    assert tuple(artifact_io.load(out.artifact).worker_ids) == three
+    same = run_fit_job(dataclasses.replace(job, worker_ids=IDS, output=str(tmp_path / "c2")))
+    assert not same.accepted and "worse" in [r.split(":")[0] for r in same.reasons]
 
 
 def test_calibrate_only_job_returns_a_detector(tmp_path):

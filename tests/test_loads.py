@@ -29,6 +29,29 @@ def test_load_tracker_dispatch_complete_report_health():
         t.report(0, -1)
 
 
+def test_a_report_never_takes_the_load_below_the_routers_own_requests():
+    """An engine that does not count requests still in transit (a burst just dispatched)
+    reports fewer than the router has in flight there: the load stays at least that."""
+    t = LoadTracker(2)
+    for _ in range(3):
+        t.on_dispatch(0)
+    t.report(0, 1.0)  # the engine sees one of the three
+    assert t.loads.tolist() == [3.0, 0.0]
+    assert make_policy("jsq", num_workers=2).choose(_req(), t.loads, t.healthy) == 1
+    t.report(1, 4.0)  # another router's requests: above this router's own, they count
+    t.on_dispatch(1)
+    assert t.loads.tolist() == [3.0, 5.0]
+    t.on_complete(1)
+    t.on_complete(0)
+    assert t.loads.tolist() == [2.0, 4.0]
+    t.add_worker()
+    t.on_dispatch(2)
+    t.remove_worker(0)
+    assert t.loads.tolist() == [4.0, 1.0] and t.own.tolist() == [0.0, 1.0]
+    t.report(0, 0.0)
+    assert t.loads.tolist() == [0.0, 1.0]
+
+
 def test_load_tracker_refuses_bad_sizes():
     with pytest.raises(ValueError, match="positive integer"):
         LoadTracker(0)

@@ -29,6 +29,7 @@ def test_valid_config_strips_trailing_slash():
     ({"max_attempts": 0}, "max_attempts"),
     ({"prefill_timeout": float("inf")}, "prefill_timeout"),
     ({"scrape_interval": -1.0}, "scrape_interval"),
+    ({"engine_footprint": "on"}, "engine_footprint"),
 ])
 def test_bad_values_are_named(kw, match):
     base = {"prefill_urls": (P,), "decode_urls": (D1, D2), "policy": "jsq"}

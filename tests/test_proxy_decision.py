@@ -268,3 +268,14 @@ def test_load_slack_reaches_the_cost_policy_with_or_without_an_artifact(fake_art
     with pytest.raises(ValueError, match="load_slack"):
         ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
                     load_slack=-1.0)
+
+
+def test_lazy_cost_policy_takes_engine_footprints_once_bound():
+    policy = build_state(dataclasses.replace(CFG, policy="eldr_cost")).policy
+    freq = np.full((L, E), 0.5, np.float32)
+    assert policy.engine_footprint_shape is None  # (L, E) unknown: nothing to check against
+    assert policy.observe_engine(0, freq, 0.0, 2.0) is False
+    policy.bind(L, E)
+    assert policy.engine_footprint_shape == (L, E)
+    assert policy.observe_engine(0, freq, 0.0, 2.0) is True
+    assert policy.footprint.distinct[0] == pytest.approx(0.5 * L * E)

@@ -743,3 +743,32 @@ def test_a_policy_reading_profiles_asks_the_engine_for_every_layer():
 
     status, params = run(go())
     assert status == 200 and "eldr_layers" not in params and params["do_remote_decode"]
+
+
+def test_a_learning_router_asks_for_every_layer_even_for_the_band():
+    """The learn buffer takes whole (L, E) counts: with a learner attached the band's layer
+    mask is not requested (masked payloads were dropped as another model's)."""
+    async def go():
+        async with cluster() as (router, client, prefills, _d):
+            router.learner = _CountingLearner()
+            r = await client.post("/v1/completions", json=CODE)
+            return r.status, prefills[0].requests[0]["kv_transfer_params"], router.learner
+
+    status, params, learner = run(go())
+    assert status == 200 and "eldr_layers" not in params and params["do_remote_decode"]
+    assert learner.done == 1
+
+
+class _CountingLearner:
+    """What the flow needs of a learner: its completion hook."""
+
+    done = 0
+
+    def on_request_done(self, doc, decoder, resp=None, decode=None):
+        self.done += 1
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass

@@ -46,11 +46,12 @@ async def _send(client, n: int, domains=(0, 1), start: int = 0) -> None:
         assert [r.status for r in rs] == [200] * len(rs)
 
 
-async def _cluster(tmp_path, **learn_kw):
+async def _cluster(tmp_path, policy="eldr_cost", **learn_kw):
     prefill = await TwoDomainEngine("p0").start()
     decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
     config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
-                         health_interval=0.05, health_timeout=1.0, unhealthy_after=1)
+                         health_interval=0.05, health_timeout=1.0, unhealthy_after=1,
+                         policy=policy, stand_in=policy != "eldr_cost")
     router = Router(config)  # eldr_cost, no artifact
     learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
                                         **{"min_requests": 40, **learn_kw}))
@@ -194,6 +195,7 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
     import socket
     import subprocess
     import sys
+    import urllib.error
     import urllib.request
 
     token = "learn-workers-token"
@@ -248,17 +250,24 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
                     break
             pages = [(await asyncio.to_thread(call, base, "/metrics")).decode()
                      for _ in range(12)]
+            status = []
+            for _ in range(12):  # the learner's state: worker 0's, the other says where
+                try:
+                    status.append((200, (await asyncio.to_thread(
+                        call, base, "/admin/learn"))["requests"]))
+                except urllib.error.HTTPError as exc:
+                    status.append((exc.code, json.loads(exc.read())["error"]["message"]))
             proc.send_signal(signal.SIGTERM)
             proc.wait(20)
             err.seek(0)
-            return processes, seen, pages, proc.returncode, err.read()
+            return processes, seen, pages, status, proc.returncode, err.read()
         finally:
             if proc.poll() is None:
                 proc.kill()
             for e in (prefill, *decoders):
                 await e.close()
 
-    processes, seen, pages, rc, log = asyncio.run(go())
+    processes, seen, pages, status, rc, log = asyncio.run(go())
     assert len(processes) == 2, processes  # both workers served requests
     assert seen == {art}, log  # the learned artifact runs in every worker
     learner_pages = [p for p in pages if "eldr_learn_swaps_total 1" in p]
@@ -266,4 +275,44 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
     # all 40 requests reached worker 0's buffer: its own and worker 1's forwarded
     assert all('eldr_learn_requests_total{result="collected"} 40' in p for p in learner_pages)
     assert sum('eldr_artifact_reloads_total{result="ok"} 1.0' in p for p in pages) == 12
+    assert (200, 40) in status and all(s == (200, 40) or (s[0] == 503 and "worker 0" in s[1])
+                                       for s in status), status
     assert rc == 0, log
+
+
+def test_the_band_policy_learns_with_eldr_cost_standing_in_until_the_first_artifact(tmp_path):
+    """``--policy eldr --learn``: no artifact yet, so eldr_cost routes; the first learned
+    artifact switches the router to the band policy itself."""
+    async def go():
+        router, client, engines = await _cluster(tmp_path, policy="eldr")
+        try:
+            before = router.state.policy.name
+            await _send(client, 40)
+            await router.learner.learner.fit_task
+            await _send(client, 8, start=40)
+            return before, router
+        finally:
+            await client.close()
+            for e in engines:
+                await e.close()
+
+    before, router = asyncio.run(go())
+    assert before == "eldr_cost" and router.state.artifact is not None
+    assert router.state.policy.name == "eldr" and router.state.tau is not None
+
+
+def test_without_learning_the_band_policy_still_needs_an_artifact(tmp_path):
+    import pytest
+
+    from eldr.cli import build_parser
+    from eldr.commands.serve import config_from_args
+    from eldr.proxy.decision import build_state
+
+    with pytest.raises(ValueError, match="needs a routing artifact"):
+        build_state(ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                                policy="eldr"))
+    args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
+                                      "http://d:1", "--policy", "eldr", "--learn",
+                                      str(tmp_path)])
+    config, _ = learning.configure(config_from_args(args), args)
+    assert config.stand_in and build_state(config).policy.name == "eldr_cost"

@@ -154,6 +154,9 @@ PINNED = {  # family -> (type, help text, label names of its samples)
     "eldr_decoder_engine_distinct_experts": (
         "gauge", "A decode engine's own live footprint (scraped): mean distinct experts per "
         "MoE layer per decode step over its last steps.", ("decoder",)),
+    "eldr_engine_footprints_total": (
+        "counter", "Decode engines' expert footprints scraped for the policy, by result "
+        "(read; missing, invalid, stale, refused: ignored).", ("result",)),
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -188,6 +191,7 @@ def _record_one_of_each(m) -> None:
     m.decode_payloads.inc(result="read")
     m.decode_distinct.observe(5.0, decoder="decode-0")
     m.pool_changes.inc(action="added")
+    m.engine_footprints.inc(result="read")
 
 
 def _families(text: str) -> dict[str, tuple[str, str, set[tuple[str, ...]]]]:

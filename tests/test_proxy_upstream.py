@@ -1,6 +1,9 @@
 import asyncio
+import json
+import time
 
 import aiohttp
+import numpy as np
 import pytest
 
 from _proxy_fakes import FakeEngine, run
@@ -113,3 +116,105 @@ def test_an_odd_model_list_does_not_take_an_engine_out():
                                            ("m",), None)]:
         pool._learn_models(inst, doc)
         assert (inst.models, inst.max_model_len) == (models, length)
+
+
+# -- the engines' own footprints, read by the scrape (--engine-footprint) -----------------
+def _footprint_doc(freq_counts, steps, **extra):
+    from eldr.capture.digits import encode_digits
+
+    data = encode_digits(np.asarray(freq_counts).ravel(), 1)
+    return {"v": 1, "shape": [1, 4], "window": 32, "steps": steps, "time": 0.0, "w": 1,
+            "data": data, "age": 0.05, **extra}
+
+
+class _FootprintEngine:
+    """/metrics and /eldr/footprint of one decode engine; ``reply`` sets the latter."""
+
+    def __init__(self) -> None:
+        self.reply = (200, json.dumps(_footprint_doc([4, 2, 0, 0], 4)))
+        self.footprint_calls = 0
+
+    async def start(self):
+        from aiohttp import web
+        from aiohttp.test_utils import TestServer
+
+        async def metrics(request):
+            return web.Response(text="vllm:num_requests_running 3\n"
+                                     "vllm:num_requests_waiting 0\n")
+
+        async def footprint(request):
+            self.footprint_calls += 1
+            status, body = self.reply
+            return web.Response(status=status, text=body, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/eldr/footprint", footprint)
+        self.server = TestServer(app, port=0)
+        await self.server.start_server()
+        self.url = str(self.server.make_url("")).rstrip("/")
+        return self
+
+
+def _scrape_with(replies, *, policy, **cfg):
+    """Scrape the engine once per reply; returns (pool, engine, outcome per scrape)."""
+    async def go():
+        eng = await _FootprintEngine().start()
+        config = ServeConfig(prefill_urls=("http://p:1",), decode_urls=(eng.url,),
+                             policy="jsq", **{"scrape_interval": 1.0, **cfg})
+        pool = UpstreamPool(config, ["w"])
+        pool.footprints.policy_of = lambda: policy
+        seen = []
+        pool.footprints.on_result = seen.append
+        async with aiohttp.ClientSession() as session:
+            pool._session = session
+            for reply in replies:
+                eng.reply = reply
+                await pool.scrape(pool.decode[0])
+        await eng.server.close()
+        return pool, eng, seen
+
+    return run(go())
+
+
+def test_the_scrape_hands_a_valid_engine_footprint_to_the_policy():
+    from eldr.routing import CostPolicy
+
+    policy = CostPolicy(1, num_layers=1, num_experts=4, memory=0)
+    pool, _, seen = _scrape_with([(200, json.dumps(_footprint_doc([4, 2, 0, 0], 4)))],
+                                 policy=policy)
+    assert seen == ["read"] and pool.footprints.counts["read"] == 1
+    assert pool.tracker.loads.tolist() == [3.0]  # the load scrape is unchanged
+    np.testing.assert_allclose(policy.footprint.miss[0], [0.0, 0.5, 1.0, 1.0])
+    until = policy.footprint.engine.until[0] - time.monotonic()
+    assert 3.0 - 0.05 - 1.0 < until <= 3.0 - 0.05  # valid 3 scrape intervals from its time
+
+
+def test_bad_missing_and_stale_engine_footprints_are_counted_and_ignored():
+    from eldr.routing import CostPolicy
+
+    policy = CostPolicy(1, num_layers=1, num_experts=4, memory=0)
+    replies = [(404, '{"error": "no decode footprint yet"}'),  # no plugin / no step yet
+               (200, "{not json"), (200, json.dumps([1, 2])),
+               (200, json.dumps({**_footprint_doc([1] * 8, 1), "shape": [2, 4]})),
+               (200, json.dumps(_footprint_doc([4, 2, 0, 0], 3))),  # a count above steps
+               (200, "\xff"), (200, json.dumps(_footprint_doc([4, 2, 0, 0], 4, age=9.0))),
+               (500, "")]
+    pool, _, seen = _scrape_with(replies, policy=policy)
+    assert seen == ["missing", "invalid", "invalid", "invalid", "invalid", "invalid",
+                    "stale", "missing"]
+    assert policy.footprint.engine is None and pool.decode[0].healthy
+    assert pool.tracker.loads.tolist() == [3.0]
+
+
+def test_no_footprint_is_asked_for_when_off_or_unwanted():
+    from eldr.routing import CostPolicy, make_policy
+
+    cost = CostPolicy(1, num_layers=1, num_experts=4)
+    good = [(200, json.dumps(_footprint_doc([4, 2, 0, 0], 4)))]
+    for policy, cfg in ((cost, {"engine_footprint": "off"}),
+                        (make_policy("jsq", num_workers=1), {})):
+        _, eng, seen = _scrape_with(good, policy=policy, **cfg)
+        assert eng.footprint_calls == 0 and seen == []
+    _, eng, seen = _scrape_with(good, policy=cost)
+    assert eng.footprint_calls == 1 and seen == ["read"]

@@ -182,3 +182,100 @@ def test_loads_are_bounded_only_near_expert_saturation():
     assert policy(0.75).choose(x, loads) == 0  # 2 of 4 is not saturated at 75%
     with pytest.raises(ValueError, match="saturation"):
         CostPolicy(2, num_layers=1, num_experts=4, saturation=1.5)
+
+
+# -- the engines' own footprints (several router replicas, issue 13 item 6) ----------------
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _blended(K=2, **kw):
+    clock = _Clock()
+    return CostPolicy(K, num_layers=1, num_experts=4, memory=0, clock=clock, **kw), clock
+
+
+def test_an_engine_reading_caps_the_own_miss_elementwise():
+    pol, _ = _blended()
+    pol.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 0)  # own S_0 = [0.5, 0.5, 1, 1]
+    f = np.array([[0.2, 0.9, 0.8, 0.0]], np.float32)  # the engine's batch, all replicas
+    assert pol.engine_footprint_shape == (1, 4)
+    assert pol.observe_engine(0, f, 0.1, 2.0) and pol.observe_engine(1, f, 0.1, 2.0)
+    fp = pol.footprint
+    np.testing.assert_allclose(fp.miss[0], [0.5, 0.1, 0.2, 1.0], rtol=1e-6)  # min, not Π
+    assert fp.distinct[0] == pytest.approx(2.2, rel=1e-6)
+    np.testing.assert_allclose(fp.miss[1], [0.8, 0.1, 0.2, 1.0], rtol=1e-6)  # holds none
+    pol.on_release("a", "completed")  # the engine's row stays in force without own requests
+    np.testing.assert_allclose(fp.miss[0], [0.8, 0.1, 0.2, 1.0], rtol=1e-6)
+    assert fp.count[0] == 0 and fp.distinct[0] == pytest.approx(1.9, rel=1e-6)
+
+
+def test_the_engine_view_changes_the_choice_the_own_share_cannot_see():
+    x = _req("x", [0, 0, 0.9, 0.9])
+    loads = np.array([2.0, 2.0])  # scraped: the other replicas' requests
+    alone, _ = _blended()
+    assert alone.choose(x, loads) == 0  # both look empty: tie, lowest index
+    pol, _ = _blended()
+    pol.observe_engine(0, np.array([[1.0, 1.0, 0, 0]]), 0.0, 2.0)
+    pol.observe_engine(1, np.array([[0, 0, 1.0, 1.0]]), 0.0, 2.0)
+    d = pol.decide(x, loads)
+    assert d.worker == 1 and d.cost == pytest.approx(2.0)  # x adds nothing to decoder 1
+
+
+def test_stale_readings_expire_back_to_exactly_the_own_share():
+    pol, clock = _blended()
+    plain, _ = _blended()
+    for p in (pol, plain):
+        p.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 0)
+    assert pol.observe_engine(0, np.full((1, 4), 0.5), 0.5, 2.0)  # good until t = 1.5
+    x, loads = _req("x", [0.3, 0, 0.3, 0]), np.array([1.0, 0.0])
+    clock.t = 1.4
+    pol.decide(x, loads)
+    assert pol.footprint.engine.live[0]
+    clock.t = 1.6
+    pol.decide(x, loads)
+    assert not pol.footprint.engine.live.any()
+    np.testing.assert_array_equal(pol.footprint.miss, plain.footprint.miss)
+    np.testing.assert_array_equal(pol.costs(x.profile, loads), plain.costs(x.profile, loads))
+
+
+@pytest.mark.parametrize("freq, age, max_age", [
+    (np.zeros((2, 4)), 0.0, 2.0),  # another model's shape
+    (np.zeros(4), 0.0, 2.0),  # flat
+    (np.array([[0.5, np.nan, 0, 0]]), 0.0, 2.0), (np.array([[1.5, 0, 0, 0]]), 0.0, 2.0),
+    (np.array([[-0.1, 0, 0, 0]]), 0.0, 2.0),
+    (np.zeros((1, 4)), 2.0, 2.0), (np.zeros((1, 4)), -1.0, 2.0),  # too old; from the future
+    (np.zeros((1, 4)), float("nan"), 2.0),
+])
+def test_a_bad_engine_reading_is_refused_and_changes_nothing(freq, age, max_age):
+    pol, _ = _blended()
+    pol.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 0)
+    before = pol.footprint.miss.copy()
+    assert pol.observe_engine(0, freq, age, max_age) is False
+    np.testing.assert_array_equal(pol.footprint.miss, before)
+    with pytest.raises(ValueError, match="out of range"):
+        pol.observe_engine(2, np.zeros((1, 4)), 0.0, 2.0)
+
+
+def test_engine_rows_follow_decoders_added_and_removed():
+    pol, _ = _blended(K=3)
+    pol.observe_engine(2, np.array([[0.0, 0.0, 0.0, 0.5]]), 0.0, 2.0)
+    pol.remove_worker(0)  # decoder 2 becomes 1, with its reading
+    fp = pol.footprint
+    assert fp.engine.live.tolist() == [False, True]
+    np.testing.assert_allclose(fp.miss[1], [1, 1, 1, 0.5])
+    assert fp.distinct[1] == pytest.approx(0.5)
+    assert pol.add_worker() == 2
+    assert fp.engine.live.tolist() == [False, True, False] and fp.engine.miss.shape == (3, 4)
+    assert fp.miss[2].tolist() == [1, 1, 1, 1] and fp.distinct[2] == 0
+
+
+def test_the_base_policy_takes_no_engine_footprint():
+    from eldr.routing import make_policy
+
+    jsq = make_policy("jsq", num_workers=2)
+    assert jsq.engine_footprint_shape is None
+    assert jsq.observe_engine(0, np.zeros((1, 4)), 0.0, 1.0) is False

@@ -11,7 +11,8 @@ Three pieces, wired into vLLM by :mod:`eldr.capture.vllm_plugin`:
 - engine core: :class:`DecodeTally` accumulates per request the (L, E) counts, the decode
   tokens, Σ over its steps of the batch's distinct experts per layer and the step count;
   :class:`Footprint` keeps the engine-wide ring of the last W steps' per-layer expert use
-  (the live footprint every router replica can read, item 6).
+  (the live footprint every router replica can read, item 6), and per (layer, expert) in
+  how many of those steps the batch selected it (:func:`encode_engine_footprint`).
 - wire format: :func:`encode_decode_payload` / :func:`decode_decode_payload`, the
   version-2 count payload of :mod:`eldr.capture.payload` plus two keys::
 
@@ -32,11 +33,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from eldr.capture.digits import INVALID, decode_digits, encode_digits, width_for
 from eldr.capture.payload import decode_payload, encode_payload
 
-__all__ = ["DECODE_KEY", "REPORT_KEY", "DecodeReport", "DecodeStep", "DecodeTally", "Footprint",
-           "decode_decode_payload", "decode_step", "distinct_per_layer",
-           "encode_decode_payload", "is_decode_leg"]
+__all__ = ["DECODE_KEY", "REPORT_KEY", "DecodeReport", "DecodeStep", "DecodeTally",
+           "EngineFootprint", "Footprint", "decode_decode_payload", "decode_engine_footprint",
+           "decode_step", "distinct_per_layer", "encode_decode_payload",
+           "encode_engine_footprint", "is_decode_leg"]
 
 DECODE_KEY = "eldr_decode"  # key in kv_transfer_params (JSON) and of the SSE event
 # set by the router in a decode leg's kv_transfer_params: "report this request's decode"
@@ -135,6 +138,14 @@ class Footprint:
         self.pos = (self.pos + 1) % W
         self.filled = min(self.filled + 1, W)
 
+    def counts(self) -> np.ndarray:
+        """(L, E) int32: in how many of the last ``filled`` steps each expert was used."""
+        n = self.filled
+        if n == 0:
+            return np.zeros(self.used.shape[1:], np.int32)
+        idx = [(self.pos - 1 - i) % self.used.shape[0] for i in range(n)]
+        return self.used[idx].sum(axis=0, dtype=np.int32)
+
     def snapshot(self) -> dict:
         """JSON-able: ``experts`` (L,) experts used over the window per layer,
         ``step_distinct_mean`` the mean distinct experts per layer per step, ``steps``."""
@@ -145,6 +156,77 @@ class Footprint:
         experts = self.used[idx].any(axis=0).sum(axis=1)
         return {"steps": n, "experts": [int(x) for x in experts],
                 "step_distinct_mean": float(self.distinct[idx].mean())}
+
+
+def encode_engine_footprint(fp: Footprint, at: float) -> dict:
+    """The engine's per-cell footprint, JSON-able and compact (one base-91 digit per cell
+    while the window is under 91 steps: 6,144 characters for 48 x 128)::
+
+        {"v": 1, "shape": [L, E], "window": W, "steps": S, "time": at,
+         "w": width, "data": <L·E counts in [0, S], base 91>}
+
+    The route that serves it adds ``"age"``: seconds since ``time`` on the same clock.
+
+    ``data`` / ``steps`` is the fraction of the last ``S`` decode steps whose batch selected
+    each expert (≈ 1 − the probability that a step's batch misses it); ``time`` (epoch
+    seconds, the engine's clock) is when it was taken, so a reader can tell an idle
+    engine's last busy footprint from a live one."""
+    counts = fp.counts()
+    width = width_for(max(int(fp.filled), 1))
+    return {"v": 1, "shape": [int(x) for x in counts.shape], "window": int(fp.used.shape[0]),
+            "steps": int(fp.filled), "time": float(at), "w": width,
+            "data": encode_digits(counts, width)}
+
+
+class EngineFootprint(NamedTuple):
+    """What a router read of one engine's footprint (:func:`decode_engine_footprint`)."""
+
+    freq: np.ndarray  # (L, E) float32 in [0, 1]: share of the last steps selecting it
+    steps: int  # decode steps it covers (0: none yet, all-zero freq)
+    age: float  # seconds between its ``time`` and ``now`` (>= 0)
+
+
+def decode_engine_footprint(obj: object, num_layers: int, num_experts: int, *,
+                            now: float) -> EngineFootprint:
+    """Validate and read an engine footprint document; ``ValueError`` naming the problem
+    (wrong version or shape, counts above ``steps``, foreign characters...). The age is
+    the document's ``age`` (seconds, added by the serving route from the engine's own
+    clock: no skew between machines), else ``now - time`` with ``now`` the reader's epoch
+    time, clipped at 0 (a time more than 5 s ahead is refused)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"eldr footprint: must be a JSON object, got {type(obj).__name__}")
+    if obj.get("v") != 1:
+        raise ValueError(f"eldr footprint: version {obj.get('v')!r}, expected 1")
+    shape = obj.get("shape")
+    if shape != [num_layers, num_experts]:
+        raise ValueError(f"eldr footprint: shape {shape!r}, expected "
+                         f"[{num_layers}, {num_experts}]")
+    steps, width, data, at = obj.get("steps"), obj.get("w"), obj.get("data"), obj.get("time")
+    if type(steps) is not int or not 0 <= steps < INVALID:
+        raise ValueError(f"eldr footprint: steps must be a non-negative integer, got {steps!r}")
+    if type(width) is not int or width not in (1, 2, 3):
+        raise ValueError(f"eldr footprint: w must be 1, 2 or 3, got {width!r}")
+    if not isinstance(data, str) or len(data) != num_layers * num_experts * width:
+        raise ValueError(f"eldr footprint: data must be {num_layers * num_experts * width} "
+                         f"characters")
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not np.isfinite(at):
+        raise ValueError(f"eldr footprint: time must be a finite number, got {at!r}")
+    age = obj.get("age")
+    if age is None:  # no age from the server: the two clocks' difference, skew included
+        if at > now + 5.0:
+            raise ValueError(f"eldr footprint: time {at} is {at - now:.1f} s in the future")
+        age = max(0.0, float(now) - float(at))
+    elif isinstance(age, bool) or not isinstance(age, (int, float)) \
+            or not (np.isfinite(age) and age >= 0):
+        raise ValueError(f"eldr footprint: age must be a finite number >= 0, got {age!r}")
+    counts = decode_digits(data, width)
+    if counts.size and int(counts.max()) > steps:
+        raise ValueError(f"eldr footprint: a count exceeds steps={steps} (or a character "
+                         f"is outside the alphabet)")
+    freq = counts.reshape(num_layers, num_experts).astype(np.float32)
+    if steps:
+        freq /= np.float32(steps)
+    return EngineFootprint(freq, steps, float(age))
 
 
 class DecodeReport(NamedTuple):

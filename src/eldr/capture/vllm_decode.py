@@ -28,6 +28,14 @@ API-server process:
   unless ``PROMETHEUS_MULTIPROC_DIR`` is set) reads the footprint file on each scrape:
   ``eldr_engine_footprint_experts{layer}``, ``eldr_engine_step_distinct_experts`` and
   ``eldr_engine_footprint_steps`` (docs/capture.md).
+- ``GET /eldr/footprint``: the per-(layer, expert) footprint of that file, compact
+  (:func:`eldr.capture.decode.encode_engine_footprint`: one base-91 character per cell,
+  not 6k gauges), for router replicas to route on (``eldr serve --engine-footprint``).
+  vLLM 0.32 adds routes through ``vllm.endpoint_plugins`` entry points that must be named
+  in ``VLLM_PLUGINS``, which would also gate every general plugin; so this plugin appends
+  its endpoint object to what ``vllm.plugins.load_endpoint_plugins`` returns (vLLM calls
+  it while building the app, after loading general plugins). ``ELDR_FOOTPRINT_ROUTE=0``
+  leaves the app alone.
 """
 
 from __future__ import annotations
@@ -46,16 +54,18 @@ from eldr.capture.decode import (
     DecodeTally,
     Footprint,
     encode_decode_payload,
+    encode_engine_footprint,
     is_decode_leg,
 )
 
-__all__ = ["FOOTPRINT_PERIOD", "absorb_decode", "attach_decode", "footprint_path",
-           "install_api_server_hooks"]
+__all__ = ["FOOTPRINT_PERIOD", "FOOTPRINT_ROUTE", "FootprintEndpoint", "absorb_decode",
+           "attach_decode", "footprint_path", "install_api_server_hooks", "read_footprint"]
 
 logger = logging.getLogger("vllm.eldr_capture")
 FOOTPRINT_PERIOD = 0.2  # seconds between writes of the footprint file
 _WINDOW = int(os.environ.get("ELDR_FOOTPRINT_WINDOW", "32"))  # steps in the footprint
 _PATCHED = "_eldr_decode_patched"
+FOOTPRINT_ROUTE = "/eldr/footprint"
 
 
 def footprint_path(server_pid: int | None = None) -> str:
@@ -105,7 +115,9 @@ def absorb_decode(sched, steps: list) -> None:
 
 def _write_footprint(fp: Footprint) -> None:
     path = footprint_path(os.getppid())
-    doc = {**fp.snapshot(), "time": time.time(), "window": int(fp.used.shape[0])}
+    now = time.time()
+    doc = {**fp.snapshot(), "time": now, "window": int(fp.used.shape[0]),
+           "cells": encode_engine_footprint(fp, now)}
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as fh:
@@ -149,6 +161,8 @@ def install_api_server_hooks() -> None:
         _wrap_stream(OpenAIServingCompletion, "completion_stream_generator")
         _wrap_stream(OpenAIServingChat, "chat_completion_stream_generator")
     _register_collector()
+    if os.environ.get("ELDR_FOOTPRINT_ROUTE", "1") != "0":
+        _add_endpoint()
 
 
 def _payload_of(item) -> dict | None:
@@ -235,6 +249,71 @@ def _register_collector() -> None:
         return
     _COLLECTOR.append(collector)
     atexit.register(_remove_footprint, footprint_path())  # this server's file, if any
+
+
+def read_footprint(path: str | None = None) -> dict | None:
+    """The compact per-cell footprint of this API server's engine (the file's ``cells``),
+    or None: no decode step yet, not a decode engine, or an unreadable file."""
+    try:
+        with open(path or footprint_path()) as fh:
+            cells = json.load(fh).get("cells")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cells if isinstance(cells, dict) else None
+
+
+class FootprintEndpoint:
+    """vLLM endpoint plugin (``EndpointPlugin`` protocol): ``GET /eldr/footprint``."""
+
+    name = "eldr_footprint"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        from fastapi.responses import JSONResponse, Response
+
+        async def footprint():
+            cells = read_footprint()
+            if cells is None:  # 404, like any route a plain engine lacks
+                return JSONResponse({"error": "no decode footprint yet"}, status_code=404)
+            # its age on the engine's own clock: the router's may be skewed
+            at = cells.get("time")
+            if isinstance(at, (int, float)):
+                cells["age"] = max(0.0, time.time() - float(at))
+            body = json.dumps(cells, separators=(",", ":"))
+            return Response(body, media_type="application/json",
+                            headers={"Cache-Control": "no-store"})
+
+        app.add_api_route(FOOTPRINT_ROUTE, footprint, methods=["GET"],
+                          include_in_schema=False)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        """Nothing to set up: the route reads the engine core's file."""
+
+
+def _add_endpoint() -> None:
+    try:
+        import vllm.plugins as plugins
+    except ImportError:
+        return
+    original = getattr(plugins, "load_endpoint_plugins", None)
+    if original is None or getattr(original, _PATCHED, False):
+        if original is None:
+            logger.info("eldr capture plugin: no endpoint plugins in this vLLM; "
+                        "%s not served", FOOTPRINT_ROUTE)
+        return
+
+    @wraps(original)
+    def load_endpoint_plugins(*args, **kwargs):
+        found = list(original(*args, **kwargs))
+        tasks = args[0] if args else kwargs.get("supported_tasks")
+        wanted = set(tasks or ()) & set(FootprintEndpoint.required_tasks)
+        if wanted and not any(getattr(p, "name", None) == FootprintEndpoint.name
+                              for p in found):
+            found.append(FootprintEndpoint())
+        return found
+
+    setattr(load_endpoint_plugins, _PATCHED, True)
+    plugins.load_endpoint_plugins = load_endpoint_plugins
 
 
 def _remove_footprint(path: str) -> None:

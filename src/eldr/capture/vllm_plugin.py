@@ -20,8 +20,8 @@ methods idempotently (docs/capture.md lists them and why):
   of its ``kv_transfer_params``, a finished decode leg the decode payload
   (:mod:`eldr.capture.vllm_decode`); ``BlockPool`` hooks evict signature-cache rows with
   their blocks.
-- API server: the stream generators and a ``/metrics`` collector
-  (:func:`eldr.capture.vllm_decode.install_api_server_hooks`).
+- API server: the stream generators, a ``/metrics`` collector and the
+  ``GET /eldr/footprint`` route (:func:`eldr.capture.vllm_decode.install_api_server_hooks`).
 
 A reused block without a row (loaded by a KV connector, or cached before the plugin saw
 it) is left out and ``tokens`` says how much of the prompt the counts cover: partial,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 import time
@@ -27,6 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "(default for the tiny MoE: its shipped trace; other models run "
                      "eldr_cost without an artifact)")
     p.add_argument("--policy", default=None, help="eldr serve --policy (default: its own)")
+    p.add_argument("--learn", default=None, metavar="DIR",
+                   help="eldr serve --learn DIR: learn the artifact from the cluster's own "
+                        "traffic (kept in DIR across runs); without --artifact/--trace the "
+                        "router starts with none (docs/learn.md)")
+    p.add_argument("--serve-args", default="", metavar="'ARGS'",
+                   help="more eldr serve options, one quoted string (e.g. "
+                        "\"--learn-min-requests 100 --scrape-interval 1\")")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--store-ttl", type=float, default=120.0, metavar="S",
                    help="seconds the KV connector's store keeps an entry (default 120)")
@@ -51,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                        num_decode=args.decode, host=args.host, port=args.port,
                        artifact=args.artifact, trace=args.trace, policy=args.policy,
                        max_model_len=args.max_model_len, store_ttl=args.store_ttl,
-                       ready_timeout=args.ready_timeout, log_dir=args.log_dir)
+                       ready_timeout=args.ready_timeout, log_dir=args.log_dir,
+                       learn=args.learn, serve_args=tuple(shlex.split(args.serve_args)))
 
     def say(line: str) -> None:
         print(line, flush=True)

@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--scrape-interval", type=float, default=0.0, metavar="S",
                    help="read engines' /metrics for their load every S seconds (0: off)")
+    p.add_argument("--engine-footprint", choices=("auto", "off"), default="auto",
+                   help="with --scrape-interval: also read each decoder's live expert "
+                        "footprint (GET /eldr/footprint) into eldr_cost (default auto)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="prefill+decode attempts per request (default 3)")
     p.add_argument("--no-kv-release", dest="release_kv", action="store_false",
@@ -125,6 +128,7 @@ def config_from_args(args: argparse.Namespace):
         max_buffered_bytes=args.max_buffered_bytes,
         health_interval=args.health_interval,
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
+        engine_footprint=args.engine_footprint,
         max_attempts=args.max_attempts, release_kv=args.release_kv,
         breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,

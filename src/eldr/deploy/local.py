@@ -42,7 +42,7 @@ from pathlib import Path
 from eldr.deploy.processes import ChildProcess, free_port
 
 __all__ = ["CHAT_TEMPLATE", "ClusterSpec", "LocalCluster", "engine_command",
-           "plugin_pythonpath"]
+           "plugin_pythonpath", "router_command"]
 
 BLOCK_SIZE = 32  # tokens per KV block: ExampleConnector moves whole blocks only
 # a minimal role-tagged template, for models whose tokenizer defines none
@@ -70,6 +70,8 @@ class ClusterSpec:
     ready_timeout: float = 600.0  # seconds all engines may take to start
     extra_engine_args: tuple[str, ...] = ()  # appended to every engine's command line
     log_dir: str | None = None  # where the logs go (kept); None: the cluster's directory
+    learn: str | None = None  # eldr serve --learn DIR; without artifact/trace: start with none
+    serve_args: tuple[str, ...] = ()  # appended to the router's command line
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -90,6 +92,27 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_model_len < BLOCK_SIZE:
             raise ValueError(f"max_model_len must be >= {BLOCK_SIZE}")
+        if self.learn is not None and Path(self.learn).exists() and \
+                not Path(self.learn).is_dir():
+            raise ValueError(f"--learn {self.learn}: not a directory")
+        if any(not isinstance(a, str) for a in self.serve_args):
+            raise ValueError("serve_args must be strings")
+
+
+def router_command(spec: ClusterSpec, engine_urls: dict[str, str], artifact: str | None,
+                   port: int) -> list[str]:
+    """``eldr serve``'s command line in front of ``engine_urls`` ({name: url}, prefill
+    engines named ``prefill*``)."""
+    cmd = [sys.executable, "-m", "eldr", "serve", "--host", spec.host, "--port", str(port)]
+    for name, url in engine_urls.items():
+        cmd += ["--prefill" if name.startswith("prefill") else "--decode", url]
+    if artifact is not None:
+        cmd += ["--artifact", artifact]
+    if spec.policy is not None:
+        cmd += ["--policy", spec.policy]
+    if spec.learn is not None:
+        cmd += ["--learn", str(Path(spec.learn).absolute())]
+    return cmd + list(spec.serve_args)
 
 
 def has_chat_template(model: str | Path) -> bool:
@@ -225,6 +248,8 @@ class LocalCluster:
         if spec.artifact is not None:
             return spec.artifact
         trace = spec.trace
+        if trace is None and spec.learn is not None:
+            return None  # learned from the traffic (or the artifact learned last in DIR)
         if trace is None:
             from eldr.capture import tiny_moe_dir, tiny_moe_trace_path
 
@@ -243,13 +268,7 @@ class LocalCluster:
     def _start_router(self, pythonpath: str) -> None:
         spec = self.spec
         port = spec.port or free_port(spec.host)
-        cmd = [sys.executable, "-m", "eldr", "serve", "--host", spec.host, "--port", str(port)]
-        for name, url in self.engine_urls.items():
-            cmd += ["--prefill" if name.startswith("prefill") else "--decode", url]
-        if self.artifact is not None:
-            cmd += ["--artifact", self.artifact]
-        if spec.policy is not None:
-            cmd += ["--policy", spec.policy]
+        cmd = router_command(spec, self.engine_urls, self.artifact, port)
         self.router = ChildProcess("router", cmd, {**os.environ, "PYTHONPATH": pythonpath},
                                    self.logs / "router.log")
         self.router.start()

@@ -22,7 +22,8 @@ router's own reload, which may still refuse it: counted as a refusal); a refused
 deleted and the running artifact stays. Every stage is reported through ``on_event(name,
 info)`` (the router turns events into metrics and log lines): ``collected`` (each
 ``min_requests``-th), ``fit_started``, ``fit_accepted``, ``fit_refused``, ``fit_failed``,
-``swapped``, ``drift_checked``, ``drift``, ``persisted``.
+``swapped``, ``drift_checked``, ``drift``, ``persisted``, ``pool_refit`` (the decoders
+changed while a fit ran: a refit for the new set follows it).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Learner:
         self._checks: set[asyncio.Task] = set()
         self._dirty = False
         self._calibrated_at = -(1 << 62)  # num_seen at the last drift calibration
+        self._pool_pending = False  # the refit due is for a decoder change, not drift
+        self._stopping = False
         self._persist_lock = asyncio.Lock()
         self.state: dict = {"fits": 0, "accepted": 0, "refused": 0, "failed": 0,
                             "drifts": 0, "artifact": None, "drift_point": None,
@@ -118,6 +121,7 @@ class Learner:
 
     async def stop(self) -> None:
         """Write the buffer one last time and let the fit process go."""
+        self._stopping = True
         for task in (self._persist_task, *self._checks):
             if task is not None:
                 task.cancel()
@@ -191,7 +195,9 @@ class Learner:
         elif self.state["drift_point"] is not None:
             since = seen - int(self.state["drift_point"])
             if since >= cfg.min_requests:
-                self._launch("drift", self.buffer.snapshot(last=min(since, cfg.max_requests)))
+                reason = "pool" if self._pool_pending else "drift"
+                self._pool_pending = False
+                self._launch(reason, self.buffer.snapshot(last=min(since, cfg.max_requests)))
         elif cfg.drift and self.detector is None and seen - self._calibrated_at >= \
                 cfg.min_requests and len(self.buffer) >= max(cfg.min_requests,
                                                              cfg.drift_window + 10):
@@ -202,6 +208,13 @@ class Learner:
 
     def _launch(self, reason: str, records: list[Record], *, fit: bool = True) -> None:
         self.fit_task = asyncio.ensure_future(self._run_fit(reason, records, fit))
+        self.fit_task.add_done_callback(self._after_fit)
+
+    def _after_fit(self, task: asyncio.Task) -> None:
+        """A fit ended: start what became due meanwhile (a refit for decoders that
+        changed during it) without waiting for the next request."""
+        if not self._stopping and not task.cancelled():
+            self._maybe_fit()
 
     def _job(self, records: list[Record], fit: bool) -> FitJob:
         cfg = self.config
@@ -215,7 +228,8 @@ class Learner:
                       current=self._current(), holdout=cfg.holdout,
                       batch_size=cfg.batch_size, min_gain=cfg.min_gain,
                       max_balance=cfg.max_balance, rho_tolerance=cfg.rho_tolerance,
-                      tau=cfg.tau, seed=cfg.seed, drift=drift, fit=fit)
+                      score_tolerance=cfg.score_tolerance, tau=cfg.tau, seed=cfg.seed,
+                      drift=drift, fit=fit)
 
     async def _run_fit(self, reason: str, records: list[Record], fit: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -267,7 +281,31 @@ class Learner:
             if self.detector is None or outcome.detector is not None:
                 self.detector = outcome.detector or self.detector
             self._emit("fit_refused", **info, reasons=outcome.reasons)
+        if tuple(self._worker_ids()) != job.worker_ids:
+            self._pool_changed_during_fit()
         await self.persist()
+
+    def pool_changed(self) -> None:
+        """The router's decoders changed. Fits read them when they start, so a first fit
+        is simply for the new set; with an artifact running (fitted for the old set) a
+        refit on the whole buffer is due now (reason ``pool``). A fit running now finishes
+        for the old set; the refit follows it (:meth:`_run_fit`)."""
+        if self._current() is not None:
+            if self.state["drift_point"] is None:
+                self.state["drift_point"] = max(0, self.buffer.num_seen - len(self.buffer))
+            self._pool_pending = True
+        self._maybe_fit()
+
+    def _pool_changed_during_fit(self) -> None:
+        """The decoders changed while a fit ran for the old set (its candidate could not
+        be swapped in, or now runs for a set that is gone): refit for the new set on the
+        whole buffer at once."""
+        if self._current() is None:
+            self.state["last_attempt_seen"] = None  # the first fit again, no waiting
+        else:
+            self.state["drift_point"] = max(0, self.buffer.num_seen - len(self.buffer))
+            self._pool_pending = True
+        self._emit("pool_refit", decoders=list(self._worker_ids()))
 
     def _prune(self) -> None:
         """Keep the running learned artifact and the one before it."""

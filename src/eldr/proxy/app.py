@@ -11,6 +11,7 @@ Routes::
     POST /admin/reload           re-read the routing artifact (bearer token required)
     GET|POST /admin/decoders     list or add decoders at run time (eldr.proxy.elastic; token)
     DELETE /admin/decoders/NAME  drain a decoder, then remove it (token)
+    GET /admin/learn[/trace]     the learner's state, its buffer as a trace (token; --learn)
     GET|POST anything else       vLLM's auxiliary routes (/tokenize, /version, ...), forwarded
                                  to a healthy prefill instance (eldr.proxy.forward)
 
@@ -37,6 +38,7 @@ from eldr.proxy.elastic import ElasticPool
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.flow import RequestFlow
 from eldr.proxy.forward import KNOWN_ROUTES, OWN_ROUTES, Forwarder, classify, vllm_detail
+from eldr.proxy.learn_admin import LearnAdmin
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.relay import is_stream_done
 from eldr.proxy.upstream import UpstreamPool, make_session
@@ -46,7 +48,8 @@ __all__ = ["Router"]
 log = logging.getLogger("eldr.serve")
 
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-_OTHER_ROUTES = ("/v1/models", "/health", "/metrics", "/admin/reload", "/admin/decoders")
+_OTHER_ROUTES = ("/v1/models", "/health", "/metrics", "/admin/reload", "/admin/decoders",
+                 "/admin/learn", "/admin/learn/trace")
 
 
 class Router(AdminRoutes):
@@ -66,6 +69,7 @@ class Router(AdminRoutes):
             max_blocks=config.affinity_max_blocks, capacity=config.affinity_capacity,
             spill=config.affinity_spill)
         self.pool.on_recover = self._on_recover
+        self.pool.footprints.policy_of = lambda: self.state.policy  # reloads replace it
         self.metrics = RouterMetrics(self.pool)
         self.flow = RequestFlow(self)
         self.forwarder = Forwarder(self)
@@ -99,6 +103,9 @@ class Router(AdminRoutes):
         app.router.add_post("/admin/reload", self.admin_reload)
         app.router.add_route("*", "/admin/decoders", self.elastic.collection)
         app.router.add_route("*", "/admin/decoders/{name}", self.elastic.item)
+        learn = LearnAdmin(self)
+        app.router.add_route("*", "/admin/learn", learn.status)
+        app.router.add_route("*", "/admin/learn/trace", learn.trace)
         app.router.add_route("*", "/{tail:.*}", self.other_route)  # last: ours win
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)

@@ -68,6 +68,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     health_timeout: float = 2.0  # seconds a health check may take
     unhealthy_after: int = 2  # consecutive failed checks that take an instance out
     scrape_interval: float = 0.0  # seconds between engine /metrics scrapes; 0: off
+    engine_footprint: str = "auto"  # "auto": the scrape reads engine footprints; "off"
     max_attempts: int = 3  # prefill+decode attempts per request (retries = attempts - 1)
     release_kv: bool = True  # after a decoder's 4xx, read the prefill's KV (1-token decode)
     breaker_failures: int = 3  # consecutive failed requests that open a decoder's breaker
@@ -78,6 +79,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     affinity_capacity: int = 100_000  # remembered block → prefill entries (LRU)
     affinity_spill: float = 4.0  # the affine prefill is skipped if this much busier than least
     random_state: int | None = 0  # seed of randomised policies (random, p2c)
+    # without an artifact, a policy that needs one runs eldr_cost until one is loaded
+    # (--learn sets it: the learner's first artifact then switches to ``policy``)
+    stand_in: bool = False
     workers: int = 1  # router processes on the port (SO_REUSEPORT), sharing decode loads
     decoders_file: str | None = None  # [ID=]URL per line; SIGHUP syncs the pool to it
 
@@ -140,6 +144,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if self.max_buffered_bytes < self.max_response_bytes:
             raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least "
                              f"max_response_bytes ({self.max_response_bytes})")
+        if self.engine_footprint not in ("auto", "off"):
+            raise ValueError(f"engine_footprint must be 'auto' or 'off', "
+                             f"got {self.engine_footprint!r}")
         for name in ("scrape_interval", "affinity_spill"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -100,6 +100,16 @@ class LazyCostPolicy(PolicyBase):
         """The bound policy's :class:`~eldr.routing.ExpertFootprint`, or None."""
         return None if self.inner is None else self.inner.footprint
 
+    @property
+    def engine_footprint_shape(self) -> tuple[int, int] | None:  # type: ignore[override]
+        """(L, E) once bound: engine footprints are taken from then on."""
+        return None if self.inner is None else self.inner.shape
+
+    def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
+                       max_age_s: float) -> bool:
+        return self.inner is not None and self.inner.observe_engine(worker, freq, age_s,
+                                                                    max_age_s)
+
     def bind(self, num_layers: int, num_experts: int) -> None:
         """Build the cost policy for this (L, E); later calls change nothing."""
         if self.inner is None:
@@ -268,7 +278,9 @@ def build_state(config: ServeConfig) -> RoutingState:
     ids, in order; the sets must match exactly. Policies that need fitted resources
     (centroids) need the artifact; ``eldr_cost`` needs only the model's (L, E), which it
     takes from the artifact or, without one, from the first prefill payload
-    (:class:`LazyCostPolicy`). Raises ``ValueError`` naming a mismatch.
+    (:class:`LazyCostPolicy`). With ``config.stand_in`` (``--learn``) and no artifact, a
+    policy that needs one runs that ``eldr_cost`` until an artifact is loaded. Raises
+    ``ValueError`` naming a mismatch.
     """
     K = len(config.decode_urls)
     encoder = art = order = None
@@ -293,12 +305,14 @@ def build_state(config: ServeConfig) -> RoutingState:
             names = config.decode_ids
         if config.tau is not None:
             tau = config.tau
-    elif spec.needs - _SHAPE_RESOURCES:
+    elif spec.needs - _SHAPE_RESOURCES and not config.stand_in:
         raise ValueError(f"policy {config.policy!r} needs a routing artifact (--artifact DIR)")
     else:
         names = config.decode_ids or tuple(f"decode-{i}" for i in range(K))
     policy: Policy
-    if L is None and spec.needs & _SHAPE_RESOURCES:
+    if art is None and spec.needs - _SHAPE_RESOURCES:  # stand_in: eldr_cost until one comes
+        policy = LazyCostPolicy(K, load_slack=config.load_slack)
+    elif L is None and spec.needs & _SHAPE_RESOURCES:
         policy = LazyCostPolicy(K, load_slack=config.load_slack)
     elif art is not None:  # the artifact's one bundle, decoders in the configured order
         resources = RoutingResources.from_artifact(

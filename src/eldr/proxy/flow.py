@@ -270,12 +270,14 @@ class RequestFlow(DecodeRelay):
 
     def _kv_params(self, state: RoutingState | None) -> dict:
         """The prefill leg's ``kv_transfer_params``: PD flags, plus the artifact's layer mask
-        when the policy reads only those layers (the engine then sends only their rows).
-        Computed once per routing state, not per request."""
+        when the policy reads only those layers (the engine then sends only their rows) and
+        no learner needs every layer (``--learn`` collects whole (L, E) counts: a masked
+        payload was never collected). Computed once per routing state, not per request."""
         cached = getattr(self, "_kv_params_for", None)
         if cached is not None and cached[0] is state:
             return cached[1]
-        extra = payload_request(state) if state is not None else None
+        learning = getattr(getattr(self, "router", None), "learner", None) is not None
+        extra = payload_request(state) if state is not None and not learning else None
         params = {**PREFILL_KV_PARAMS, **extra} if extra else PREFILL_KV_PARAMS
         self._kv_params_for = (state, params)
         return params

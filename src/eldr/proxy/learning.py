@@ -150,15 +150,14 @@ class LiveLearning:
         """A decoder was added or removed (:mod:`eldr.proxy.elastic`). Fits read the
         router's decoders when they start, so the next one is for ``names``; with an
         artifact running (fitted for the old set) a refit on the whole buffer is asked for
-        now, as after a drift. A fit already running finishes for the old set and is
-        refused at the swap."""
+        now (:meth:`eldr.learn.controller.Learner.pool_changed`). A fit already running
+        finishes for the old set, and the refit for ``names`` follows it."""
         learner = self.learner
+        learner.pool_changed()
         if self.router.config.artifact is None:
             log.info("learn: decoders are now %s; the first fit will be for them",
                      list(names))
             return
-        if learner.state["drift_point"] is None:
-            learner.state["drift_point"] = max(0, learner.buffer.num_seen - len(learner.buffer))
         log.info("learn: decoders are now %s; refitting for them once %d requests are in",
                  list(names), learner.config.min_requests)
 
@@ -316,12 +315,13 @@ class ForwardLearning:
 def configure(config, args: argparse.Namespace):
     """(serve config, learn config or None) from ``eldr serve``'s arguments: with
     ``--learn DIR`` and no ``--artifact``, the router starts with the artifact it learned
-    last in DIR (none: it starts without one)."""
+    last in DIR (none: it starts without one, a policy that needs one, such as ``eldr``,
+    running ``eldr_cost`` until the first learned artifact is swapped in)."""
     import dataclasses
 
     learn = config_from_args(args)
     if learn is not None and config.artifact is None:
-        config = dataclasses.replace(config, artifact=start_artifact(learn))
+        config = dataclasses.replace(config, artifact=start_artifact(learn), stand_in=True)
     return config, learn
 
 

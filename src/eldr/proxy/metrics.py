@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 
+from eldr.proxy.footprints import FOOTPRINT_RESULTS
+
 __all__ = ["Counter", "Gauge", "Histogram", "Registry", "RouterMetrics", "parse_samples"]
 
 LabelValues = tuple[str, ...]
@@ -339,6 +341,13 @@ class RouterMetrics:
             "eldr_decoder_distinct_experts", "Measured by the decode engine, per completed "
             "request: mean distinct experts per MoE layer per decode step of the batches it "
             "decoded in.", ("decoder",), buckets=DISTINCT_BUCKETS)
+        self.engine_footprints = reg.counter(
+            "eldr_engine_footprints_total", "Decode engines' expert footprints scraped for "
+            "the policy, by result (read; missing, invalid, stale, refused: ignored).",
+            ("result",))
+        reader = getattr(pool, "footprints", None)  # eldr.proxy.footprints.FootprintReader
+        if reader is not None:
+            reader.on_result = lambda result: self.engine_footprints.inc(result=result)
         reg.gauge("eldr_decoder_engine_distinct_experts", "A decode engine's own live "
                   "footprint (scraped): mean distinct experts per MoE layer per decode step "
                   "over its last steps.", ("decoder",),
@@ -355,6 +364,7 @@ class RouterMetrics:
         self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
         self.reloads.prime(*((r,) for r in RELOAD_RESULTS))
         self.decode_payloads.prime(("read",), ("invalid",))
+        self.engine_footprints.prime(*((r,) for r in FOOTPRINT_RESULTS))
         self.pool_changes.prime(*((a,) for a in POOL_ACTIONS))
         self.prime_instances(pool, (*pool.prefill, *pool.decode))
 

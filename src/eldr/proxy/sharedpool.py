@@ -67,7 +67,8 @@ class SharedLoadTracker(LoadTracker):
 
     ``loads[k]`` = the requests all workers have in flight at this worker's decoder ``k``
     (slot ``slots[k]``) or, once an engine scrape reported it, that report plus the
-    in-flight change since (never below 0), as in one process. Health is this worker's
+    in-flight change since, never below the requests in flight there (as
+    :class:`~eldr.routing.loads.LoadTracker` does in one process). Health is this worker's
     own (``healthy``). :meth:`add_worker` takes the slot given to :meth:`reserve` first
     (the journal's choice), so every worker maps a decoder to the same slot.
     """
@@ -89,7 +90,8 @@ class SharedLoadTracker(LoadTracker):
         has = t.has_report[s]
         if not has.any():
             return total
-        scraped = np.maximum(t.reported[s] + total - t.at_report[s], 0.0)
+        # never below the router's own in flight: the engine has not seen a burst yet
+        scraped = np.maximum(t.reported[s] + total - t.at_report[s], total)
         return np.where(has > 0, scraped, total)
 
     def reserve(self, slot: int) -> None:

@@ -16,7 +16,9 @@ Load. The decode loads the routing policy sees live in one
 ends. With ``scrape_interval > 0`` each decoder's own ``/metrics`` is also read and
 ``vllm:num_requests_running + vllm:num_requests_waiting`` replaces the tracked value
 (``LoadTracker.report``), so several router replicas in front of the same engines see the
-same loads instead of only their own share.
+same loads instead of only their own share. The same round reads each decoder's own expert
+footprint for the routing policy (:mod:`eldr.proxy.footprints`, ``--engine-footprint``),
+so the replicas' ``eldr_cost`` routes on the engines' whole batches, not its share.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from eldr.proxy.bodies import json_object, read_upto
 from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
+from eldr.proxy.footprints import FootprintReader
 from eldr.proxy.metrics import parse_samples
 from eldr.proxy.workers import make_tracker
 
@@ -127,6 +130,8 @@ class UpstreamPool:
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
         self.prefill_healthy = np.ones(len(self.prefill), dtype=bool)  # (P,)
         self.on_recover = None  # callback(instance) when an instance comes back
+        # engine footprints for the policy; the router sets footprints.policy_of
+        self.footprints = FootprintReader(config.scrape_interval, config.engine_footprint)
         self._session = None
         self._tasks: list[asyncio.Task] = []
 
@@ -311,10 +316,17 @@ class UpstreamPool:
         await asyncio.gather(*(self.scrape(i) for i in self.decode if i.healthy))
 
     async def scrape(self, inst: Instance) -> None:
-        """Read a decoder's running + waiting requests from its ``/metrics``."""
+        """Read a decoder's running + waiting requests from its ``/metrics``, then its
+        engine footprint when the policy takes one."""
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        await self._scrape_metrics(inst, timeout)
+        if not inst.removed:
+            await self.footprints.read(self._session, inst, timeout=timeout,
+                                       headers=self.auth_headers())
+
+    async def _scrape_metrics(self, inst: Instance, timeout) -> None:
         try:
             async with self._session.get(f"{inst.url}/metrics", timeout=timeout,
                                          headers=self.auth_headers()) as resp:

@@ -38,14 +38,23 @@ makes x queue, which no locality repays) is the policy. Every decoder empty → 
 ``J_d`` equals ``Σ p_x``: ties → lowest load → lowest index, i.e. JSQ's choice. Under load
 it packs requests whose experts overlap, and only as far as the shared experts pay for the
 longer batch.
+
+With several router replicas, each holds only its own share of a decoder's requests; a
+decode engine's own reading of its footprint (:mod:`eldr.routing.engine_rows`,
+:meth:`CostPolicy.observe_engine`) joins as ``S_d = min(S_own, 1 − f_engine)`` until it
+expires. With no engine reading the policy is exactly the one above.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 from eldr.routing import filters, pickers, scorers
 from eldr.routing._common import _check, _check_num_workers
+from eldr.routing.engine_rows import EngineRows
 from eldr.routing.protocol import Decision, Outcome, PolicyBase, RouteRequest
 
 __all__ = ["CostPolicy", "ExpertFootprint", "prefill_profile"]
@@ -76,11 +85,14 @@ class ExpertFootprint:
     ``miss`` (K, L·E) float32 = ``S_d`` (probability that no request on d selects the
     expert at a step), ``distinct`` (K,) = ``D_d``, ``context`` (K,) = ``C_d``. Rows are
     recomputed from the float64 log sums only for the decoder an event touched; a decoder
-    left with no request is reset to exactly zero (no float drift accumulates).
+    left with no request is reset to exactly zero (no float drift accumulates). ``engine``:
+    the engines' own readings (:class:`~eldr.routing.engine_rows.EngineRows`), created by
+    the first :meth:`observe_engine`; a live row caps ``miss`` (the union of both views).
     """
 
     def __init__(self, num_workers: int, num_cells: int, *, memory: float = 0.0,
-                 typical: np.ndarray | None = None) -> None:
+                 typical: np.ndarray | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_workers = _check_num_workers(num_workers)
         if num_cells <= 0:
             raise ValueError(f"num_cells must be > 0, got {num_cells}")
@@ -109,6 +121,8 @@ class ExpertFootprint:
         self.typical_miss = np.ones((K, num_cells), dtype=np.float32) \
             if self.typical is not None else None
         self.typical_distinct = np.zeros(K, dtype=np.float64)
+        self.engine: EngineRows | None = None
+        self._clock = clock
 
     def __len__(self) -> int:
         return len(self._held)
@@ -123,15 +137,21 @@ class ExpertFootprint:
                 setattr(self, name, np.array(value))
 
     def _refresh(self, d: int) -> None:
+        live = self.engine is not None and self.engine.live[d]
         if self.count[d] == 0:
             self.log_miss[d] = 0.0
-            self.miss[d] = 1.0
-            self.distinct[d] = 0.0
             self.context[d] = 0.0
-            return
-        np.exp(self.log_miss[d], out=self.miss[d], casting="same_kind")
+            if not live:
+                self.miss[d] = 1.0
+                self.distinct[d] = 0.0
+                return
+            self.miss[d] = self.engine.miss[d]
+        else:
+            np.exp(self.log_miss[d], out=self.miss[d], casting="same_kind")
+            if live:
+                np.minimum(self.miss[d], self.engine.miss[d], out=self.miss[d])
         self.distinct[d] = self.num_cells - float(self.miss[d].sum(dtype=np.float64))
-        if self.typical is not None:
+        if self.typical is not None and self.count[d]:
             np.exp(self.typical[d] * float(self.count[d]), out=self.typical_miss[d],
                    casting="same_kind")
             self.typical_distinct[d] = self.num_cells - float(
@@ -168,6 +188,23 @@ class ExpertFootprint:
         self._refresh(d)
         return True
 
+    def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
+                       max_age_s: float) -> bool:
+        """Decoder ``worker``'s engine reading (:meth:`EngineRows.observe`); False when it
+        was refused (nothing changed)."""
+        if self.engine is None:
+            self.engine = EngineRows(self.num_workers, self.num_cells, self._clock)
+        if not self.engine.observe(worker, freq, age_s, max_age_s):
+            return False
+        self._refresh(worker)
+        return True
+
+    def expire(self) -> None:
+        """Drop engine readings whose time is up (their decoders fall back to own rows)."""
+        if self.engine is not None:
+            for d in self.engine.expire():
+                self._refresh(d)
+
     def add_worker(self, like: int | None = None) -> None:
         """A new, empty decoder row; its fitted "type" is a copy of ``like``'s (or, with
         the online memory, starts empty)."""
@@ -184,6 +221,8 @@ class ExpertFootprint:
             self.typical_miss = np.vstack([self.typical_miss,
                                            np.ones((1, n), dtype=np.float32)])
         self.typical_distinct = np.append(self.typical_distinct, 0.0)
+        if self.engine is not None:
+            self.engine.add_worker()
         self.num_workers = K + 1
 
     def remove_worker(self, worker: int) -> None:
@@ -198,6 +237,8 @@ class ExpertFootprint:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, np.delete(value, worker, axis=0))
+        if self.engine is not None:
+            self.engine.remove_worker(worker)
         self.num_workers -= 1
 
     def added(self, profile: np.ndarray) -> np.ndarray:
@@ -219,7 +260,7 @@ class CostPolicy(PolicyBase):
 
     ``context_weight`` = κ, decode-step seconds per context token divided by seconds per
     distinct expert (0 ignores KV reads); ``capacity`` = a decoder's batch limit (None:
-    unlimited).
+    unlimited). ``clock``: the time engine readings expire on (tests inject one).
     """
 
     def __init__(self, num_workers: int, *, num_layers: int, num_experts: int,
@@ -228,7 +269,7 @@ class CostPolicy(PolicyBase):
                  decoder_profiles: np.ndarray | None = None,
                  load_slack: float | None = None, saturation: float | None = 0.75,
                  saturated_slack: float = 0.1,
-                 name: str = "eldr_cost") -> None:
+                 name: str = "eldr_cost", clock: Callable[[], float] | None = None) -> None:
         self.name = name
         self.num_workers = _check_num_workers(num_workers)
         self.num_fallbacks = 0
@@ -252,7 +293,8 @@ class CostPolicy(PolicyBase):
                                  f"({self.num_workers}, {self.shape[0]}, {self.shape[1]})")
             typical = dp
         self.footprint = ExpertFootprint(self.num_workers, self.shape[0] * self.shape[1],
-                                         memory=memory, typical=typical)
+                                         memory=memory, typical=typical,
+                                         clock=clock or time.monotonic)
         if memory_weight is None:
             memory_weight = 0.5 if typical is None else 1.0
         if not np.isfinite(memory_weight) or memory_weight < 0:
@@ -304,6 +346,7 @@ class CostPolicy(PolicyBase):
         _check(self.name, self.num_workers, loads, healthy)
         ok = filters.with_capacity(filters.healthy(self.name, self.num_workers, healthy),
                                    loads, self.capacity)
+        self.footprint.expire()
         ok = filters.bounded_load(ok, loads, self._slack())
         if request.profile is None:
             self.num_fallbacks += 1
@@ -322,6 +365,22 @@ class CostPolicy(PolicyBase):
 
     def on_release(self, request_id: str, outcome: Outcome) -> None:
         self.footprint.remove(request_id)
+
+    @property
+    def engine_footprint_shape(self) -> tuple[int, int]:
+        """(L, E): the engine footprints :meth:`observe_engine` takes."""
+        return self.shape
+
+    def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
+                       max_age_s: float) -> bool:
+        """Decoder ``worker``'s engine footprint ``freq`` (L, E) in [0, 1] (the share of its
+        last decode steps that selected each expert), ``age_s`` old, good for ``max_age_s``
+        after it was taken: blended as ``min(S_own, 1 − freq)`` while it holds. False:
+        refused (shape, values, age), nothing changed."""
+        self._index(worker)
+        if np.shape(freq) != self.shape:
+            return False
+        return self.footprint.observe_engine(worker, freq, age_s, max_age_s)
 
     def add_worker(self, *, like: int | None = None) -> int:
         """A new decoder with an empty footprint: needs no centroid, takes requests at once

@@ -19,44 +19,68 @@ class LoadTracker:
     """In-flight requests per decode worker, plus a health mask.
 
     ``loads`` (K,) float64 and ``healthy`` (K,) bool are live arrays: pass them straight
-    to ``Policy.choose``. ``on_dispatch``/``on_complete`` move a worker's count by ±1;
-    ``report`` overwrites it with an externally measured load (e.g. a worker's own
-    running + waiting count), after which dispatches and completions move it again until
-    the next report. A completion never takes a load below 0 (it may belong to a request
-    the last report already excluded).
+    to ``Policy.choose``. ``on_dispatch``/``on_complete`` move a worker's count of this
+    router's requests in flight (``own``) by ±1; ``report`` gives an externally measured
+    load (a worker's own running + waiting count, which also holds other routers'
+    requests), after which dispatches and completions move it again until the next
+    report.
+
+    A report never takes a worker's load below this router's own requests in flight
+    there: ``loads = max(own, reported + own − own at the report)``. An engine does not
+    yet count a request the router has just dispatched (still in transit, or waiting for
+    its KV), so an overwrite took a burst's first requests out of the load: JSQ sent 5–7
+    of 8 simultaneous arrivals to one decoder. Without a report, ``loads = own``.
     """
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = _check_num_workers(num_workers)
-        self.loads = np.zeros(self.num_workers, dtype=np.float64)
-        self.healthy = np.ones(self.num_workers, dtype=bool)
+        K = self.num_workers
+        self.loads = np.zeros(K, dtype=np.float64)
+        self.healthy = np.ones(K, dtype=bool)
+        self.own = np.zeros(K, dtype=np.float64)  # this router's requests in flight
+        self._reported = np.zeros(K, dtype=np.float64)  # the last report
+        self._own_at_report = np.zeros(K, dtype=np.float64)
+        self._has_report = np.zeros(K, dtype=bool)
 
     def _index(self, worker: int) -> int:
         if not isinstance(worker, (int, np.integer)) or not 0 <= worker < self.num_workers:
             raise ValueError(f"worker index {worker!r} out of range [0, {self.num_workers})")
         return int(worker)
 
+    def _update(self, k: int) -> None:
+        own = self.own[k]
+        self.loads[k] = max(own, self._reported[k] + own - self._own_at_report[k]) \
+            if self._has_report[k] else own
+
     def on_dispatch(self, worker: int) -> None:
-        self.loads[self._index(worker)] += 1.0
+        k = self._index(worker)
+        self.own[k] += 1.0
+        self._update(k)
 
     def on_complete(self, worker: int) -> None:
         k = self._index(worker)
-        self.loads[k] = max(0.0, self.loads[k] - 1.0)
+        self.own[k] = max(0.0, self.own[k] - 1.0)
+        self._update(k)
 
     def report(self, worker: int, load: float) -> None:
         load = float(load)
         if not np.isfinite(load) or load < 0:
             raise ValueError(f"reported load for worker {worker} must be finite and >= 0, "
                              f"got {load}")
-        self.loads[self._index(worker)] = load
+        k = self._index(worker)
+        self._reported[k], self._own_at_report[k], self._has_report[k] = load, self.own[k], True
+        self._update(k)
 
     def set_healthy(self, worker: int, is_healthy: bool) -> None:
         self.healthy[self._index(worker)] = bool(is_healthy)
 
+    _ARRAYS = ("loads", "healthy", "own", "_reported", "_own_at_report", "_has_report")
+
     def add_worker(self) -> int:
         """A new decoder at index K: no load, healthy. Returns its index."""
-        self.loads = np.append(self.loads, 0.0)
-        self.healthy = np.append(self.healthy, True)
+        for name in self._ARRAYS:
+            value = getattr(self, name)
+            setattr(self, name, np.append(value, value.dtype.type(name == "healthy")))
         self.num_workers += 1
         return self.num_workers - 1
 
@@ -65,6 +89,6 @@ class LoadTracker:
         k = self._index(worker)
         if self.num_workers == 1:
             raise ValueError("the last decode worker cannot be removed")
-        self.loads = np.delete(self.loads, k)
-        self.healthy = np.delete(self.healthy, k)
+        for name in self._ARRAYS:
+            setattr(self, name, np.delete(getattr(self, name), k))
         self.num_workers -= 1

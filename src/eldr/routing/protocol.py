@@ -22,6 +22,10 @@ The decoder set may change while requests run (the router's elastic pool, docs/s
     k = policy.add_worker(like=j)      # a new decoder at index K; it may start as j's twin
     policy.remove_worker(k)            # decoder k is gone; indices above k move down by one
 
+A policy that can use the decode engines' own footprints (``eldr_cost``; docs/serve.md,
+``--engine-footprint``) names their (L, E) in ``engine_footprint_shape`` (None: it does
+not want them) and takes each reading with ``observe_engine(k, freq, age_s, max_age_s)``.
+
 A decoder is removed only once drained (every request placed there released); a policy
 forgets whatever it still held for it, so nothing leaks if one was not.
 """
@@ -120,6 +124,16 @@ class PolicyBase:
 
     def on_release(self, request_id: str, outcome: Outcome) -> None:
         """The request left its decoder (stateless policies ignore it)."""
+
+    # (L, E) of the engine footprints the policy routes on; None: it takes none
+    engine_footprint_shape: tuple[int, int] | None = None
+
+    def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
+                       max_age_s: float) -> bool:
+        """Decoder ``worker``'s engine reports ``freq`` (L, E): the share of its last decode
+        steps whose batch selected each expert, ``age_s`` seconds old, to be dropped
+        ``max_age_s`` after it was taken. Returns whether it was used (here: never)."""
+        return False
 
     def add_worker(self, *, like: int | None = None) -> int:
         """Append a decoder; returns its index (the old ``num_workers``). ``like``: an
