@@ -289,7 +289,8 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
     if workers > 1:
         from eldr.proxy.workers import run_workers
 
-        run_workers(config, lambda: Router(config, state=make_state()), serve)
+        # (config, row) since the pool journal; *_ also runs an older tree's run_workers
+        run_workers(config, lambda *_: Router(config, state=make_state()), serve)
         return
     router = Router(config, state=make_state())
     try:

@@ -263,19 +263,6 @@ def test_the_last_decoder_taking_requests_cannot_be_removed():
     assert names == ("w-other",)
 
 
-def test_the_pool_is_fixed_with_several_workers():
-    async def go():
-        async with cluster(admin_token=TOKEN, workers=2) as (router, client, _p, _d):
-            add = await _json(await client.post("/admin/decoders", json={"url": "http://h:1"},
-                                                headers=AUTH))
-            rm = await _json(await client.delete("/admin/decoders/w-code", headers=AUTH))
-            return add, rm, router.state.worker_names
-
-    add, rm, names = run(go())
-    assert add[0] == rm[0] == 409 and "cannot change" in add[1]["error"]["message"]
-    assert "--workers" in add[1]["error"]["message"] and names == ("w-code", "w-other")
-
-
 def test_an_artifact_for_another_decoder_set_is_refused_with_409(monkeypatch):
     def mismatch(config):
         raise WorkerMismatch("decode worker ids ['a', 'b', 'c'] do not match the artifact's "

@@ -185,6 +185,101 @@ def test_a_decoder_added_after_the_first_fit_gets_its_own_cluster_at_the_refit(t
     assert tuple(artifact.load(router.state.artifact).worker_ids) == router.state.worker_names
 
 
+def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_path):
+    """``eldr serve --workers 2 --learn DIR``: worker 0 learns, worker 1 forwards its
+    completed requests to it, so 40 requests over both fit the first artifact
+    (``--learn-min-requests 40``); the swap reaches both workers with the learned path."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    token = "learn-workers-token"
+    learn_dir = tmp_path / "learn"
+    art = str(learn_dir / "artifacts" / "0001")
+
+    def call(base, path, body=None):
+        req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}"},
+                                     data=None if body is None else json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=10) as resp:  # a new connection each call
+            raw = resp.read()
+            return raw if path == "/metrics" else json.loads(raw)
+
+    async def go():
+        prefill = await TwoDomainEngine("p0").start()
+        decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        err = open(tmp_path / "serve.log", "w+")  # read at the end
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--prefill", prefill.url,
+             *[a for d in decoders for a in ("--decode", d.url)], "--port", str(port),
+             "--workers", "2", "--health-interval", "0.2", "--learn", str(learn_dir),
+             "--learn-min-requests", "40"], stderr=err,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "ELDR_ADMIN_TOKEN": token})
+        try:
+            for _ in range(600):
+                await asyncio.sleep(0.1)
+                try:
+                    await asyncio.to_thread(call, base, "/health")
+                    break
+                except OSError:
+                    continue
+            for _ in range(600):  # both workers listen (each says so)
+                if (tmp_path / "serve.log").read_text().count("listening on") >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            for first in range(0, 40, 4):
+                docs = await asyncio.gather(*(asyncio.to_thread(
+                    call, base, "/v1/completions", {"model": "tiny", "prompt": _prompt(i)})
+                    for i in range(first, first + 4)))
+                assert all(d["choices"] for d in docs)
+            processes = {rid.rsplit("-", 1)[0] for rid in prefill.request_ids}
+            seen: set = set()
+            for _ in range(240):  # the fit runs in worker 0's fit process
+                await asyncio.sleep(0.25)
+                seen = {(await asyncio.to_thread(call, base, "/health"))["artifact"]
+                        for _ in range(8)}
+                if seen == {art}:
+                    break
+            pages = [(await asyncio.to_thread(call, base, "/metrics")).decode()
+                     for _ in range(12)]
+            status = []
+            for _ in range(12):  # the learner's state: worker 0's, the other says where
+                try:
+                    status.append((200, (await asyncio.to_thread(
+                        call, base, "/admin/learn"))["requests"]))
+                except urllib.error.HTTPError as exc:
+                    status.append((exc.code, json.loads(exc.read())["error"]["message"]))
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)
+            err.seek(0)
+            return processes, seen, pages, status, proc.returncode, err.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for e in (prefill, *decoders):
+                await e.close()
+
+    processes, seen, pages, status, rc, log = asyncio.run(go())
+    assert len(processes) == 2, processes  # both workers served requests
+    assert seen == {art}, log  # the learned artifact runs in every worker
+    learner_pages = [p for p in pages if "eldr_learn_swaps_total 1" in p]
+    assert learner_pages, log  # worker 0 answered at least one of the 12 scrapes
+    # all 40 requests reached worker 0's buffer: its own and worker 1's forwarded
+    assert all('eldr_learn_requests_total{result="collected"} 40' in p for p in learner_pages)
+    assert sum('eldr_artifact_reloads_total{result="ok"} 1.0' in p for p in pages) == 12
+    assert (200, 40) in status and all(s == (200, 40) or (s[0] == 503 and "worker 0" in s[1])
+                                       for s in status), status
+    assert rc == 0, log
+
+
 def test_the_band_policy_learns_with_eldr_cost_standing_in_until_the_first_artifact(tmp_path):
     """``--policy eldr --learn``: no artifact yet, so eldr_cost routes; the first learned
     artifact switches the router to the band policy itself."""

@@ -243,10 +243,11 @@ def test_decoders_come_from_decode_or_from_a_decoders_file(tmp_path):
             config_from_args(_args("--prefill", "http://p:1", *argv))
 
 
-def test_learning_is_refused_with_several_workers(tmp_path, capsys):
-    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1", "--policy",
-                 "jsq", "--workers", "2", "--learn", str(tmp_path / "learn")]) == 2
-    assert "cannot be combined with --workers" in capsys.readouterr().err
+def test_decoder_slots_must_hold_the_decoders_given(capsys):
+    assert main(["serve", "--prefill", "http://p:1", "--decode", "http://d:1", "--decode",
+                 "http://d:2", "--policy", "jsq", "--workers", "2", "--decoder-slots",
+                 "1"]) == 2
+    assert "--decoder-slots must be in [2, 65536]" in capsys.readouterr().err
 
 
 def test_serve_process_grows_over_http_and_follows_its_decoders_file_on_sighup(tmp_path):

@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="router processes on the port (SO_REUSEPORT), sharing each "
                         "decoder's load; for machines with more cores than one (default 1)")
+    p.add_argument("--decoder-slots", type=int, default=None, metavar="C",
+                   help="--workers > 1: decoders the workers' shared load table has room for, "
+                        "the start-up ones and those added later (default max(2K, K + 16))")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
     from eldr.proxy import learning
@@ -229,15 +232,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, learn = learning.configure(config_from_args(args), args)
-    if config.workers > 1 and learn is not None:
-        raise ValueError("--learn runs in one router process: it cannot be combined with "
-                         "--workers (each worker would fit and swap its own artifact)")
     router = Router(config)  # a bad artifact fails here, before any socket or worker
     if config.workers > 1:
         from eldr.proxy.workers import run_workers
 
+        names = router.state.worker_names
+        slots = args.decoder_slots
+        if slots is not None and not len(names) <= slots <= 65536:
+            raise ValueError(f"--decoder-slots must be in [{len(names)}, 65536] (the "
+                             f"decoders given at least), got {slots}")
         del router
-        return run_workers(config, lambda: Router(config), serve)
+
+        def make_router(cfg, row):
+            worker = Router(cfg)
+            learning.attach(worker, learn, row)  # worker 0 learns, the others forward
+            return worker
+
+        return run_workers(config, make_router, serve, names=names, capacity=slots)
     learning.attach(router, learn)
     try:
         import uvloop  # optional: a faster event loop when installed

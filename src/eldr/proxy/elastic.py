@@ -37,9 +37,11 @@ the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-r
 ``decode-N``), decoders whose URL is gone from the file drain and are removed, then the
 artifact is reloaded as before.
 
-**--workers N.** The decode loads of several router processes live in one shared table
-sized at start-up (:mod:`eldr.proxy.workers`), so the pool cannot change there: the routes
-answer 409 (restart with the new ``--decode`` list).
+**--workers N.** Each change goes through the workers' pool journal
+(:mod:`eldr.proxy.poollink`, ``self.link``): the parent checks and orders it, every worker
+applies it (:meth:`ElasticPool.apply_add`, :meth:`ElasticPool.apply_drain`), and the
+asking worker answers once it applied it itself; ``?wait=true`` answers once EVERY worker
+has removed the decoder.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class ElasticPool:
     def __init__(self, router) -> None:
         self.router = router
         self._drains: dict[str, asyncio.Task] = {}  # name -> its drain-and-remove task
+        self.link = None  # eldr.proxy.poollink.PoolLink in a worker of --workers N
 
     # -- HTTP ------------------------------------------------------------------------------
     async def collection(self, request):
@@ -143,10 +146,10 @@ class ElasticPool:
         wait = request.query.get("wait", "false").lower()
         if wait not in ("true", "false", "1", "0"):
             raise ProxyError(400, "'wait' must be true or false", param="wait")
-        task = self.remove(name)
+        task = await self.start_removal(name)
         if wait in ("true", "1"):
-            await asyncio.shield(task)  # a client that leaves does not stop the drain
-            if self._find(name) is not None:  # _drain logged why
+            failed = await asyncio.shield(task)  # a client that leaves: the drain goes on
+            if failed is True or self._find(name) is not None:  # _drain logged why
                 raise ProxyError(500, f"removing {name} failed; it stays draining (no new "
                                       f"requests); see the router's log",
                                  code="remove_failed")
@@ -163,20 +166,17 @@ class ElasticPool:
                              for i in router.pool.decode]}
 
     # -- operations ------------------------------------------------------------------------
-    def _check_elastic(self) -> None:
-        if self.router.config.workers > 1:
-            raise ProxyError(409, "the decoder pool cannot change with --workers > 1 (the "
-                                  "workers share a load table sized at start-up); restart "
-                                  "with the new --decode list", code="pool_fixed")
-
     def _find(self, name: str):
         return next((i for i in self.router.pool.decode if i.name == name), None)
 
     async def add(self, url: str, name: str | None = None):
         """Add a decoder (checked once for health first); returns its ``Instance``.
         ``ProxyError`` 409 for a URL or name already in the pool."""
-        self._check_elastic()
         router = self.router
+        if self.link is not None:  # --workers: the parent checks and orders it
+            like = self._largest_cluster()
+            return await self.link.add(url, name, None if like is None else
+                                       router.pool.decode[like].name)
         async with router._reload_lock:
             pool = router.pool
             if any(i.url == url for i in pool.decode):
@@ -190,25 +190,60 @@ class ElasticPool:
                 raise ProxyError(409, f"a decoder named {name!r} is already in the pool",
                                  code="decoder_exists", param="name")
             like = self._largest_cluster()
-            state = router.state
-            state.policy.add_worker(like=like)  # first: if it refuses, nothing else changed
-            inst = pool.add_decoder(url, name)  # out of rotation until the check passes
-            self._swap(state, (*state.worker_names, name))
-            router.metrics.prime_instances(pool, (inst,))
-            router.metrics.pool_changes.inc(action="added")
+            inst = self._add_now(url, name, like)
             healthy = pool._session is not None and await pool.check(inst)
-        log.info("decoder %s (%s) added at index %d%s%s", name, url, inst.index,
+        self._log_added(inst, like, healthy)
+        return inst
+
+    async def apply_add(self, url: str, name: str, like: str | None, slot: int):
+        """A journal entry (``--workers``): add ``name`` at shared load slot ``slot``,
+        sharing the cluster of the decoder named ``like``."""
+        router = self.router
+        async with router._reload_lock:
+            k = self._index_of(like)
+            inst = self._add_now(url, name, k, slot)
+            healthy = router.pool._session is not None and await router.pool.check(inst)
+        self._log_added(inst, k, healthy)
+        return inst
+
+    def _add_now(self, url: str, name: str, like: int | None, slot: int | None = None):
+        router, pool = self.router, self.router.pool
+        if any(i.url == url or i.name == name for i in pool.decode):  # nothing changes
+            raise ValueError(f"decoder {name} ({url}) is already in the pool")
+        state = router.state
+        state.policy.add_worker(like=like)  # first: if it refuses, nothing else changed
+        if slot is not None:
+            pool.tracker.reserve(slot)  # the shared load table's column for it
+        inst = pool.add_decoder(url, name)  # out of rotation until the check passes
+        self._swap(state, (*state.worker_names, name))
+        router.metrics.prime_instances(pool, (inst,))
+        router.metrics.pool_changes.inc(action="added")
+        return inst
+
+    def _log_added(self, inst, like: int | None, healthy: bool) -> None:
+        state = self.router.state
+        log.info("decoder %s (%s) added at index %d%s%s", inst.name, inst.url, inst.index,
                  "" if like is None or "signature" not in state.policy.inputs else
                  f", sharing the cluster of {state.worker_names[like]} until a refit",
                  "" if healthy else f"; not healthy yet ({inst.last_error}), it takes "
                                     f"requests once a health check passes")
         self._tell_learner()
-        return inst
+
+    def _index_of(self, name: str | None) -> int | None:
+        inst = None if name is None else self._find(name)
+        return None if inst is None or inst.draining else inst.index
+
+    async def start_removal(self, name: str):
+        """Start removing ``name`` (:meth:`remove`; with ``--workers`` in every worker,
+        once the parent accepted it). Returns what ends once it is out of every pool."""
+        if self.link is None:
+            return self.remove(name)
+        seq = await self.link.drain(name)  # the parent knows the pool: 404, 409 from there
+        return asyncio.ensure_future(self.link.freed(seq))
 
     def remove(self, name: str) -> asyncio.Task:
         """Start draining decoder ``name`` (or return the drain already running); the task
         ends once it is out of the pool."""
-        self._check_elastic()
         running = self._drains.get(name)
         if running is not None:
             return running
@@ -220,6 +255,17 @@ class ElasticPool:
         if not any(not i.draining for i in self.router.pool.decode if i is not inst):
             raise ProxyError(409, f"{name} is the last decoder taking requests; add another "
                                   f"before removing it", code="last_decoder")
+        return self._start_drain(inst)
+
+    def apply_drain(self, name: str) -> asyncio.Task | None:
+        """A journal entry (``--workers``): drain ``name`` here (None: not in this pool)."""
+        inst = self._find(name)
+        if inst is None:
+            return None
+        return self._drains.get(name) or self._start_drain(inst)
+
+    def _start_drain(self, inst) -> asyncio.Task:
+        name = inst.name
         inst.draining = True
         self.router.metrics.pool_changes.inc(action="draining")
         log.info("decoder %s (%s) draining: no new requests, %d in flight", name, inst.url,
@@ -236,28 +282,35 @@ class ElasticPool:
             raise
         except Exception:  # a bug of ours: logged; the decoder stays draining (no traffic)
             log.exception("removing decoder %s failed; it stays draining", inst.name)
+            if self.link is not None:  # ?wait=true answers 500 in whichever worker
+                self.link.send({"op": "remove_failed", "name": inst.name})
 
     async def _drain_and_remove(self, inst) -> None:
         while inst.in_flight > 0:
             await asyncio.sleep(_DRAIN_POLL)
         router = self.router
         async with router._reload_lock:
-            state = router.state
-            k = inst.index
-            state.policy.remove_worker(k)  # first: if it refuses, nothing else changed
-            router.pool.remove_decoder(inst)
-            self._swap(state, state.worker_names[:k] + state.worker_names[k + 1:])
-            router.metrics.pool_changes.inc(action="removed")
+            self._remove_now(inst)
         log.info("decoder %s (%s) drained and removed; %d decoders left", inst.name, inst.url,
                  len(router.pool.decode))
+        if self.link is not None:
+            self.link.removed(inst.name)
         self._tell_learner()
+
+    def _remove_now(self, inst) -> None:
+        router = self.router
+        state = router.state
+        k = inst.index
+        state.policy.remove_worker(k)  # first: if it refuses, nothing else changed
+        router.pool.remove_decoder(inst)
+        self._swap(state, state.worker_names[:k] + state.worker_names[k + 1:])
+        router.metrics.pool_changes.inc(action="removed")
 
     async def sync_file(self) -> dict:
         """Re-read ``config.decoders_file`` and make the pool match it: its new URLs are
         added, decoders whose URL it no longer lists drain. Returns
         ``{"added": [names], "draining": [names]}``; raises ``ValueError``/``OSError`` for a
-        bad file (nothing changes) and ``ProxyError`` 409 with ``--workers`` > 1."""
-        self._check_elastic()
+        bad file (nothing changes)."""
         path = self.router.config.decoders_file
         specs = await asyncio.to_thread(read_decoders_file, path)
         listed = {u for _, u in specs}
@@ -276,7 +329,7 @@ class ElasticPool:
         for inst in list(self.router.pool.decode):
             if inst.url not in listed and not inst.draining:
                 try:
-                    self.remove(inst.name)
+                    await self.start_removal(inst.name)
                     draining.append(inst.name)
                 except ProxyError as exc:
                     log.error("decoders file: %s not removed: %s", inst.name, exc.message)

@@ -33,6 +33,10 @@ class LearnAdmin:
         if live is None:
             raise ProxyError(404, "this router does not learn: start eldr serve with "
                                   "--learn DIR", code="not_learning")
+        if not hasattr(live, "learner"):  # --workers N: it forwards to worker 0's learner
+            raise ProxyError(503, "with --workers N the learner runs in worker 0 and this "
+                                  "connection reached another worker: ask again on a new "
+                                  "connection", code="learner_elsewhere")
         return live.learner
 
     async def status(self, request):

@@ -8,6 +8,12 @@ the learner a record and the request's signature under the running artifact (for
 An accepted artifact is swapped in with the router's own reload (``Router.reload(path)``),
 so it is checked exactly like ``POST /admin/reload``. Learning metrics (``eldr_learn_*``)
 are registered on the router's registry and every stage is logged under ``eldr.learn``.
+
+With ``--workers N`` worker 0 has the :class:`LiveLearning`; the others have a
+:class:`ForwardLearning`, which reads each completed request the same way
+(:func:`read_parts`) and sends it to worker 0 through the parent (dropped, never waited
+for, when the learner falls behind); worker 0's swaps reach every worker through the pool
+journal (:mod:`eldr.proxy.poollink`) with the learned artifact's path.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from eldr.learn.config import LearnConfig
 from eldr.learn.controller import Learner, learned_artifact
 from eldr.proxy.signatures import _read_counts, split_kv_params
 
-__all__ = ["LiveLearning", "add_arguments", "config_from_args", "start_artifact"]
+__all__ = ["ForwardLearning", "LiveLearning", "add_arguments", "config_from_args",
+           "start_artifact"]
 
 log = logging.getLogger("eldr.learn")
 
@@ -169,48 +176,55 @@ class LiveLearning:
         self.requests.inc(result=result)
 
     def _collect(self, doc: dict, decoder: str, resp, decode) -> str:
+        parts = read_parts(self.router, doc, decoder, resp, decode,
+                           self.learner.buffer.shape)
+        return parts if isinstance(parts, str) else self._record(parts)
+
+    def on_forwarded(self, parts: dict) -> None:
+        """A completed request another worker read (:class:`ForwardLearning`)."""
+        try:
+            parts = {**parts, "counts": np.asarray(parts["counts"], np.int64)}
+            if parts["decode_counts"] is not None:
+                parts["decode_counts"] = np.asarray(parts["decode_counts"], np.int64)
+            result = self._record(parts)
+        except Exception:  # a bug of ours or a garbled record: logged, nothing else
+            log.exception("learn: recording a forwarded request failed")
+            result = "error"
+        self.requests.inc(result=result)
+
+    def _record(self, p: dict) -> str:
         router, buf = self.router, self.learner.buffer
-        _, payload = split_kv_params(doc)
-        shape = None if payload is not None else (router.state.shape or buf.shape)
-        counts = _read_counts(doc, payload, shape)
-        if counts.counts is None:
-            return "no_counts"
-        k = counts.top_k or router.state.top_k or buf.top_k
-        if k is None and counts.tokens:
-            total = int(counts.counts[0].sum())
-            k = total // counts.tokens if total % counts.tokens == 0 else None
+        counts, k, tokens = p["counts"], p["top_k"] or buf.top_k, p["tokens"]
+        if k is None and tokens:
+            total = int(counts[0].sum())
+            k = total // tokens if total % tokens == 0 else None
         if not k:
             return "unknown_top_k"
-        dec_counts = getattr(decode, "counts", None)
-        decoded = getattr(decode, "tokens", None)  # forward passes: generated tokens - 1
-        out = _answer_tokens(resp) or (decoded + 1 if isinstance(decoded, int) else None)
+        dec_counts, out = p["decode_counts"], p["output_tokens"]
         try:
-            record = make_record(counts.counts, top_k=k, decoder=decoder, time=time.time(),
-                                 tokens=counts.tokens, decode_counts=dec_counts,
-                                 output_tokens=out)
+            record = make_record(counts, top_k=k, decoder=p["decoder"], time=p["time"],
+                                 tokens=tokens, decode_counts=dec_counts, output_tokens=out)
         except ValueError:
             if dec_counts is None:
                 return "inconsistent"
             try:  # decode counts of another shape or top-k: the prompt's still count
-                record = make_record(counts.counts, top_k=k, decoder=decoder,
-                                     time=time.time(), tokens=counts.tokens,
-                                     output_tokens=out)
+                record = make_record(counts, top_k=k, decoder=p["decoder"], time=p["time"],
+                                     tokens=tokens, output_tokens=out)
             except ValueError:
                 return "inconsistent"
         if buf.top_k is None:
             buf.top_k = int(k)
             known = router.pool.models()
             buf.model = known[0] if known else "unknown"
-        elif buf.top_k != k or (buf.shape is not None and buf.shape != counts.counts.shape):
+        elif buf.top_k != k or (buf.shape is not None and buf.shape != counts.shape):
             return "other_model"
         state = router.state
         signature = None
-        if state.encoder is not None and counts.counts.shape == state.shape:
-            signature = np.asarray(state.encode(counts.counts), dtype=np.float64)
+        if state.encoder is not None and counts.shape == state.shape:
+            signature = np.asarray(state.encode(counts), dtype=np.float64)
         self.learner.observe(record, signature)
-        steps = getattr(decode, "steps", 0)
-        if steps:  # the engine-measured distinct experts per layer per step of its batches
-            self.learner.observe_steps(decoder, np.array([decode.mean_distinct]))
+        if p["steps"]:  # the engine-measured distinct experts per layer per step
+            self.learner.observe_steps(p["decoder"], np.array([p["mean_distinct"]]))
         return "collected"
 
     # -- events → metrics and log -----------------------------------------------------------
@@ -249,6 +263,55 @@ class LiveLearning:
             log.debug("learn: %s %s", name, info)
 
 
+def read_parts(router, doc: dict, decoder: str, resp, decode, shape=None) -> dict | str:
+    """What a completed request gives the learner (``counts`` (L, E), ``top_k`` or None,
+    ``tokens``, ``decoder``, ``output_tokens``, ``decode_counts`` (L, E) or None,
+    ``steps``, ``mean_distinct``, ``time``), or why nothing (``"no_counts"``). ``shape``:
+    the (L, E) expected when the routing state has none (vLLM's ``routed_experts``)."""
+    _, payload = split_kv_params(doc)
+    want = None if payload is not None else (router.state.shape or shape)
+    counts = _read_counts(doc, payload, want)
+    if counts.counts is None:
+        return "no_counts"
+    decoded = getattr(decode, "tokens", None)  # forward passes: generated tokens - 1
+    steps = getattr(decode, "steps", 0) or 0
+    return {"counts": counts.counts, "top_k": counts.top_k or router.state.top_k,
+            "tokens": counts.tokens, "decoder": decoder,
+            "output_tokens": _answer_tokens(resp) or
+            (decoded + 1 if isinstance(decoded, int) else None),
+            "decode_counts": getattr(decode, "counts", None), "steps": int(steps),
+            "mean_distinct": float(decode.mean_distinct) if steps else None,
+            "time": time.time()}
+
+
+class ForwardLearning:
+    """``router.learner`` of a worker that does not learn (``--workers N``, rows > 0): it
+    reads each completed request like :class:`LiveLearning` and sends it to the learning
+    worker through the parent (``send(msg)``: the worker's link, buffered, never waiting;
+    the parent drops records when the learner falls behind)."""
+
+    def __init__(self, router, send) -> None:
+        self.router, self._send = router, send
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def on_request_done(self, doc: dict, decoder: str, resp=None, decode=None) -> None:
+        try:
+            parts = read_parts(self.router, doc, decoder, resp, decode)
+            if isinstance(parts, str):
+                return
+            dec = parts["decode_counts"]
+            parts.update(counts=np.asarray(parts["counts"]).tolist(),
+                         decode_counts=None if dec is None else np.asarray(dec).tolist())
+            self._send({"op": "learn", "parts": parts})
+        except Exception:  # learning must not fail a request
+            log.exception("learn: forwarding a completed request failed")
+
+
 def configure(config, args: argparse.Namespace):
     """(serve config, learn config or None) from ``eldr serve``'s arguments: with
     ``--learn DIR`` and no ``--artifact``, the router starts with the artifact it learned
@@ -262,7 +325,23 @@ def configure(config, args: argparse.Namespace):
     return config, learn
 
 
-def attach(router, learn: LearnConfig | None) -> None:
-    """Give ``router`` a learner (nothing without ``--learn``)."""
-    if learn is not None:
+def attach(router, learn: LearnConfig | None, row: int | None = None) -> None:
+    """Give ``router`` a learner (nothing without ``--learn``). ``row``: the worker's row
+    with ``--workers N``: worker 0 learns, the others forward to it (their link's
+    ``send``, set up by :func:`attach_link`)."""
+    if learn is None:
+        return
+    if row is None or row == 0:
         router.learner = LiveLearning(router, learn)
+    else:
+        router.learner = ForwardLearning(router, lambda msg: None)
+
+
+def attach_link(router, link) -> None:
+    """Connect a worker's learner to its pool link (``--workers N``): forwarded records
+    reach worker 0's learner, the others' records leave through the link."""
+    if isinstance(router.learner, LiveLearning):
+        link.on_message = lambda msg: router.learner.on_forwarded(msg["parts"]) \
+            if msg.get("op") == "learn" else None
+    elif isinstance(router.learner, ForwardLearning):
+        router.learner._send = lambda msg: link.send(msg, droppable=True)

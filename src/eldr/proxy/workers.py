@@ -1,4 +1,5 @@
-"""``eldr serve --workers N``: N router processes on one port, sharing their decode loads.
+"""``eldr serve --workers N``: N router processes on one port, sharing their decode loads,
+their decoder pool and their artifact.
 
 Why processes: one Python process routes on one core (the GIL); a machine with more cores
 than one router process uses needs several, behind ONE address so clients and load
@@ -9,19 +10,31 @@ balancers see a single router. How they share it:
   With ``--port 0`` the parent binds first (same option, never listening) to learn a free
   port, and keeps it reserved while the workers run.
 - **Decode loads.** Policies route on each decoder's load, and a worker that saw only its
-  own requests would see 1/N of it. The in-flight counts live in one shared (N, K) int64
-  table (an anonymous shared mapping inherited through ``fork``); worker ``i`` writes only
-  its row ``i`` (no lock: one writer per cell), and every decision reads the column sums,
-  so each decoder's load is exactly the requests in flight there from ALL workers. An
-  engine scrape (``--scrape-interval``) still overrides a decoder's load the same way in
-  every worker (:class:`SharedLoadTracker`).
-- **Artifact reloads.** ``POST /admin/reload`` reaches one worker; after it succeeds there
-  the worker tells the parent (one byte on its pipe) and the parent sends ``SIGHUP`` to
-  every other worker, which re-reads the same artifact path. ``SIGHUP`` to the parent
-  reloads all of them.
+  own requests would see 1/N of it. The in-flight counts live in one shared (N, C) int64
+  table of decoder slots (an anonymous shared mapping inherited through ``fork``, C =
+  ``--decoder-slots``, default ``max(2K, K + 16)``: room for decoders added later);
+  worker ``i`` writes only its row ``i`` (no lock: one writer per cell), and every
+  decision reads the column sums of its decoders' slots, so each decoder's load is exactly
+  the requests in flight there from ALL workers (:mod:`eldr.proxy.sharedpool`). An engine
+  scrape (``--scrape-interval``) still overrides a decoder's load the same way in every
+  worker.
+- **The pool journal.** Decoder adds and removals (admin API, ``--decoders-file`` +
+  SIGHUP) and artifact reloads (``POST /admin/reload``, SIGHUP, a ``--learn`` swap with
+  its new path) are asked of the parent over each worker's socket; the parent checks and
+  numbers them (:class:`~eldr.proxy.sharedpool.PoolJournal`: names, URLs, a free zeroed
+  slot per add) and sends each to every worker, which apply them in that order
+  (:mod:`eldr.proxy.poollink`). A removed decoder drains in every worker; its slot is
+  free again once every worker removed it. ``SIGHUP`` to the parent makes one worker
+  re-read the decoders file and reload, through the journal.
+- **Learning.** With ``--learn DIR`` worker 0 learns (it owns DIR, the buffer and the
+  fit process); the other workers forward their completed requests to it through the
+  parent (bounded, dropped when it falls behind, never holding a request), so it learns
+  from all the traffic; its swaps reach every worker as journal reloads.
 - **Lifetime.** ``SIGTERM``/``SIGINT`` to the parent stop every worker; a worker that dies
-  is started again (its row of the load table zeroed first: its requests died with it),
-  unless it died within 5 s of its start (it cannot start: all stop, exit status 1).
+  is started again (its row of the load table zeroed first: its requests died with it;
+  it builds its router from the journal's base and replays the entries since), unless it
+  died within 5 s of its start (it cannot start: all stop, exit status 1). A worker whose
+  parent is gone stops.
 
 Per-worker, not shared: health checks and circuit breakers (each worker checks every
 engine itself; they agree within a health interval), the prefix-affinity table, metrics
@@ -31,9 +44,10 @@ sum, with ``--workers 1`` per port if exact per-router totals matter).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import logging
-import mmap
 import os
 import select
 import signal
@@ -41,90 +55,39 @@ import socket
 import sys
 import time
 
-import numpy as np
-
+from eldr.proxy.sharedpool import (
+    PoolJournal,
+    PoolRefused,
+    SharedLoads,
+    SharedLoadTracker,
+    default_capacity,
+)
 from eldr.routing.loads import LoadTracker
 
 __all__ = ["SharedLoadTracker", "SharedLoads", "make_tracker", "reserve_port", "run_workers"]
 
 log = logging.getLogger("eldr.serve")
 
-_current: tuple[SharedLoads, int] | None = None  # (table, this worker's row) in a worker
+# (table, this worker's row, its decoders' slots) in a worker
+_current: tuple[SharedLoads, int, list[int]] | None = None
 _MIN_LIFETIME = 5.0  # seconds: a worker ending sooner cannot start (port, artifact): stop
+_MAX_LINE = 16 << 20  # bytes of one message from a worker
+_MAX_FORWARD = 8 << 20  # bytes of learn records queued for the learner before dropping
 
 
-class SharedLoads:
-    """(N, K) int64 in-flight counts, plus (K,) engine-reported loads and the in-flight
-    sums at each report, in one anonymous shared mapping (created before ``fork``)."""
-
-    def __init__(self, num_workers: int, num_decoders: int) -> None:
-        self.num_workers, self.num_decoders = num_workers, num_decoders
-        n, k = num_workers, num_decoders
-        self._map = mmap.mmap(-1, 8 * (n * k + 3 * k))  # MAP_SHARED | MAP_ANONYMOUS
-        buf = np.frombuffer(self._map, dtype=np.int64)
-        self.in_flight = buf[: n * k].reshape(n, k)  # (N, K) rows: one per worker
-        tail = np.frombuffer(self._map, dtype=np.float64, offset=8 * n * k)
-        self.reported = tail[:k]  # (K,) engine load at the last scrape
-        self.at_report = tail[k: 2 * k]  # (K,) in-flight sum when it was reported
-        self.has_report = tail[2 * k:]  # (K,) 1.0 once a scrape reported the decoder
-
-    def clear_row(self, row: int) -> None:
-        self.in_flight[row] = 0
-
-
-class SharedLoadTracker(LoadTracker):
-    """A :class:`~eldr.routing.loads.LoadTracker` whose loads are every worker's.
-
-    ``loads[k]`` = the requests all workers have in flight at decoder ``k`` or, once an
-    engine scrape reported ``k``, that report plus the in-flight change since (never
-    below 0), as in one process. Health is this worker's own (``healthy``).
-    """
-
-    def __init__(self, table: SharedLoads, row: int) -> None:
-        self.num_workers = table.num_decoders
-        self.healthy = np.ones(self.num_workers, dtype=bool)
-        self._table, self._row = table, table.in_flight[row]
-
-    @property
-    def loads(self) -> np.ndarray:  # (K,) float64, fresh on every read
-        t = self._table
-        total = t.in_flight.sum(axis=0).astype(np.float64)
-        if not t.has_report.any():
-            return total
-        scraped = np.maximum(t.reported + total - t.at_report, 0.0)
-        return np.where(t.has_report > 0, scraped, total)
-
-    def add_worker(self) -> int:
-        raise ValueError("the shared load table is sized at start-up: the decoder pool "
-                         "cannot change with --workers > 1")
-
-    def remove_worker(self, worker: int) -> None:
-        self.add_worker()  # the same refusal
-
-    def on_dispatch(self, worker: int) -> None:
-        self._row[self._index(worker)] += 1
-
-    def on_complete(self, worker: int) -> None:
-        k = self._index(worker)
-        if self._row[k] > 0:
-            self._row[k] -= 1
-
-    def report(self, worker: int, load: float) -> None:
-        load = float(load)
-        if not np.isfinite(load) or load < 0:
-            raise ValueError(f"reported load for worker {worker} must be finite and >= 0, "
-                             f"got {load}")
-        k, t = self._index(worker), self._table
-        t.at_report[k] = float(t.in_flight[:, k].sum())
-        t.reported[k] = load
-        t.has_report[k] = 1.0
+def current_row() -> int | None:
+    """This process's worker row inside ``run_workers`` (None elsewhere)."""
+    return None if _current is None else _current[1]
 
 
 def make_tracker(num_decoders: int) -> LoadTracker:
     """The pool's tracker: shared across workers inside ``run_workers``, else local."""
-    if _current is not None and _current[0].num_decoders == num_decoders:
-        return SharedLoadTracker(*_current)
-    return LoadTracker(num_decoders)
+    if _current is None:
+        return LoadTracker(num_decoders)
+    if len(_current[2]) != num_decoders:
+        raise ValueError(f"a worker's pool of {num_decoders} decoders does not match its "
+                         f"{len(_current[2])} shared load slots")
+    return SharedLoadTracker(*_current)
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -142,17 +105,122 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
-def run_workers(config, make_router, serve, *, ready=None) -> int:
+class _Child:
+    """The parent's handle on one worker: its pid and socket, with byte buffers."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self.sock = pid, sock
+        self.inbox, self.outbox = bytearray(), bytearray()
+        self.eof = False
+        self.started = time.monotonic()
+
+    def send(self, msg: dict) -> None:
+        self.outbox += json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+
+
+class _Parent:
+    """Messages of the workers → the journal → messages to the workers."""
+
+    def __init__(self, journal: PoolJournal, children: dict[int, _Child]) -> None:
+        self.journal, self.children = journal, children
+        self.dropped = 0  # learn records not forwarded (the learner fell behind)
+
+    def broadcast(self, msg: dict) -> None:
+        for child in self.children.values():
+            child.send(msg)
+
+    def receive(self, row: int, child: _Child) -> None:
+        try:
+            data = child.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            child.eof = True  # it is ending: reaped below
+            return
+        child.inbox += data
+        while True:
+            line, sep, rest = child.inbox.partition(b"\n")
+            if not sep:
+                if len(child.inbox) > _MAX_LINE:
+                    log.error("worker %d sent a message over %d bytes: dropped", row,
+                              _MAX_LINE)
+                    child.inbox.clear()
+                return
+            child.inbox = bytearray(rest)
+            try:
+                self.handle(row, json.loads(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("worker %d sent a bad message (%s): ignored", row, exc)
+
+    def handle(self, row: int, msg: dict) -> None:
+        op, journal = msg["op"], self.journal
+        if op == "learn":
+            learner = self.children.get(0)
+            if learner is None or row == 0 or len(learner.outbox) > _MAX_FORWARD:
+                self.dropped += 1
+            else:
+                learner.send(msg)
+            return
+        if op == "removed":
+            freed = journal.removed(msg["name"], row)
+            if freed is not None:
+                log.info("decoder %s removed by every worker: slot %d is free", freed["name"],
+                         freed["slot"])
+                self.broadcast({"op": "freed", **freed})
+            return
+        if op == "remove_failed":  # a bug in that worker: its slot stays taken
+            pending = journal.pending.get(msg["name"])
+            if pending is not None:
+                self.broadcast({"op": "freed", "name": msg["name"], "seq": pending["seq"],
+                                "failed": True})
+            return
+        if op == "reloaded":
+            journal.reloaded(int(msg["seq"]), msg["artifact"], msg["names"])
+            return
+        origin = {"origin": row, "id": msg["id"]}
+        try:
+            if op == "add":
+                entry = journal.add(msg["url"], msg.get("name"), msg.get("like"))
+            elif op == "drain":
+                entry = journal.drain(msg["name"], self.children)
+                if isinstance(entry, int):  # already draining: wait for that one
+                    self.children[row].send({"op": "joined", "seq": entry, **origin})
+                    return
+            elif op == "reload":
+                entry = journal.reload(msg.get("artifact"))
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except PoolRefused as exc:
+            self.children[row].send({"op": "refused", "status": exc.status, "code": exc.code,
+                                     "message": str(exc), **origin})
+            return
+        self.broadcast({**entry, **origin})
+
+    def forget(self, row: int) -> None:
+        """Worker ``row`` is (re)starting: no draining decoder waits for it any more."""
+        for freed in self.journal.forget_row(row):
+            self.broadcast({"op": "freed", **freed})
+
+
+def run_workers(config, make_router, serve, *, ready=None, names=None,
+                capacity: int | None = None) -> int:
     """Run ``config.workers`` router processes on ``config.host:config.port``; returns the
     exit status when stopped (0 after SIGTERM/SIGINT, 1 when a worker could not start).
-    ``make_router()`` builds one worker's :class:`~eldr.proxy.app.Router` (called in each
-    worker, after ``fork``); ``serve`` is :func:`eldr.commands.serve.serve`; ``ready(port)``
-    is called in the parent once the port is known."""
+    ``make_router(config, row)`` builds one worker's :class:`~eldr.proxy.app.Router`
+    (called in each worker, after ``fork``); ``serve`` is
+    :func:`eldr.commands.serve.serve`; ``ready(port)`` is called in the parent once the
+    port is known. ``names``: the decoders' names (default: ``config.decode_ids``, else
+    ``decode-K``); ``capacity``: decoder slots (default ``max(2K, K + 16)``)."""
     if not hasattr(socket, "SO_REUSEPORT") or not hasattr(os, "fork"):
         raise ValueError("--workers > 1 needs SO_REUSEPORT and fork (Linux, BSD, macOS)")
-    n = config.workers
+    n, k = config.workers, len(config.decode_urls)
+    names = list(names or config.decode_ids or (f"decode-{i}" for i in range(k)))
+    capacity = default_capacity(k) if capacity is None else capacity
+    table = SharedLoads(n, capacity)
+    journal = PoolJournal(names, config.decode_urls, capacity, config.artifact, table)
     holder, port = reserve_port(config.host, config.port)
-    table = SharedLoads(n, len(config.decode_urls))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     pending: list[int] = []
@@ -166,33 +234,41 @@ def run_workers(config, make_router, serve, *, ready=None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal)
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    children: dict[int, tuple[int, int]] = {}  # row -> (pid, read end of its relay pipe)
-    started: dict[int, float] = {}  # row -> when its worker was started
+    children: dict[int, _Child] = {}
+    parent = _Parent(journal, children)
 
     def spawn(row: int) -> None:
         table.clear_row(row)
-        r, w = os.pipe()
+        parent.forget(row)
+        mine, theirs = socket.socketpair()
+        base = journal.base
+        cfg = dataclasses.replace(config, artifact=base["artifact"],
+                                  decode_urls=tuple(base["urls"]),
+                                  decode_ids=tuple(base["names"]))
         pid = os.fork()
         if pid == 0:  # the worker
             status = 1
             try:
-                os.close(r)
+                mine.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                for _, (_, fd) in children.items():
-                    os.close(fd)
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                for child in children.values():
+                    child.sock.close()
+                for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
-                status = _worker_main(make_router, serve, table, row, port, w)
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve handles it
+                status = _worker_main(make_router, serve, cfg, table, row,
+                                      list(base["slots"]), list(journal.entries), port,
+                                      theirs)
             except BaseException:  # a worker must never return into the parent's loop
                 log.exception("worker %d failed", row)
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(status)
-        os.close(w)
-        children[row] = (pid, r)
-        started[row] = time.monotonic()
+        theirs.close()
+        mine.setblocking(False)
+        children[row] = _Child(pid, mine)
 
     for row in range(n):
         spawn(row)
@@ -203,87 +279,106 @@ def run_workers(config, make_router, serve, *, ready=None) -> int:
     stopping, exit_status = False, 0
     try:
         while children:
-            fds = [wake_r, *(fd for _, fd in children.values())]
+            reading = {c.sock: row for row, c in children.items() if not c.eof}
+            writing = {c.sock: c for c in children.values() if c.outbox and not c.eof}
             try:
-                readable, _, _ = select.select(fds, [], [], 0.5)
+                readable, writable, _ = select.select([wake_r, *reading], list(writing), [],
+                                                      0.5)
             except InterruptedError:
-                readable = []
+                readable, writable = [], []
             if wake_r in readable:
                 os.read(wake_r, 4096)
-            for row, (_, fd) in list(children.items()):
-                if fd in readable:
-                    data = os.read(fd, 4096)
-                    if data:  # a worker reloaded on the admin API: the others follow
-                        _signal_all(children, signal.SIGHUP, but=row)
+            for sock in readable:
+                if sock in reading:
+                    parent.receive(reading[sock], children[reading[sock]])
+            for sock in writable:
+                child = writing[sock]
+                try:
+                    del child.outbox[:sock.send(child.outbox)]
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    child.eof = True
             while pending:
                 sig = pending.pop(0)
-                if sig == signal.SIGHUP:
-                    _signal_all(children, signal.SIGHUP)
-                else:
+                if sig == signal.SIGHUP and children:  # one worker syncs the file + reloads
+                    children[min(children)].send({"op": "hangup"})
+                elif sig != signal.SIGHUP:
                     stopping = True
                     _signal_all(children, signal.SIGTERM)
-            for row, (pid, fd) in list(children.items()):
+            for row, child in list(children.items()):
                 try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
+                    done, status = os.waitpid(child.pid, os.WNOHANG)
                 except ChildProcessError:
-                    done, status = pid, 0
+                    done, status = child.pid, 0
                 if done == 0:
                     continue
-                os.close(fd)
+                child.sock.close()
                 del children[row]
                 if stopping:
                     continue
-                if time.monotonic() - started[row] < _MIN_LIFETIME:  # it cannot start: stop
+                if time.monotonic() - child.started < _MIN_LIFETIME:  # it cannot start
                     log.error("worker %d (pid %d) ended at start-up (status %d): stopping",
-                              row, pid, status)
+                              row, child.pid, status)
                     stopping, exit_status = True, 1
                     _signal_all(children, signal.SIGTERM)
                     continue
                 log.error("worker %d (pid %d) ended (status %d): starting it again",
-                          row, pid, status)
+                          row, child.pid, status)
                 spawn(row)
     finally:
         if children:
             _signal_all(children, signal.SIGKILL)
+            for child in children.values():
+                child.sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         holder.close()
         os.close(wake_r)
         os.close(wake_w)
+    if parent.dropped:
+        log.info("%d learn records were not forwarded (the learner fell behind)",
+                 parent.dropped)
     return exit_status
 
 
-def _signal_all(children: dict[int, tuple[int, int]], sig: int, but: int | None = None
-                ) -> None:
-    for row, (pid, _) in children.items():
-        if row != but:
-            try:
-                os.kill(pid, sig)
-            except OSError as exc:  # already gone: reaped on the next round
-                if exc.errno != errno.ESRCH:
-                    raise
+def _signal_all(children: dict[int, _Child], sig: int) -> None:
+    for child in children.values():
+        try:
+            os.kill(child.pid, sig)
+        except OSError as exc:  # already gone: reaped on the next round
+            if exc.errno != errno.ESRCH:
+                raise
 
 
-def _worker_main(make_router, serve, table: SharedLoads, row: int, port: int,
-                 relay_fd: int) -> int:
-    """One worker: its router, its own listening socket, reloads relayed to the parent."""
+def _worker_main(make_router, serve, config, table: SharedLoads, row: int,
+                 slots: list[int], entries: list[dict], port: int, sock) -> int:
+    """One worker: its router (from the journal's base, then its entries replayed), its
+    own listening socket, its link to the parent."""
     import asyncio
 
+    from eldr.proxy.learning import attach_link
+    from eldr.proxy.poollink import PoolLink
+
     global _current
-    _current = (table, row)
-    router = make_router()  # its pool's tracker is the shared one (make_tracker)
-    own_reload = router.reload
+    _current = (table, row, slots)
+    router = make_router(config, row)  # its pool's tracker is the shared one (make_tracker)
+    link = PoolLink(router, sock, row, router.reload)
+    link.replay(entries)
+    attach_link(router, link)  # --learn: worker 0 learns, the others forward to it
+    router.reload = link.reload  # what the admin API and a learner's swap call
 
-    async def reload_and_relay():
-        state = await own_reload()
-        os.write(relay_fd, b"r")  # the parent sends SIGHUP to the other workers
-        return state
+    async def main() -> None:
+        await link.start()
+        try:
+            await serve(router, port=port, reuse_port=True, reload=link.reload)
+        finally:
+            await link.stop()
 
-    router.reload = reload_and_relay  # what the admin API calls
     try:
         import uvloop
     except ModuleNotFoundError:
-        asyncio.run(serve(router, port=port, reuse_port=True, reload=own_reload))
+        asyncio.run(main())
     else:
-        uvloop.run(serve(router, port=port, reuse_port=True, reload=own_reload))
+        uvloop.run(main())
     return 0
