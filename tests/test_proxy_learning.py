@@ -191,6 +191,7 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
     (``--learn-min-requests 40``); the swap reaches both workers with the learned path."""
     import json
     import os
+    import re
     import signal
     import socket
     import subprocess
@@ -274,6 +275,12 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
     assert learner_pages, log  # worker 0 answered at least one of the 12 scrapes
     # all 40 requests reached worker 0's buffer: its own and worker 1's forwarded
     assert all('eldr_learn_requests_total{result="collected"} 40' in p for p in learner_pages)
+    forwarder_pages = [p for p in pages if "eldr_learn_swaps_total" not in p]
+    assert forwarder_pages, log  # worker 1 answered some: it counts what it forwarded
+    for page in forwarder_pages:
+        sent = re.search(r'^eldr_learn_forwarded_total\{result="sent"\} (\S+)$', page, re.M)
+        assert sent and 0 < float(sent.group(1)) < 40, page[-2000:]
+        assert 'eldr_learn_forwarded_total{result="dropped"} 0.0' in page
     assert sum('eldr_artifact_reloads_total{result="ok"} 1.0' in p for p in pages) == 12
     assert (200, 40) in status and all(s == (200, 40) or (s[0] == 503 and "worker 0" in s[1])
                                        for s in status), status

@@ -292,6 +292,11 @@ class ForwardLearning:
 
     def __init__(self, router, send) -> None:
         self.router, self._send = router, send
+        self.forwarded = router.metrics.registry.counter(
+            "eldr_learn_forwarded_total", "Completed requests this worker sent to the "
+            "learning worker (--workers N), by result (sent; dropped: the link to the "
+            "parent was full or closed; or why the request was not collected).", ("result",))
+        self.forwarded.prime(("sent",), ("dropped",))
 
     async def start(self) -> None:
         pass
@@ -303,11 +308,13 @@ class ForwardLearning:
         try:
             parts = read_parts(self.router, doc, decoder, resp, decode)
             if isinstance(parts, str):
+                self.forwarded.inc(result=parts)
                 return
             dec = parts["decode_counts"]
             parts.update(counts=np.asarray(parts["counts"]).tolist(),
                          decode_counts=None if dec is None else np.asarray(dec).tolist())
-            self._send({"op": "learn", "parts": parts})
+            sent = self._send({"op": "learn", "parts": parts})
+            self.forwarded.inc(result="dropped" if sent is False else "sent")
         except Exception:  # learning must not fail a request
             log.exception("learn: forwarding a completed request failed")
 

@@ -85,15 +85,17 @@ class PoolLink:
             log.info("worker %d: %d learn records were not forwarded (the parent fell "
                      "behind)", self.row, self.dropped)
 
-    def send(self, msg: dict, *, droppable: bool = False) -> None:
-        """One message to the parent (buffered by the transport, never blocking).
-        ``droppable`` (a learn record): dropped while more than ``MAX_BACKLOG`` bytes wait."""
+    def send(self, msg: dict, *, droppable: bool = False) -> bool:
+        """One message to the parent (buffered by the transport, never blocking); False
+        when it was not sent. ``droppable`` (a learn record): dropped while more than
+        ``MAX_BACKLOG`` bytes wait."""
         if self._writer is None or self._writer.is_closing():
-            return
+            return False
         if droppable and self._writer.transport.get_write_buffer_size() > MAX_BACKLOG:
             self.dropped += 1
-            return
+            return False
         self._writer.write(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+        return True
 
     async def _read(self, reader) -> None:
         try:
