@@ -279,3 +279,48 @@ def test_the_base_policy_takes_no_engine_footprint():
     jsq = make_policy("jsq", num_workers=2)
     assert jsq.engine_footprint_shape is None
     assert jsq.observe_engine(0, np.zeros((1, 4)), 0.0, 1.0) is False
+
+
+def test_a_live_engine_row_is_the_online_memory_term_shared_by_every_replica():
+    # two replicas sent decoder 0 different requests: their own memories differ, the
+    # engine's reading (its whole batch) is the same for both, and so is the memory term
+    clock = _Clock()
+    a, b = (CostPolicy(2, num_layers=1, num_experts=4, clock=clock) for _ in range(2))
+    a.on_dispatch(_req("a", [0.9, 0.9, 0, 0]), 0)
+    b.on_dispatch(_req("b", [0, 0, 0.9, 0.9]), 0)
+    x, loads = _req("x", [0.5, 0.4, 0.2, 0.1]), np.array([3.0, 0.0])
+    p = x.profile.reshape(-1)
+    assert a.footprint.added_typical(p)[0] != pytest.approx(b.footprint.added_typical(p)[0])
+    f = np.array([[0.8, 0.6, 0.4, 0.2]], np.float32)
+    for pol in (a, b):
+        assert pol.observe_engine(0, f, 0.0, 2.0)
+    np.testing.assert_allclose(a.footprint.added_typical(p)[0], (1 - f.reshape(-1)) @ p,
+                               rtol=1e-6)  # S̄ = exp(n · log(1 − f) / n) = 1 − f
+    np.testing.assert_allclose(a.footprint.added_typical(p), b.footprint.added_typical(p))
+    # J = D + (n+1)·ΔD + w·n·ΔD̄ with S = min(S_own, 1 − f), S̄ = 1 − f, w = 0.5
+    s = np.minimum(np.exp(a.footprint.log_miss[0]), 1 - f.reshape(-1))
+    want = (4 - s.sum()) + 4 * (s @ p) + 0.5 * 3 * ((1 - f.reshape(-1)) @ p)
+    assert a.costs(x.profile, loads)[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_an_expired_engine_row_gives_the_memory_term_back_to_the_replica():
+    pol, clock = (lambda c: (CostPolicy(2, num_layers=1, num_experts=4, clock=c), c))(_Clock())
+    plain = CostPolicy(2, num_layers=1, num_experts=4)
+    for p in (pol, plain):
+        p.on_dispatch(_req("a", [0.9, 0.9, 0, 0]), 0)
+    x, loads = _req("x", [0.5, 0, 0.5, 0]), np.array([2.0, 1.0])
+    assert pol.observe_engine(0, np.ones((1, 4)), 0.0, 1.0)  # f = 1: no log, no clip needed
+    assert pol.footprint.added_typical(x.profile.reshape(-1))[0] == 0.0
+    clock.t = 1.5
+    pol.decide(x, loads)
+    np.testing.assert_array_equal(pol.costs(x.profile, loads), plain.costs(x.profile, loads))
+
+
+def test_fitted_decoder_profiles_keep_their_memory_term_under_an_engine_row():
+    dp = np.log1p(-np.array([[[0.9, 0.9, 0, 0]], [[0, 0, 0.9, 0.9]]], np.float32))
+    pol = CostPolicy(2, num_layers=1, num_experts=4, decoder_profiles=dp, clock=_Clock())
+    pol.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 0)
+    p = np.array([0.5, 0.5, 0.5, 0.5], np.float32)
+    before = pol.footprint.added_typical(p)
+    assert pol.observe_engine(0, np.full((1, 4), 0.5), 0.0, 2.0)
+    np.testing.assert_array_equal(pol.footprint.added_typical(p), before)

@@ -42,7 +42,8 @@ longer batch.
 With several router replicas, each holds only its own share of a decoder's requests; a
 decode engine's own reading of its footprint (:mod:`eldr.routing.engine_rows`,
 :meth:`CostPolicy.observe_engine`) joins as ``S_d = min(S_own, 1 − f_engine)`` until it
-expires. With no engine reading the policy is exactly the one above.
+expires; with the online memory it also replaces the memory term, ``S̄_d = 1 − f``.
+With no engine reading the policy is exactly the one above.
 """
 
 from __future__ import annotations
@@ -246,8 +247,12 @@ class ExpertFootprint:
         return self.miss @ profile.reshape(-1)
 
     def added_typical(self, profile: np.ndarray) -> np.ndarray:
-        """(K,) experts ``profile`` adds to a batch of d's usual requests (memory > 0)."""
-        return self.typical_miss @ profile.reshape(-1)
+        """(K,) experts ``profile`` adds to a batch of d's usual requests (memory > 0); a
+        live engine row replaces the online memory (:meth:`EngineRows.added_typical`)."""
+        own = self.typical_miss @ profile.reshape(-1)
+        if self.engine is None or self._keep == 1.0:  # no readings, or fitted profiles
+            return own
+        return self.engine.added_typical(own, profile)
 
 
 class CostPolicy(PolicyBase):

@@ -17,6 +17,24 @@ A reading is only good for a while: the caller says how long (``max_age_s``: a f
 intervals in the router) and how old it already is (``age_s``). Past that, the row is
 dropped and the policy routes on its own share alone, exactly as with no engine data; an
 engine that went idle or unreachable therefore never pins its last busy footprint.
+
+The same reading also stands in for the policy's *online* memory term (the "typical"
+batch ``S̄_d = exp(n_d · m_d)``, ``m_d`` a decayed mean of ``log(1 − p)`` over the requests
+this replica sent d), which each replica otherwise builds from its own dispatches only.
+The engine's batch of ``n̄`` requests over its window gives ``1 − f ≈ Π_r (1 − p_r) ≈
+exp(n̄ · m)``, so its per-request typical log-miss is ``m ≈ log(1 − f) / n̄``. The term
+wants a batch of ``n_d`` = the router's load for d (running + waiting at the scrape plus
+this replica's moves since: all replicas' requests), the same number it is weighed by;
+and that load is also the router's only estimate of ``n̄`` (the footprint document
+carries the window and its step count, no batch size). Dividing and multiplying by the
+same ``n`` cancels: ``S̄_d = 1 − f``, the engine's own miss row, shared by every replica.
+No logarithm is taken, so ``f = 1`` needs no clip (the batch selects that expert at every
+step: x adds nothing there). Another divisor (the scrape-time running count) would only
+scale the exponent by ``n_d / n̄``, off by this replica's moves since the scrape. By
+Jensen the mean over steps of ``exp(n_t·m)`` is at least ``exp(n̄·m)``: with a batch that
+varies over the window, ``1 − f`` slightly overstates the miss. A fitted memory (the
+artifact's cluster profiles, identical in every replica already) is left alone; an
+expired row falls back to the replica's own memory, exactly.
 """
 
 from __future__ import annotations
@@ -66,6 +84,17 @@ class EngineRows:
         self.live[gone] = False
         self.miss[gone] = 1.0
         return [int(d) for d in gone]
+
+    def added_typical(self, own: np.ndarray, profile: np.ndarray) -> np.ndarray:
+        """(K,) float32 experts ``profile`` (n,) adds to a batch of each decoder's usual
+        requests: ``own`` (K,) (this replica's online memory) where no row is live, the
+        engine's ``(1 − f) · profile`` where one is (module docstring). ``own`` is
+        returned unchanged when none is live."""
+        if not self.live.any():
+            return own
+        out = np.array(own, dtype=np.float32)
+        out[self.live] = self.miss[self.live] @ profile.reshape(-1)
+        return out
 
     def add_worker(self) -> None:
         """A new decoder: no reading yet."""
