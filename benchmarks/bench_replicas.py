@@ -10,7 +10,11 @@ invisible). Three routings, each on the same arrivals (common random numbers):
 - ``cost own``: ``eldr_cost`` on its own share of each decoder's footprint only (today's
   router without engine data);
 - ``cost blend``: ``eldr_cost`` with each decoder's engine footprint blended in at every
-  scrape (``min(S_own, 1 − f)``, :mod:`eldr.routing.engine_rows`);
+  scrape (``min(S_own, 1 − f)``, :mod:`eldr.routing.engine_rows`), and, with the online
+  memory, its memory term taken from the same reading (``S̄_d = 1 − f``, shared by every
+  replica): the policy as shipped;
+- ``blend own-mem``: the same blend with each replica's memory term kept its own (the
+  policy before the memory term was derived from the engine reading), for comparison;
 - ``cost shared`` (a diagnostic, not something the router does): the same blend, but
   with the product of the *predicted* profiles of every request in flight at the decoder
   (all replicas') at the scrape instead of the engine's measured footprint; it separates
@@ -29,9 +33,9 @@ scrape its reading goes through the wire format (``encode_engine_footprint`` →
 
 Reported per routing, after a warm-up, mean over seeds: the distinct experts per layer of
 one decode step (mean over decoder-steps with a non-empty batch; what a step streams) and
-the load imbalance (mean over steps of max / mean batch size). Ratios are against JSQ and
-blend against own, in the same run. Nothing is tuned for either cost variant: both run
-``CostPolicy``'s defaults.
+the load imbalance (mean over steps of max / mean batch size). Ratios are against JSQ, and
+blend against own and against ``blend own-mem``, in the same run. Nothing is tuned for any
+cost variant: all run ``CostPolicy``'s defaults (``--memory`` aside).
 
 Run: ``python benchmarks/bench_replicas.py [--decoders 4] [--batch 8 16] [--steps 2000]``.
 """
@@ -52,7 +56,7 @@ from eldr.routing import CostPolicy, RouteRequest, make_policy, prefill_profile
 from eldr.traces.trace import load
 
 STEP_S = 0.025  # seconds per decode step (the policies' clock; only ratios matter)
-ROUTINGS = ("jsq", "cost own", "cost blend", "cost shared")
+ROUTINGS = ("jsq", "cost own", "blend own-mem", "cost blend", "cost shared")
 
 
 class _Requests:
@@ -74,7 +78,11 @@ class _Requests:
 def _policy(name: str, K: int, reqs: _Requests, clock, options: dict):
     if name == "jsq":
         return make_policy("jsq", num_workers=K)
-    return CostPolicy(K, num_layers=reqs.L, num_experts=reqs.E, clock=clock, **options)
+    pol = CostPolicy(K, num_layers=reqs.L, num_experts=reqs.E, clock=clock, **options)
+    if name == "blend own-mem":  # the memory term from this replica's dispatches only
+        fp = pol.footprint
+        fp.added_typical = lambda p: fp.typical_miss @ p.reshape(-1)
+    return pol
 
 
 def run(reqs: _Requests, *, K: int, R: int, batch: float, steps: int, scrape: int,
@@ -100,9 +108,9 @@ def _simulate(reqs, routing, *, K, R, arrivals, picks, replica_of, scrape, windo
               options):
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731  (the policies' time: simulated seconds)
-    policies = [_policy("jsq" if routing == "jsq" else "eldr_cost", K, reqs, clock, options)
-                for _ in range(R)]
-    blend, shared = routing == "cost blend", routing == "cost shared"
+    policies = [_policy(routing, K, reqs, clock, options) for _ in range(R)]
+    blend = routing in ("cost blend", "blend own-mem")
+    shared = routing == "cost shared"
     engines = [Footprint(window, reqs.L, reqs.E) for _ in range(K)]
     running: list[list[list]] = [[] for _ in range(K)]  # per decoder: [rid, req, pos, rep]
     reported = np.zeros((R, K))  # engine loads at the last scrape, per replica
@@ -193,8 +201,8 @@ def main() -> None:
     print("D: distinct experts per layer per decode step; D_tok: the same per decode "
           "token (weighted by batch size: what a token waits for); imb: mean max/mean batch")
     print(f"{'batch':>5} {'R':>2}  " + "  ".join(f"{r:>22}" for r in ROUTINGS)
-          + "   D_tok ratios: own/jsq blend/jsq blend/own [min..max over seeds] "
-          "shared/own")
+          + "   D_tok ratios: own/jsq own-mem/jsq blend/jsq blend/own blend/own-mem "
+          "[min..max over seeds] shared/own")
     print(f"{'':>8}  " + "  ".join(f"{'D  D_tok   imb':>22}" for _ in ROUTINGS))
     for batch in args.batch:
         for R in args.replicas:
@@ -206,11 +214,15 @@ def main() -> None:
             tok = {r: np.array([x[r][1] for x in runs]) for r in ROUTINGS}
             cells = "  ".join(f"{m[0]:6.2f} {m[1]:6.2f} {m[2]:5.2f}" for m in
                               (mean[r] for r in ROUTINGS))
-            blend_own = tok["cost blend"] / tok["cost own"]
+            blend_own = np.mean(tok["cost blend"] / tok["cost own"])
+            blend_old = tok["cost blend"] / tok["blend own-mem"]
             shared_own = np.mean(tok["cost shared"] / tok["cost own"])
             print(f"{batch:5.0f} {R:2d}  {cells}   {np.mean(tok['cost own'] / tok['jsq']):7.3f} "
-                  f"{np.mean(tok['cost blend'] / tok['jsq']):9.3f} {blend_own.mean():9.3f} "
-                  f"[{blend_own.min():.3f}..{blend_own.max():.3f}] {shared_own:10.3f}")
+                  f"{np.mean(tok['blend own-mem'] / tok['jsq']):11.3f} "
+                  f"{np.mean(tok['cost blend'] / tok['jsq']):9.3f} {blend_own:9.3f} "
+                  f"{blend_old.mean():13.3f} [{blend_old.min():.3f}..{blend_old.max():.3f}] "
+                  f"{shared_own:10.3f}")
+
 
 if __name__ == "__main__":
     main()
