@@ -137,3 +137,34 @@ def test_calibrate_only_job_returns_a_detector(tmp_path):
                              drift={"window": 50}, fit=False))
     assert out.detector is not None and out.detector.is_calibrated
     assert not out.accepted and not (tmp_path / "x").exists()
+
+
+def test_a_small_refit_is_validated_by_cross_validation_and_kept_fitted_on_all(tmp_path):
+    """40 requests (a drift refit at min_requests 40): a single split would hold out 10;
+    k-fold cross-validation scores every request once, the candidate kept is fitted on all
+    40, and the pooled figures are the folds' (a ratio of summed distinct experts)."""
+    from eldr.learn import refit
+
+    rng = np.random.default_rng(7)
+    old = records(rng, mix(rng, 160, (1, 1, 0, 0)))
+    new = records(rng, mix(rng, 40, (0, 0, 1, 1)))  # the traffic moved to two other domains
+    trace, known = records_to_trace(old, model="s", top_k=K)
+    artifact_io.save(fit_candidate(trace, known, worker_ids=IDS), tmp_path / "running")
+    out = run_fit_job(FitJob(records=new, model="s", top_k=K, worker_ids=IDS,
+                             output=str(tmp_path / "cand"), current=str(tmp_path / "running"),
+                             drift=None))
+    assert "validated by 4-fold cross-validation (40 requests)" in out.notes
+    assert out.accepted, out.reasons
+    assert sum(out.candidate["sizes"]) == 40 and out.candidate["rho_n"] == 40
+    assert out.candidate["score"] < min(1.0, out.current["score"] + 0.01)
+    kept = artifact_io.load(out.artifact)
+    assert kept.fit_stats["num_requests"] == 40  # fitted on every request, not 30
+    # the pooled score is the ratio of the summed figures, not a mean of ratios
+    a = Evaluation(0.5, 5.0, 10.0, 1.0, (3, 2), 0.4, 5)
+    b = Evaluation(0.9, 18.0, 20.0, 2.0, (1, 4), None, None)
+    pooled = refit._pooled([a, b], [5, 5])
+    assert pooled.score == (5.0 + 18.0) / (10.0 + 20.0) and pooled.sizes == (7, 3)
+    assert pooled.balance == 7 / 5 and pooled.rho == 0.4 and pooled.rho_n == 5
+    big = run_fit_job(FitJob(records=old + new, model="s", top_k=K, worker_ids=IDS,
+                             output=str(tmp_path / "big"), current=None, drift=None))
+    assert not any("cross-validation" in n for n in big.notes)  # 50 held out: one split
