@@ -224,3 +224,49 @@ def test_what_it_does_not_do_goes_to_aiohttp():
     assert "params" in fb.calls[1][2] and fb.calls[2][0] == "HEAD"
     assert fb.calls[3][0] == "POST" and fb.calls[-1] == "closed"
     assert isinstance(make_session(fb), UpstreamSession)
+
+
+def test_a_kept_alive_connection_closed_as_a_request_goes_out_is_retried_on_a_new_one():
+    """The engine (uvicorn: 5 s keep-alive) may close an idle connection just as the next
+    request is written on it: no byte of an answer comes back. The request goes once more,
+    on a new connection; an answer that had started is never sent twice."""
+    seen = []
+
+    def answer(head, body):
+        seen.append(body)
+        if len(seen) == 2:
+            raise ConnectionResetError  # closes the connection without a byte
+        return _json(b'{"n": %d}' % len(seen))
+
+    async def go():
+        srv = await _Server(answer).start()
+        s = await _session()
+        try:
+            async with s.post(srv.url + "/v1/completions", data=b"{}") as resp:
+                first = await resp.read()  # its connection goes back to the pool
+            async with s.post(srv.url + "/v1/completions", data=b"{}") as resp:
+                second = await resp.read()
+            return first, second, srv.connections
+        finally:
+            await s.close()
+            await srv.stop()
+
+    first, second, connections = _run(go())
+    assert (first, second) == (b'{"n": 1}', b'{"n": 3}') and connections == 2
+
+
+def test_idle_connections_older_than_the_keepalive_expiry_are_not_reused():
+    async def go():
+        srv = await _Server(lambda head, body: _json(b"{}")).start()
+        s = UpstreamSession(aiohttp.ClientSession(), keepalive_expiry=0.05)
+        try:
+            for pause in (0.0, 0.01, 0.2):  # the third waits past the expiry
+                await asyncio.sleep(pause)
+                async with s.post(srv.url + "/x", data=b"{}") as resp:
+                    assert resp.status == 200
+            return srv.connections
+        finally:
+            await s.close()
+            await srv.stop()
+
+    assert _run(go()) == 2

@@ -1,0 +1,237 @@
+"""One keep-alive HTTP/1.1 connection to an engine, parsed by ``httptools``, and the
+answer read from it: the protocol under :class:`eldr.proxy.client.UpstreamSession`
+(which pools these connections and writes the requests; see its module docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import aiohttp
+import httptools
+from multidict import CIMultiDict
+
+__all__ = ["UpstreamConnectError", "UpstreamProtocolError"]
+
+
+class UpstreamConnectError(aiohttp.ClientConnectionError):
+    """The connection to the engine could not be opened (refused, unreachable, timed out)."""
+
+
+class UpstreamProtocolError(aiohttp.ClientPayloadError, ValueError):
+    """The engine's answer is not valid HTTP/1.1."""
+
+
+class _Body:
+    """The answer's body as it arrives: ``readany``/``iter_any``/``read``, aiohttp's way."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+
+    async def readany(self) -> bytes:
+        """What has arrived (waiting for something), or b"" at the end of the body."""
+        conn = self._conn
+        while not conn.chunks and not conn.complete:
+            await conn.wait()
+        if conn.chunks:
+            return conn.take()
+        return b""
+
+    async def read(self, n: int = -1) -> bytes:
+        if n >= 0:
+            return await self.readany()
+        return await self._conn.response.read()
+
+    def iter_any(self):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self.readany()
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+
+class _Response:
+    """One engine answer (the subset of ``aiohttp.ClientResponse`` the router reads)."""
+
+    __slots__ = ("_conn", "content", "headers", "status")
+
+    def __init__(self, conn: _Connection, status: int, headers: CIMultiDict) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = headers
+        self.content = _Body(conn)
+
+    @property
+    def content_type(self) -> str:
+        raw = self.headers.get("Content-Type")
+        if not raw:
+            return "application/octet-stream"
+        return raw.split(";", 1)[0].strip().lower()
+
+    @property
+    def content_length(self) -> int | None:
+        raw = self.headers.get("Content-Length")
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+    async def read(self) -> bytes:
+        conn = self._conn
+        while not conn.complete:
+            await conn.wait()
+        return conn.take()
+
+    def release(self) -> None:
+        """Done with it: a finished answer's connection is reused, an unfinished one closed."""
+        self._conn.finish()
+
+    def close(self) -> None:
+        self._conn.finish()
+
+    async def __aenter__(self) -> _Response:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine; one request at a time."""
+
+    def __init__(self, pool: deque, loop: asyncio.AbstractEventLoop) -> None:
+        self.pool, self.loop = pool, loop
+        self.transport = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0  # loop time it went back to the pool
+        self._reset()
+
+    def _reset(self) -> None:
+        self.headers: CIMultiDict | None = None
+        self._header_list: list[tuple[str, str]] = []
+        self.chunks: list[bytes] = []
+        self.complete = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+        self.response: _Response | None = None
+        self.done = False  # the caller finished with this request
+        self.sock_read: float | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the total deadline
+        self.received = False  # a byte of this request's answer came
+
+    # -- transport callbacks ---------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(f"invalid HTTP answer: {exc}"))
+            self.transport.abort()
+            return
+        self._wake()
+
+    def eof_received(self) -> None:
+        self.closed = True  # not reusable; connection_lost follows
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.complete or self.done:
+            return
+        if self.headers is not None and self.response is not None \
+                and self.response.content_length is None \
+                and "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+            self.complete = True  # a body delimited by the end of the connection
+        elif self.headers is None:
+            self._fail(aiohttp.ServerDisconnectedError())
+        else:
+            self._fail(aiohttp.ClientPayloadError("Response payload is not completed"))
+        self._wake()
+
+    # -- httptools callbacks -----------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_list.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.headers = CIMultiDict(self._header_list)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if not self.parser.should_keep_alive():
+            self.closed = True
+
+    # -- the caller's side -----------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until more of the answer arrived (or it failed, or a timeout)."""
+        if self.error is not None:
+            raise self.error
+        waiter = self.waiter = self.loop.create_future()
+        handle = None if self.sock_read is None else self.loop.call_later(
+            self.sock_read, self._read_timeout)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+            if handle is not None:
+                handle.cancel()
+        if self.error is not None:
+            raise self.error
+
+    def _read_timeout(self) -> None:
+        self._fail(aiohttp.ServerTimeoutError("timeout reading the engine's answer"))
+        self._abort()
+
+    def _total_timeout(self) -> None:
+        self._fail(asyncio.TimeoutError())
+        self._abort()
+
+    def _abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    def take(self) -> bytes:
+        chunks = self.chunks
+        if not chunks:
+            return b""
+        self.chunks = []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def finish(self) -> None:
+        """The caller is done: pool the connection if its answer ended cleanly, else abort."""
+        if self.done:
+            return
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.complete and not self.closed and self.error is None \
+                and len(self.pool) < self.pool.maxlen:
+            self._reset()
+            self.idle_since = self.loop.time()
+            self.pool.append(self)
+        else:
+            self._abort()
