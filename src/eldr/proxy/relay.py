@@ -116,7 +116,9 @@ class DecodeRelay:
 
     def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
         self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
-        self.pool.request_failed(inst, kind, str(detail) or type(detail).__name__)
+        text = str(detail) or type(detail).__name__
+        log.warning("%s %s: a request failed there (%s: %s)", inst.role, inst.name, kind, text)
+        self.pool.request_failed(inst, kind, text)
 
     async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
                      web):
