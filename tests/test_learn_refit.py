@@ -155,16 +155,19 @@ def test_a_small_refit_is_validated_by_cross_validation_and_kept_fitted_on_all(t
                              drift=None))
     assert "validated by 4-fold cross-validation (40 requests)" in out.notes
     assert out.accepted, out.reasons
-    assert sum(out.candidate["sizes"]) == 40 and out.candidate["rho_n"] == 40
+    # ρ is the folds' mean: it rests on 10 requests each, too few for a ρ comparison
+    assert sum(out.candidate["sizes"]) == 40 and out.candidate["rho_n"] == 10
     assert out.candidate["score"] < min(1.0, out.current["score"] + 0.01)
     kept = artifact_io.load(out.artifact)
     assert kept.fit_stats["num_requests"] == 40  # fitted on every request, not 30
     # the pooled score is the ratio of the summed figures, not a mean of ratios
     a = Evaluation(0.5, 5.0, 10.0, 1.0, (3, 2), 0.4, 5)
     b = Evaluation(0.9, 18.0, 20.0, 2.0, (1, 4), None, None)
-    pooled = refit._pooled([a, b], [5, 5])
-    assert pooled.score == (5.0 + 18.0) / (10.0 + 20.0) and pooled.sizes == (7, 3)
-    assert pooled.balance == 7 / 5 and pooled.rho == 0.4 and pooled.rho_n == 5
+    c = Evaluation(0.8, 8.0, 10.0, 1.0, (3, 2), 0.6, 4)
+    pooled = refit._pooled([a, b, c], [5, 5, 5])
+    assert pooled.score == (5.0 + 18.0 + 8.0) / (10.0 + 20.0 + 10.0)
+    assert pooled.sizes == (10, 5) and pooled.balance == 10 / 7.5
+    assert pooled.rho == 0.5 and pooled.rho_n == 4  # the smallest fold's count
     big = run_fit_job(FitJob(records=old + new, model="s", top_k=K, worker_ids=IDS,
                              output=str(tmp_path / "big"), current=None, drift=None))
     assert not any("cross-validation" in n for n in big.notes)  # 50 held out: one split

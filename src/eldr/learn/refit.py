@@ -251,8 +251,8 @@ def _validate(trace: Trace, known: np.ndarray, job: FitJob, current, notes: list
     one draw to the next on vLLM-CPU), k-fold cross-validation, k = round(1 / holdout):
     each fold is scored by a candidate fitted on the other folds, the running artifact on
     the same fold; the figures pool every request (scores as ratios of summed distinct
-    experts, sizes summed largest first, ρ the folds' mean); the candidate kept is fitted
-    on all.
+    experts, sizes summed largest first, ρ the folds' mean, resting on the smallest fold's
+    requests); the candidate kept is fitted on all.
     """
     N = trace.num_requests
     rng = np.random.default_rng(job.seed)
@@ -288,10 +288,13 @@ def _pooled(evs: list[Evaluation], sizes: list[int]) -> Evaluation:
     # (balance = Σ largest / Σ mean over the folds)
     top = np.sum([sorted(e.sizes, reverse=True) for e in evs], axis=0)
     balance = float(top.max() / max(top.mean(), 1e-9))
-    rhos = [e.rho for e in evs if e.rho is not None]
+    # ρ: the folds' mean; it rests on each fold's requests, not on all of them, so its
+    # count is the smallest fold's (the ρ comparison needs each ρ on >= RHO_MIN_REQUESTS)
+    with_rho = [e for e in evs if e.rho is not None]
     return Evaluation(distinct / base if base > 0 else 1.0, distinct, base, balance,
-                      tuple(int(x) for x in top), float(np.mean(rhos)) if rhos else None,
-                      sum(e.rho_n or 0 for e in evs if e.rho is not None) or None)
+                      tuple(int(x) for x in top),
+                      float(np.mean([e.rho for e in with_rho])) if with_rho else None,
+                      min(e.rho_n or 0 for e in with_rho) if with_rho else None)
 
 
 def run_fit_job(job: FitJob) -> FitOutcome:
