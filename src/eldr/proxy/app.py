@@ -37,7 +37,13 @@ from eldr.proxy.decision import RoutingState, build_state
 from eldr.proxy.elastic import ElasticPool
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.flow import RequestFlow
-from eldr.proxy.forward import KNOWN_ROUTES, OWN_ROUTES, Forwarder, classify, vllm_detail
+from eldr.proxy.forward import (
+    KNOWN_ROUTES,
+    OWN_ROUTES,
+    Forwarder,
+    classify,
+    method_not_allowed,
+)
 from eldr.proxy.learn_admin import LearnAdmin
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.relay import is_stream_done
@@ -251,7 +257,6 @@ class Router(AdminRoutes):
         """Every path but the router's own: vLLM's auxiliary routes are forwarded to a
         prefill instance; generations outside the PD flow and engine control routes are
         refused (:mod:`eldr.proxy.forward` says which and why)."""
-        from aiohttp import web
 
         what = classify(request.method, request.path)
         if what == "forward":
@@ -266,8 +271,7 @@ class Router(AdminRoutes):
                              code="route_not_routed")
         allow = (("POST" if request.path not in ("/v1/models", "/health", "/metrics")
                   else "GET") if request.path in OWN_ROUTES else "GET, POST")
-        return web.Response(status=405, body=vllm_detail("Method Not Allowed"),
-                            content_type="application/json", headers={"Allow": allow})
+        return method_not_allowed(allow)
 
     async def health(self, request):
         """Status and per-instance health; internals only for the admin token.

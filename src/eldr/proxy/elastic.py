@@ -53,6 +53,7 @@ import re
 
 from eldr.proxy.config import _check_url, parse_decode_spec
 from eldr.proxy.errors import ProxyError
+from eldr.proxy.forward import method_not_allowed
 
 __all__ = ["ElasticPool", "read_decoders_file"]
 
@@ -112,7 +113,7 @@ class ElasticPool:
         from aiohttp import web
 
         if request.method not in ("GET", "POST"):
-            return _not_allowed("GET, POST")
+            return method_not_allowed("GET, POST")
         self.router._authorize(request)
         if request.method == "GET":
             return web.json_response(self.describe())
@@ -140,7 +141,7 @@ class ElasticPool:
         from aiohttp import web
 
         if request.method != "DELETE":
-            return _not_allowed("DELETE")
+            return method_not_allowed("DELETE")
         self.router._authorize(request)
         name = request.match_info["name"]
         wait = request.query.get("wait", "false").lower()
@@ -382,12 +383,3 @@ async def _json_body(request) -> dict:
         raise ProxyError(400, "request body must be a JSON object, e.g. "
                               "{\"url\": \"http://HOST:PORT\"}", code="invalid_request")
     return body
-
-
-def _not_allowed(allow: str):
-    from aiohttp import web
-
-    from eldr.proxy.forward import vllm_detail
-
-    return web.Response(status=405, body=vllm_detail("Method Not Allowed"),
-                        content_type="application/json", headers={"Allow": allow})

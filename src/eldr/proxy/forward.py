@@ -94,6 +94,14 @@ def vllm_detail(detail: str) -> bytes:
     return json.dumps({"detail": detail}).encode()
 
 
+def method_not_allowed(allow: str):
+    """vLLM's 405 for a wrong method on a route (``allow``: the methods it takes)."""
+    from aiohttp import web
+
+    return web.Response(status=405, body=vllm_detail("Method Not Allowed"),
+                        content_type="application/json", headers={"Allow": allow})
+
+
 class Forwarder:
     """Forwards one request to a healthy prefill instance (``router`` gives pool, config,
     session, metrics and fresh request ids)."""

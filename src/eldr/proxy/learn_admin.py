@@ -17,6 +17,7 @@ import os
 import tempfile
 
 from eldr.proxy.errors import ProxyError
+from eldr.proxy.forward import method_not_allowed
 
 __all__ = ["LearnAdmin"]
 
@@ -43,7 +44,7 @@ class LearnAdmin:
         from aiohttp import web
 
         if request.method != "GET":
-            return _not_allowed()
+            return method_not_allowed("GET")
         learner = self._learner(request)
         buf = learner.buffer
         det = learner.detector
@@ -59,7 +60,7 @@ class LearnAdmin:
         from aiohttp import web
 
         if request.method != "GET":
-            return _not_allowed()
+            return method_not_allowed("GET")
         learner = self._learner(request)
         flag = request.query.get("decode_only", "0").lower()
         if flag not in ("0", "1", "true", "false"):
@@ -77,15 +78,6 @@ class LearnAdmin:
         return web.Response(body=data, content_type="application/octet-stream", headers={
             "Content-Disposition": 'attachment; filename="learned.npz"',
             "X-Eldr-Requests": str(len(records))})
-
-
-def _not_allowed():
-    from aiohttp import web
-
-    from eldr.proxy.forward import vllm_detail
-
-    return web.Response(status=405, body=vllm_detail("Method Not Allowed"),
-                        content_type="application/json", headers={"Allow": "GET"})
 
 
 def _trace_bytes(records, model: str, top_k: int) -> bytes:
