@@ -111,9 +111,7 @@ class SharedLoadTracker(LoadTracker):
         return self.num_workers - 1
 
     def remove_worker(self, worker: int) -> None:
-        k = self._index(worker)
-        if self.num_workers == 1:
-            raise ValueError("the last decode worker cannot be removed")
+        k = self._removable(worker)
         del self.slots[k]
         self.healthy = np.delete(self.healthy, k)
         self.num_workers -= 1
@@ -127,10 +125,7 @@ class SharedLoadTracker(LoadTracker):
             self._row[s] -= 1
 
     def report(self, worker: int, load: float) -> None:
-        load = float(load)
-        if not np.isfinite(load) or load < 0:
-            raise ValueError(f"reported load for worker {worker} must be finite and >= 0, "
-                             f"got {load}")
+        load = self._checked_load(worker, load)
         s, t = self.slots[self._index(worker)], self._table
         t.at_report[s] = float(t.in_flight[:, s].sum())
         t.reported[s] = load

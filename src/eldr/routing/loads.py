@@ -62,11 +62,23 @@ class LoadTracker:
         self.own[k] = max(0.0, self.own[k] - 1.0)
         self._update(k)
 
-    def report(self, worker: int, load: float) -> None:
+    def _removable(self, worker: int) -> int:
+        """The index of decoder ``worker``, which may be removed (it is not the last)."""
+        k = self._index(worker)
+        if self.num_workers == 1:
+            raise ValueError("the last decode worker cannot be removed")
+        return k
+
+    @staticmethod
+    def _checked_load(worker: int, load: float) -> float:
         load = float(load)
         if not np.isfinite(load) or load < 0:
             raise ValueError(f"reported load for worker {worker} must be finite and >= 0, "
                              f"got {load}")
+        return load
+
+    def report(self, worker: int, load: float) -> None:
+        load = self._checked_load(worker, load)
         k = self._index(worker)
         self._reported[k], self._own_at_report[k], self._has_report[k] = load, self.own[k], True
         self._update(k)
@@ -86,9 +98,7 @@ class LoadTracker:
 
     def remove_worker(self, worker: int) -> None:
         """Drop decoder ``worker``; those above it move down one index."""
-        k = self._index(worker)
-        if self.num_workers == 1:
-            raise ValueError("the last decode worker cannot be removed")
+        k = self._removable(worker)
         for name in self._ARRAYS:
             setattr(self, name, np.delete(getattr(self, name), k))
         self.num_workers -= 1
