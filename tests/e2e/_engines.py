@@ -163,7 +163,9 @@ class _Proc:
 
 def _engine(name: str, tmp: Path, core: int, *, kv: bool, pythonpath: str) -> tuple[_Proc, str]:
     """One engine of the tiny MoE (or ``ELDR_E2E_MODEL``) with ``eldr cluster``'s settings:
-    ExampleConnector on ``tmp/kv`` when ``kv`` (a plain reference instance otherwise)."""
+    eldr's KV connector (vLLM's ExampleConnector less its short-prompt bug,
+    eldr.deploy.connector) on ``tmp/kv`` when ``kv`` (a plain reference instance
+    otherwise)."""
     from eldr.deploy.local import ClusterSpec, engine_command, engine_env
 
     port = _free_port()
@@ -197,7 +199,7 @@ def engine_set(tmp_path_factory, name: str, layout):
     """A module fixture's engines: skip when vLLM or the model is missing, start ``layout``
     ([(engine name, kv)]) in a fresh ``name`` directory with a connector store, give
     (tmp, urls, procs) (the caller may add processes, a router, to ``procs``), then stop
-    every process and empty the store (the ExampleConnector never cleans up)."""
+    every process and empty the store (the connector never cleans up)."""
     import shutil
 
     reason = _skip_reason()

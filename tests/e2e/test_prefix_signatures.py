@@ -37,6 +37,8 @@ import numpy as np
 import pytest
 from _engines import _free_port, _model_dir, _plugin_pythonpath, _skip_reason
 
+from eldr.deploy.local import connector_config
+
 pytestmark = pytest.mark.e2e
 
 READY_TIMEOUT_S = 420
@@ -105,8 +107,7 @@ def cluster(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("prefix_sig")
-    kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(tmp / "kv")}}
+    kv = connector_config(tmp / "kv")  # eldr cluster's connector (eldr.deploy.connector)
     pythonpath = _plugin_pythonpath(tmp)
     cores = sorted(os.sched_getaffinity(0))
     procs: dict[str, _Proc] = {}

@@ -4,11 +4,12 @@ What it starts (the settings the end-to-end tests use, docs/serve.md "Launching 
 instances"):
 
 - every engine: ``python -m vllm.entrypoints.openai.api_server --enforce-eager
-  --block-size 32`` with ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache) and vLLM's
-  ``ExampleConnector`` (``kv_both``) on one shared store directory: the CPU stand-in for
-  NIXL. 32-token blocks because the connector moves whole blocks only (vLLM-CPU's default
-  of 128 would move nothing for short prompts); prefix caching off, so each prefill
-  computes (and the capture plugin counts) its whole prompt;
+  --block-size 32`` with ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache) and
+  :class:`eldr.deploy.connector.EldrExampleConnector` (``kv_both``; vLLM's
+  ``ExampleConnector`` less its short-prompt bug, docs/failures.md) on one shared store
+  directory: the CPU stand-in for NIXL. 32-token blocks because the connector moves whole
+  blocks only (vLLM-CPU's default of 128 would move nothing for short prompts); prefix
+  caching off, so each prefill computes (and the capture plugin counts) its whole prompt;
 - the capture plugin (entry point ``vllm.general_plugins: eldr_capture``) is active in
   every engine with ``ELDR_CAPTURE=prefill``; only prefill answers carry its payload;
 - a chat template when the model's tokenizer has none (the tiny MoE has none);
@@ -41,13 +42,41 @@ from pathlib import Path
 
 from eldr.deploy.processes import ChildProcess, free_port
 
-__all__ = ["CHAT_TEMPLATE", "ClusterSpec", "LocalCluster", "engine_command",
-           "plugin_pythonpath", "router_command"]
+__all__ = ["CHAT_TEMPLATE", "ClusterSpec", "LocalCluster", "connector_config",
+           "engine_command", "kv_prefix_tokens", "plugin_pythonpath", "router_command"]
 
-BLOCK_SIZE = 32  # tokens per KV block: ExampleConnector moves whole blocks only
+BLOCK_SIZE = 32  # tokens per KV block: the connector moves whole blocks only
+# the engines' KV connector, loaded by vLLM by module path (vLLM is imported only there)
+CONNECTOR_MODULE = "eldr.deploy.connector"
+CONNECTOR_CLASS = "EldrExampleConnector"
 # a minimal role-tagged template, for models whose tokenizer defines none
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "<|assistant|>")
+
+
+def kv_prefix_tokens(num_tokens: int, block_size: int) -> int:
+    """How many leading tokens of an ``num_tokens``-token prompt the KV connector stores,
+    looks up and loads: the longest whole-block prefix shorter than the prompt; 0 (nothing
+    stored, nothing matched) for a prompt of at most one block.
+
+    Whole blocks because the connector moves blocks; shorter than the prompt because the
+    engine must compute the last prompt token itself to sample the first output token.
+    :class:`eldr.deploy.connector.EldrExampleConnector` applies it; vLLM 0.32's
+    ``ExampleConnector`` matches ``(n − 2) // b · b`` tokens instead, −b for a one-token
+    prompt, which kills the engine (docs/failures.md).
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    return max(0, (num_tokens - 1) // block_size * block_size)
+
+
+def connector_config(store: Path | str) -> dict:
+    """vLLM's ``--kv-transfer-config`` of every engine: eldr's connector (by module path),
+    ``kv_both`` (vLLM decides per request from its ``kv_transfer_params`` whether the
+    engine stores or loads), one shared ``store`` directory."""
+    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
 
 
 @dataclass(frozen=True)
@@ -129,7 +158,7 @@ def has_chat_template(model: str | Path) -> bool:
 
 def engine_command(spec: ClusterSpec, port: int, store: Path | None,
                    chat_template: Path | None) -> list[str]:
-    """The vLLM-CPU engine's argv (``store``: the ExampleConnector directory, or None for a
+    """The vLLM-CPU engine's argv (``store``: the KV connector's directory, or None for a
     plain instance)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(spec.model), "--served-model-name", spec.served_name,
@@ -139,9 +168,7 @@ def engine_command(spec: ClusterSpec, port: int, store: Path | None,
     if chat_template is not None:
         cmd += ["--chat-template", str(chat_template)]
     if store is not None:
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(store)}})]
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(store))]
     return cmd + list(spec.extra_engine_args)
 
 
