@@ -1,6 +1,7 @@
 """eldr.deploy: the cluster's spec, engine command lines, process groups, the connector
-store's pruning and the KV connector's rule (its vLLM side only where vLLM is installed;
-the real cluster: tests/e2e/test_clients_e2e.py)."""
+store's pruning, the supervision that restarts what exited (fake processes, an injected
+clock) and the KV connector's rule (its vLLM side only where vLLM is installed; the real
+cluster: tests/e2e/test_clients_e2e.py, tests/e2e/test_cluster_faults_e2e.py)."""
 
 import json
 import os
@@ -15,6 +16,7 @@ from eldr.capture import tiny_moe_dir
 from eldr.deploy import ChildProcess, ClusterSpec, LocalCluster, engine_command, local
 from eldr.deploy.local import (
     BLOCK_SIZE,
+    RestartPolicy,
     connector_config,
     has_chat_template,
     kv_prefix_tokens,
@@ -36,6 +38,7 @@ def _spec(**kw) -> ClusterSpec:
     ({"store_ttl": 0}, "store_ttl"),
     ({"max_model_len": 8}, "max_model_len"),
     ({"learn": __file__}, "not a directory"),
+    ({"restart": 3}, "RestartPolicy"),
 ])
 def test_bad_cluster_specs_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -266,3 +269,246 @@ def test_prompts_of_at_most_one_block_are_not_stored(tmp_path):
     ours.update_state_after_alloc(req, None, matched)
     meta = ours.build_connector_meta(_step(long))
     assert [(len(r.token_ids), r.is_store) for r in meta.requests] == [(32, False)]
+
+
+# -- supervision: restarts, back-off, giving up ------------------------------------------------
+class _FakeChild:
+    """A ChildProcess stand-in: exits when told, counts starts and stops."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.log_path, self.pid = name, Path(f"{name}.log"), 100
+        self.running, self.code, self.starts, self.stops = True, None, 0, []
+
+    def is_running(self) -> bool:
+        return self.running
+
+    @property
+    def returncode(self):
+        return None if self.running else self.code
+
+    def exit(self, code: int) -> None:
+        self.running, self.code = False, code
+
+    def start(self) -> None:
+        self.starts, self.running, self.code, self.pid = self.starts + 1, True, None, self.pid + 1
+
+    def stop(self, sig=signal.SIGTERM, grace=30.0) -> None:
+        self.stops.append(sig)
+        self.running, self.code = False, None
+
+
+class _Rig:
+    """A cluster of fakes: prefill-0, decode-0, decode-1 and the router, all up at t=0;
+    ``status[name]`` is what a readiness probe of that process answers."""
+
+    NAMES = ("prefill-0", "decode-0", "decode-1", "router")
+
+    def __init__(self, **policy) -> None:
+        self.lines: list[str] = []
+        self.status = dict.fromkeys(self.NAMES, 200)
+        self.probes: list[str] = []
+        spec = _spec(ready_timeout=100, restart=RestartPolicy(**policy))
+        self.cluster = LocalCluster(spec, log=self.lines.append, probe=self._probe)
+        self.procs = {name: _FakeChild(name) for name in self.NAMES}
+        for name, proc in self.procs.items():
+            self.cluster.watch(name, proc, f"http://{name}/health", 0.0)
+
+    def _probe(self, url: str):
+        name = url.split("/")[2]
+        self.probes.append(name)
+        return self.status[name]
+
+    def state(self, name: str) -> str:
+        return self.cluster.watched[name].state
+
+
+def test_an_engine_that_exits_is_restarted_and_polled_until_ready():
+    rig = _Rig()
+    c, victim = rig.cluster, rig.procs["decode-1"]
+    assert c.supervise(1.0) is None and rig.probes == []  # all up: nobody probed
+    victim.exit(-9)
+    assert c.supervise(5.0) is None
+    assert victim.stops == [signal.SIGKILL]  # its engine core, if any, goes too
+    assert rig.lines[-1] == ("decode-1 exited with code -9 (SIGKILL): restart 1 in 1 s "
+                             "(log decode-1.log)")
+    assert c.supervise(5.5) is None and victim.starts == 0  # backing off
+    assert c.supervise(6.0) is None and victim.starts == 1
+    assert rig.state("decode-1") == "starting"
+    rig.status["decode-1"] = None  # loading its weights
+    for t in (7.0, 8.0, 9.0):
+        assert c.supervise(t) is None
+    assert rig.probes == ["decode-1"] * 3  # one short probe per step, nothing waited on
+    rig.status["decode-1"] = 200
+    assert c.supervise(10.0) is None and rig.state("decode-1") == "up"
+    assert rig.lines[-1] == "decode-1: ready again 4 s after restart 1"
+    assert c.restarts == {"prefill-0": 0, "decode-0": 0, "decode-1": 1, "router": 0}
+    assert [p.starts for p in rig.procs.values()] == [0, 0, 1, 0]
+
+
+def test_restarts_back_off_exponentially_up_to_a_bound_and_start_over_when_stable():
+    rig = _Rig(first_delay=1.0, max_delay=30.0, stable_after=60.0)
+    c, proc = rig.cluster, rig.procs["prefill-0"]
+    t, delays = 0.0, []
+    for _ in range(7):  # dies right after every start
+        proc.exit(1)
+        c.supervise(t)
+        delays.append(c.watched["prefill-0"].restart_at - t)
+        t = c.watched["prefill-0"].restart_at
+        c.supervise(t)  # started
+        t += 1.0
+        c.supervise(t)  # ready (probe 200)
+        assert rig.state("prefill-0") == "up"
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    t += 60.0  # then it runs a minute
+    proc.exit(1)
+    c.supervise(t)
+    assert c.watched["prefill-0"].restart_at - t == 1.0
+    assert c.restarts["prefill-0"] == 8
+
+
+def test_an_engine_that_fails_three_starts_in_a_row_is_given_up():
+    rig = _Rig()
+    c = rig.cluster
+    rig.procs["decode-0"].exit(1)
+    c.supervise(0.0)
+    t = 1.0
+    c.supervise(t)  # start 1
+    rig.status["decode-0"] = None  # never answers
+    assert c.supervise(t + 99.0) is None and rig.state("decode-0") == "starting"
+    assert c.supervise(t + 100.0) is None  # not ready in ready_timeout: failed start 1
+    assert rig.procs["decode-0"].stops[-1] == signal.SIGKILL
+    assert "not ready 100 s after restart 1 (failed start 1 of 3): restart 2 in 2 s" in \
+        rig.lines[-1]
+    t += 102.0
+    c.supervise(t)  # start 2
+    rig.procs["decode-0"].exit(1)  # dies while loading
+    assert c.supervise(t + 1.0) is None
+    assert "exited with code 1 before it was ready (failed start 2 of 3)" in rig.lines[-1]
+    t += 5.0
+    c.supervise(t)  # start 3
+    rig.procs["decode-0"].exit(1)
+    # the other decoder still serves: the cluster goes on without decode-0
+    assert c.supervise(t + 1.0) is None and rig.state("decode-0") == "given_up"
+    assert "given up after 3 failed starts in a row" in rig.lines[-1]
+    starts = rig.procs["decode-0"].starts
+    assert c.supervise(t + 1000.0) is None and rig.procs["decode-0"].starts == starts
+    assert c.restarts["decode-0"] == 3
+
+
+def _give_up(rig: _Rig, name: str, t: float) -> float:
+    """Make ``name`` fail every start until it is given up; the time after."""
+    rig.status[name] = None
+    rig.procs[name].exit(1)
+    while rig.state(name) != "given_up":
+        t += 1.0
+        if rig.cluster.supervise(t) is not None:
+            break
+        if rig.procs[name].is_running():
+            rig.procs[name].exit(1)
+    return t
+
+
+def test_the_cluster_stops_when_a_role_has_no_engine_left():
+    rig = _Rig()
+    t = _give_up(rig, "decode-0", 0.0)
+    assert rig.state("decode-0") == "given_up" and rig.cluster.supervise(t) is None
+    t = _give_up(rig, "decode-1", t)
+    assert rig.cluster.supervise(t) == "no decode engine left (decode-0, decode-1 given up)"
+    rig = _Rig()
+    t = _give_up(rig, "prefill-0", 0.0)
+    assert rig.cluster.supervise(t) == "no prefill engine left (prefill-0 given up)"
+
+
+def test_the_router_is_restarted_too_and_ready_while_it_sees_no_engine():
+    rig = _Rig()
+    c = rig.cluster
+    rig.procs["router"].exit(1)
+    assert c.supervise(3.0) is None
+    assert rig.lines[-1].startswith("router (eldr serve, eldr's own process) exited with "
+                                    "code 1: restart 1 in 1 s")
+    c.supervise(4.0)
+    rig.status["router"] = 503  # it answers; the engines' health is its own business
+    assert c.supervise(5.0) is None and rig.state("router") == "up"
+    t = _give_up(rig, "router", 100.0)
+    assert c.supervise(t) == "the router failed to start again; given up"
+
+
+def test_a_slow_start_holds_up_no_other_restart():
+    rig = _Rig()
+    c = rig.cluster
+    rig.status["decode-1"] = None
+    rig.procs["decode-1"].exit(-9)
+    c.supervise(0.0)
+    c.supervise(1.0)  # decode-1 starting, not answering
+    rig.procs["prefill-0"].exit(-9)
+    c.supervise(2.0)  # scheduled
+    c.supervise(3.0)  # started
+    c.supervise(4.0)  # answered
+    assert rig.procs["prefill-0"].starts == 1 and rig.state("prefill-0") == "up"
+    assert rig.state("decode-1") == "starting"
+
+
+def test_stop_reports_the_restart_counts():
+    rig = _Rig()
+    rig.procs["decode-1"].exit(-9)
+    rig.cluster.supervise(0.0)
+    rig.cluster.stop()
+    assert rig.lines[-1] == "restarts: prefill-0 0, decode-0 0, decode-1 1, router 0"
+    assert rig.cluster.watched == {}
+    rig.cluster.stop()  # twice is fine, and says nothing more
+    assert rig.lines[-1].startswith("restarts:") and len(rig.lines) == 2
+
+
+def test_a_real_child_killed_with_its_group_is_restarted(tmp_path):
+    lines = []
+    spec = _spec(restart=RestartPolicy(first_delay=0.1))
+    cluster = LocalCluster(spec, log=lines.append, probe=lambda url: 200)
+    child = ChildProcess("decode-0", ["sh", "-c", "sleep 60 & sleep 60"], dict(os.environ),
+                         tmp_path / "d.log")
+    child.start()
+    try:
+        cluster.watch("decode-0", child, "http://unused/health", time.monotonic())
+        first = child.pid
+        os.killpg(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while cluster.restarts["decode-0"] == 0 or cluster.watched["decode-0"].state != "up":
+            assert time.monotonic() < deadline, lines
+            assert cluster.supervise(time.monotonic()) is None
+            time.sleep(0.05)
+        assert child.is_running() and child.pid != first and not _group_alive(first)
+        assert "exited with code -9 (SIGKILL): restart 1 in 0.1 s" in lines[0]
+    finally:
+        child.stop(grace=2.0)
+
+
+def test_eldr_cluster_stops_with_exit_code_1_when_the_cluster_cannot_go_on(monkeypatch,
+                                                                           capsys):
+    import eldr.commands.cluster as command
+    from eldr.cli import build_parser
+
+    steps = iter([None, None, "no decode engine left (decode-0 given up)"])
+
+    class Cluster:
+        logs, stopped = Path("logs"), False
+
+        def __init__(self, spec, log):
+            self.log = log
+
+        def start(self):
+            return "http://127.0.0.1:1"
+
+        def supervise(self, now):
+            return next(steps)
+
+        def prune_store(self):
+            return 0
+
+        def stop(self):
+            Cluster.stopped = True
+
+    monkeypatch.setattr(local, "LocalCluster", Cluster)
+    monkeypatch.setattr(command.time, "sleep", lambda s: None)
+    args = build_parser().parse_args(["cluster", "--port", "0"])
+    assert command.run(args) == 1 and Cluster.stopped
+    err = capsys.readouterr().err
+    assert "error: no decode engine left (decode-0 given up); stopping" in err

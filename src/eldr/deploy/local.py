@@ -21,11 +21,15 @@ instances"):
 
 Everything lives in one temporary directory the cluster owns (logs, the connector's store,
 the artifact) and is removed by :meth:`LocalCluster.stop`, which stops every process by
-its process group. The connector never deletes what it stores: entries older than
-``store_ttl`` seconds are deleted while the cluster runs (:meth:`LocalCluster.prune_store`).
-A decoder reads a prompt's KV within a second of its prefill; if an entry is gone sooner
-than that, the decoder recomputes the prompt (same tokens, slower), so pruning never
-changes an answer.
+its process group. While it runs, :meth:`LocalCluster.supervise` restarts an engine (or the
+router) that exited, with the same command, port and core, after a bounded exponential
+back-off (:class:`RestartPolicy`); the router's health checks take a dead engine out of
+rotation meanwhile and back once it answers again.
+
+The connector never deletes what it stores: entries older than ``store_ttl`` seconds are
+deleted while the cluster runs (:meth:`LocalCluster.prune_store`). A decoder reads a
+prompt's KV within a second of its prefill; if an entry is gone sooner than that, the
+decoder recomputes the prompt (same tokens, slower), so pruning never changes an answer.
 """
 
 from __future__ import annotations
@@ -33,17 +37,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from eldr.deploy.processes import ChildProcess, free_port
+from eldr.deploy.processes import ChildProcess, free_port, http_status
 
-__all__ = ["CHAT_TEMPLATE", "ClusterSpec", "LocalCluster", "connector_config",
-           "engine_command", "kv_prefix_tokens", "plugin_pythonpath", "router_command"]
+__all__ = ["CHAT_TEMPLATE", "ClusterSpec", "LocalCluster", "RestartPolicy", "Watched",
+           "connector_config", "engine_command", "kv_prefix_tokens", "plugin_pythonpath",
+           "router_command"]
 
 BLOCK_SIZE = 32  # tokens per KV block: the connector moves whole blocks only
 # the engines' KV connector, loaded by vLLM by module path (vLLM is imported only there)
@@ -80,6 +87,39 @@ def connector_config(store: Path | str) -> dict:
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """How :meth:`LocalCluster.supervise` restarts a process that exited; validated on
+    construction.
+
+    Restart ``n`` of an unbroken streak waits ``min(first_delay · 2^(n−1), max_delay)`` s:
+    one crash is repaired within seconds, while a process that dies on every start (out of
+    memory, its port taken) is not restarted in a tight loop. The streak starts over once
+    the process has run ``stable_after`` s since it became ready. ``max_failed_starts``
+    starts in a row that never became ready (answered ``/health`` within the spec's
+    ``ready_timeout``) give the process up: it is not started again.
+    """
+
+    first_delay: float = 1.0  # seconds before the first restart of a streak
+    max_delay: float = 30.0  # the back-off's bound
+    stable_after: float = 60.0  # seconds up after which the streak starts over
+    max_failed_starts: int = 3  # starts in a row that never became ready: given up
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_delay <= self.max_delay:
+            raise ValueError(f"restart delays must satisfy 0 < first_delay <= max_delay, "
+                             f"got {self.first_delay!r}, {self.max_delay!r}")
+        if not self.stable_after > 0:
+            raise ValueError(f"stable_after must be > 0, got {self.stable_after!r}")
+        if not isinstance(self.max_failed_starts, int) or self.max_failed_starts < 1:
+            raise ValueError(f"max_failed_starts must be an integer >= 1, got "
+                             f"{self.max_failed_starts!r}")
+
+    def delay(self, streak: int) -> float:
+        """Seconds before restart ``streak`` (1: the first) of an unbroken streak."""
+        return min(self.max_delay, self.first_delay * 2.0 ** min(max(streak - 1, 0), 64))
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """What ``eldr cluster`` starts; validated on construction."""
 
@@ -101,6 +141,7 @@ class ClusterSpec:
     log_dir: str | None = None  # where the logs go (kept); None: the cluster's directory
     learn: str | None = None  # eldr serve --learn DIR; without artifact/trace: start with none
     serve_args: tuple[str, ...] = ()  # appended to the router's command line
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # after a process exits
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -126,6 +167,8 @@ class ClusterSpec:
             raise ValueError(f"--learn {self.learn}: not a directory")
         if any(not isinstance(a, str) for a in self.serve_args):
             raise ValueError("serve_args must be strings")
+        if not isinstance(self.restart, RestartPolicy):
+            raise ValueError(f"restart must be a RestartPolicy, got {self.restart!r}")
 
 
 def router_command(spec: ClusterSpec, engine_urls: dict[str, str], artifact: str | None,
@@ -203,16 +246,47 @@ def plugin_pythonpath(workdir: Path) -> str:
     return os.pathsep.join(paths)
 
 
+@dataclass
+class Watched:
+    """One process :meth:`LocalCluster.supervise` keeps running, and where it stands
+    (mutable: each step updates it)."""
+
+    proc: ChildProcess
+    role: str  # "prefill", "decode" or "router"
+    ready_url: str  # answers when the process is ready (its /health)
+    state: str = "up"  # up | starting (restarted, not ready yet) | waiting | given_up
+    since: float = 0.0  # clock time it became ready (up) or was started (starting)
+    restart_at: float = 0.0  # clock time it starts again (waiting)
+    restarts: int = 0  # restarts so far
+    streak: int = 0  # restarts since it last ran stable_after seconds
+    failed_starts: int = 0  # starts in a row that did not become ready
+
+    def ready(self, status: int | None) -> bool:
+        """Whether ``status`` (of ``ready_url``; None: no answer) means ready. An engine
+        answers 200 once it serves; the router answers 503 while it sees no healthy
+        engine of a role, which after its own restart is the engines' business."""
+        return status == 200 or (self.role == "router" and status == 503)
+
+
 class LocalCluster:
     """Start, watch and stop a local PD cluster (``with LocalCluster(spec) as c: c.url``).
 
-    ``start()`` returns once the router answers ``/health``; ``stop()`` stops every
-    process it started (router first) and removes its directory. Safe to call twice.
+    ``start()`` returns once the router answers ``/health``; ``supervise(now)``, called
+    about once a second, restarts what exited (:class:`RestartPolicy`) and says when the
+    cluster cannot go on; ``stop()`` stops every process it started (router first), logs
+    the restart counts and removes its directory. Safe to call twice.
+
+    ``clock`` (``time.monotonic``) and ``probe`` (url -> HTTP status or None,
+    :func:`eldr.deploy.processes.http_status`) are there for tests.
     """
 
-    def __init__(self, spec: ClusterSpec, *, log=print) -> None:
+    def __init__(self, spec: ClusterSpec, *, log=print,
+                 probe: Callable[[str], int | None] = http_status,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.log = log  # progress lines
+        self.probe = probe
+        self.clock = clock
         self.workdir: Path | None = None  # the temporary directory the cluster owns
         self.engines: dict[str, ChildProcess] = {}  # name -> process (prefill-i, decode-k)
         self.engine_urls: dict[str, str] = {}
@@ -220,6 +294,7 @@ class LocalCluster:
         self.url: str | None = None  # the router's base URL
         self.artifact: str | None = None  # the artifact the router runs with
         self.logs: Path | None = None  # the folder of the processes' logs
+        self.watched: dict[str, Watched] = {}  # what supervise() keeps running, by name
 
     @property
     def store(self) -> Path:
@@ -239,7 +314,15 @@ class LocalCluster:
     def processes(self) -> list[ChildProcess]:
         return [*self.engines.values(), *([self.router] if self.router else [])]
 
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far per process name (engines, then the router)."""
+        return {name: w.restarts for name, w in self.watched.items()}
+
     def start(self) -> str:
+        """Start every engine, wait until each answers /health (``NotReady`` if one exits
+        or the spec's ``ready_timeout`` passes: a first start that fails is a setup
+        problem, reported at once), then the router; its URL."""
         spec = self.spec
         self.workdir = Path(tempfile.mkdtemp(prefix="eldr-cluster-"))
         self.store.mkdir()
@@ -267,8 +350,20 @@ class LocalCluster:
         deadline = time.monotonic() + spec.ready_timeout
         for name, proc in self.engines.items():
             proc.wait_ready(self.engine_urls[name] + "/health", deadline)
+        now = self.clock()
+        for name, proc in self.engines.items():
+            self.watch(name, proc, self.engine_urls[name] + "/health", now)
         self._start_router(pythonpath)
         return self.url
+
+    def watch(self, name: str, proc: ChildProcess, ready_url: str, now: float) -> Watched:
+        """Hand a started, ready process to :meth:`supervise` (role from its name:
+        ``prefill*``, ``decode*`` or ``router``)."""
+        role = next((r for r in ("prefill", "decode", "router") if name.startswith(r)), None)
+        if role is None:
+            raise ValueError(f"{name!r}: not a prefill, decode or router process name")
+        self.watched[name] = Watched(proc, role, ready_url, since=now)
+        return self.watched[name]
 
     def _artifact(self) -> str | None:
         spec = self.spec
@@ -301,11 +396,77 @@ class LocalCluster:
         self.router.start()
         self.url = f"http://{spec.host}:{port}"
         self.router.wait_ready(self.url + "/health", time.monotonic() + 60)
+        self.watch("router", self.router, self.url + "/health", self.clock())
         self.log(f"router: {self.url} (pid {self.router.pid}, log {self.router.log_path})")
 
-    def dead(self) -> list[str]:
-        """Names of processes that exited on their own."""
-        return [p.name for p in self.processes() if not p.is_running()]
+    # -- supervision ---------------------------------------------------------------------
+    def supervise(self, now: float | None = None) -> str | None:
+        """One supervision step at ``now`` (the clock's time); None while the cluster
+        serves, else why it has to stop.
+
+        A process that exited is restarted with the same command, port and core after
+        the policy's back-off; a restarted one is polled (one short ``/health`` probe per
+        step, never waited on, so one slow start holds up nothing else) until it answers
+        or the spec's ``ready_timeout`` passes. The router takes a dead engine out of
+        rotation through its own health checks and back once it answers. The cluster has
+        to stop when the router is given up, or every engine of a role.
+        """
+        now = self.clock() if now is None else now
+        policy = self.spec.restart
+        for name, w in self.watched.items():
+            if w.state == "up" and not w.proc.is_running():
+                code = w.proc.returncode
+                w.proc.stop(signal.SIGKILL, grace=5.0)  # what it left of its group
+                if now - w.since >= policy.stable_after:
+                    w.streak = 0
+                self._schedule(name, w, now, _exit_words(code))
+            elif w.state == "starting":
+                if not w.proc.is_running():
+                    code = w.proc.returncode
+                    w.proc.stop(signal.SIGKILL, grace=5.0)
+                    self._failed_start(name, w, now, f"{_exit_words(code)} before it was "
+                                                     f"ready")
+                elif w.ready(self.probe(w.ready_url)):
+                    self.log(f"{name}: ready again {now - w.since:.0f} s after restart "
+                             f"{w.restarts}")
+                    w.state, w.since, w.failed_starts = "up", now, 0
+                elif now - w.since >= self.spec.ready_timeout:
+                    w.proc.stop(signal.SIGKILL, grace=5.0)
+                    self._failed_start(name, w, now, f"not ready {self.spec.ready_timeout:g}"
+                                                     f" s after restart {w.restarts}")
+            elif w.state == "waiting" and now >= w.restart_at:
+                w.proc.start()
+                w.state, w.since = "starting", now
+                self.log(f"{name}: restart {w.restarts} started (pid {w.proc.pid})")
+        return self._stop_reason()
+
+    def _schedule(self, name: str, w: Watched, now: float, why: str) -> None:
+        w.streak += 1
+        w.restarts += 1
+        delay = self.spec.restart.delay(w.streak)
+        w.state, w.restart_at = "waiting", now + delay
+        who = f"{name} (eldr serve, eldr's own process)" if w.role == "router" else name
+        self.log(f"{who} {why}: restart {w.restarts} in {delay:g} s (log {w.proc.log_path})")
+
+    def _failed_start(self, name: str, w: Watched, now: float, why: str) -> None:
+        w.failed_starts += 1
+        limit = self.spec.restart.max_failed_starts
+        if w.failed_starts < limit:
+            self._schedule(name, w, now, f"{why} (failed start {w.failed_starts} of {limit})")
+            return
+        w.state = "given_up"
+        self.log(f"{name} {why}: given up after {limit} failed starts in a row (log "
+                 f"{w.proc.log_path})")
+
+    def _stop_reason(self) -> str | None:
+        router = self.watched.get("router")
+        if router is not None and router.state == "given_up":
+            return "the router failed to start again; given up"
+        for role in ("prefill", "decode"):
+            mine = [n for n, w in self.watched.items() if w.role == role]
+            if mine and all(self.watched[n].state == "given_up" for n in mine):
+                return f"no {role} engine left ({', '.join(mine)} given up)"
+        return None
 
     def prune_store(self, now: float | None = None) -> int:
         """Delete connector store entries older than ``store_ttl`` s; the number deleted."""
@@ -329,12 +490,25 @@ class LocalCluster:
         return removed
 
     def stop(self) -> None:
-        """Stop the router, then every engine (by process group), and remove the
-        cluster's directory (logs, store, artifact)."""
+        """Stop the router, then every engine (by process group), log how often each was
+        restarted, and remove the cluster's directory (logs, store, artifact)."""
         for proc in reversed(self.processes()):
             proc.stop()
+        if self.watched:
+            self.log("restarts: " + ", ".join(f"{n} {k}" for n, k in self.restarts.items()))
+            self.watched.clear()
         self.router = None
         self.engines.clear()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+
+def _exit_words(code: int | None) -> str:
+    """'exited with code 1', 'exited with code -9 (SIGKILL)'."""
+    if code is not None and code < 0:
+        try:
+            return f"exited with code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"

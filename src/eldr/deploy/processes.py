@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ChildProcess", "NotReady", "free_port"]
+__all__ = ["ChildProcess", "NotReady", "free_port", "http_status"]
 
 
 class NotReady(RuntimeError):
@@ -30,6 +30,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 1.0) -> int | None:
+    """The HTTP status ``url`` answers a GET with, or None when it does not answer within
+    ``timeout`` s (a readiness probe: short, so that polling one process holds up no
+    other)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 class ChildProcess:
@@ -52,6 +65,11 @@ class ChildProcess:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it exited (−N: killed by signal N), else None."""
+        return None if self.proc is None else self.proc.poll()
 
     def is_running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
