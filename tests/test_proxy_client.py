@@ -270,3 +270,86 @@ def test_idle_connections_older_than_the_keepalive_expiry_are_not_reused():
             await srv.stop()
 
     assert _run(go()) == 2
+
+
+async def _until(predicate, timeout: float = 20.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def _slow_json(head, body):
+    """An answer in two pieces 0.05 s apart: concurrent requests overlap."""
+    answer = _json(b"{}")
+    return [answer[:20], answer[20:]]
+
+
+def test_idle_connections_are_closed_by_a_sweep_without_being_reused():
+    """After a burst, idle connections are closed once older than the expiry, though no
+    request comes to reuse them; the sweep's timer stops when nothing is idle."""
+    async def go():
+        srv = await _Server(_slow_json).start()
+        s = UpstreamSession(aiohttp.ClientSession(), keepalive_expiry=0.2)
+        try:
+            async def one():
+                async with s.post(srv.url + "/x", data=b"{}") as resp:
+                    return resp.status, await resp.read()
+
+            out = await asyncio.gather(*[one() for _ in range(8)])
+            idle = s.idle_connections()
+            closed = await _until(lambda: srv.closed == srv.connections)
+            return out, idle, srv.connections, closed, s.idle_connections(), s._sweep
+        finally:
+            await s.close()
+            await srv.stop()
+
+    out, idle, connections, closed, idle_after, sweep = _run(go())
+    assert out == [(200, b"{}")] * 8 and idle == connections == 8
+    assert closed and idle_after == 0 and sweep is None
+
+
+def test_the_idle_pool_is_capped_but_connections_in_use_are_not():
+    async def go():
+        srv = await _Server(_slow_json).start()
+        s = UpstreamSession(aiohttp.ClientSession(), max_idle=3)
+        try:
+            async def one():
+                async with s.post(srv.url + "/x", data=b"{}") as resp:
+                    return await resp.read()
+
+            out = await asyncio.gather(*[one() for _ in range(10)])
+            closed = await _until(lambda: srv.closed == 7)
+            return out, srv.connections, s.idle_connections(), closed
+        finally:
+            await s.close()
+            await srv.stop()
+
+    out, connections, idle, closed = _run(go())
+    assert out == [b"{}"] * 10 and connections == 10  # none waited for a connection
+    assert idle == 3 and closed  # the 7 beyond the cap were closed as they finished
+
+
+def test_close_cancels_the_sweep_and_a_request_ending_after_it_is_not_pooled():
+    async def go():
+        srv = await _Server(_slow_json).start()
+        s = UpstreamSession(aiohttp.ClientSession(), keepalive_expiry=60)
+        try:
+            async with s.post(srv.url + "/x", data=b"{}") as resp:
+                await resp.read()  # pooled: a sweep is due in about a minute
+            armed = s._sweep is not None
+            resp = await s.post(srv.url + "/x", data=b"{}")  # in flight during close()
+            await s.close()
+            body = await resp.read()
+            resp.release()
+            closed = await _until(lambda: srv.closed == srv.connections)
+            return armed, s._sweep, body, closed, s.idle_connections()
+        finally:
+            await srv.stop()
+
+    armed, sweep, body, closed, idle = _run(go())
+    assert armed and sweep is None
+    assert body == b"{}" and closed and idle == 0

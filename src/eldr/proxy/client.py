@@ -41,6 +41,20 @@ __all__ = ["UpstreamConnectError", "UpstreamProtocolError", "UpstreamSession"]
 
 _DEFAULT_TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=30)  # aiohttp's default
 
+MAX_IDLE = 64
+"""Idle keep-alive connections kept per engine. What a burst leaves behind: each idle one
+holds a file descriptor in the router and a socket in the engine, and after a burst of
+1,000 concurrent requests up to that many were left, when 256 were kept per engine. A
+decoder running hundreds of requests needs as many connections, but in use, and those
+are never capped; between requests a connection is idle for milliseconds, so the pool
+needs to cover only the swings of the number of requests in flight, and what it does not
+cover costs a new connection (a local TCP handshake, well under a millisecond next to a
+prefill or decode of tens of milliseconds or more)."""
+
+_SWEEP_SLACK = 0.5
+"""Seconds a sweep may come after the first idle connection expires, so one sweep closes
+all those expiring close together (at most two sweeps a second)."""
+
 
 class UpstreamSession:
     """Requests to the engines over pooled keep-alive connections (see the module doc).
@@ -48,10 +62,16 @@ class UpstreamSession:
     ``fallback`` (an ``aiohttp.ClientSession``) serves what this does not: https URLs and
     keyword arguments other than ``data``, ``json``, ``headers``, ``timeout``. It is closed
     with this session.
+
+    Idle connections: at most ``max_idle`` per engine are kept (connections in use are
+    never capped: a decode never waits for one), and one idle for longer than
+    ``keepalive_expiry`` is closed by a sweep, a timer armed only while some connection is
+    idle, not only when the pool is next used: after a burst, the router's file
+    descriptors come back within seconds even if no request follows.
     """
 
-    def __init__(self, fallback, *, max_idle: int = 256, keepalive_expiry: float = 4.0
-                 ) -> None:
+    def __init__(self, fallback, *, max_idle: int = MAX_IDLE,
+                 keepalive_expiry: float = 4.0) -> None:
         self.fallback = fallback
         self.max_idle = max_idle  # idle connections kept per engine
         # an idle connection older than this is closed, not reused: below uvicorn's 5 s
@@ -59,6 +79,8 @@ class UpstreamSession:
         self.keepalive_expiry = keepalive_expiry
         self._pools: dict[tuple[str, int], deque] = {}
         self._targets: dict[str, tuple | None] = {}
+        self._sweep: asyncio.TimerHandle | None = None  # the next sweep of idle connections
+        self._closed = False
 
     def _target(self, url: str) -> tuple | None:
         """(host, port, path, head prefix) of an http URL, or None (use the fallback)."""
@@ -163,14 +185,62 @@ class UpstreamSession:
             limit = left if limit is None else min(limit, left)
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(pool, loop), host, port), limit)
+                loop.create_connection(lambda: _Connection(pool, loop, self._idle), host,
+                                       port), limit)
         except asyncio.TimeoutError:
             raise UpstreamConnectError(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn, False
 
+    def _idle(self, conn: _Connection) -> bool:
+        """``conn``'s answer ended cleanly: keep it in its pool (True) if the session is
+        open and the pool has room, and make sure a sweep is due; else it is closed."""
+        pool = conn.pool
+        if self._closed or len(pool) >= self.max_idle:
+            return False
+        pool.append(conn)
+        if self._sweep is None:
+            self._sweep = conn.loop.call_at(
+                conn.idle_since + self.keepalive_expiry + _SWEEP_SLACK, self._sweep_idle,
+                conn.loop)
+        return True
+
+    def _sweep_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the idle connections older than ``keepalive_expiry`` (and those the engine
+        closed); arm the next sweep for the oldest one left, if any.
+
+        A pool takes and returns connections at its right end, so its left end holds the
+        longest idle: the sweep stops at the first one that is young enough.
+        """
+        self._sweep = None
+        now = loop.time()
+        due = None
+        for pool in self._pools.values():
+            while pool:
+                conn = pool[0]
+                if conn.closed or conn.transport.is_closing() \
+                        or now - conn.idle_since > self.keepalive_expiry:
+                    pool.popleft()
+                    conn._abort()
+                    continue
+                expires = conn.idle_since + self.keepalive_expiry
+                due = expires if due is None else min(due, expires)
+                break
+        if due is not None and not self._closed:
+            self._sweep = loop.call_at(due + _SWEEP_SLACK, self._sweep_idle, loop)
+
+    def idle_connections(self) -> int:
+        """Idle connections kept now, all engines together."""
+        return sum(len(pool) for pool in self._pools.values())
+
     async def close(self) -> None:
+        """Close the idle connections and the fallback session; a request still in flight
+        has its connection closed when it ends (never pooled again)."""
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for pool in self._pools.values():
             while pool:
                 conn = pool.pop()

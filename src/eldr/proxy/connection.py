@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 import aiohttp
 import httptools
@@ -105,10 +106,18 @@ class _Response:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection to an engine; one request at a time."""
+    """One keep-alive connection to an engine; one request at a time.
 
-    def __init__(self, pool: deque, loop: asyncio.AbstractEventLoop) -> None:
+    ``pool`` is the deque of idle connections to its engine; when an answer ends cleanly,
+    ``on_idle(connection)`` is asked to keep it there (True: pooled; False: it is closed),
+    so the session decides (its idle cap, its sweep of old idle connections, whether it
+    is still open). Without ``on_idle`` it goes back to ``pool`` while that has room.
+    """
+
+    def __init__(self, pool: deque, loop: asyncio.AbstractEventLoop,
+                 on_idle: Callable[[_Connection], bool] | None = None) -> None:
         self.pool, self.loop = pool, loop
+        self.on_idle = on_idle
         self.transport = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -228,10 +237,13 @@ class _Connection(asyncio.Protocol):
         self.done = True
         if self.timer is not None:
             self.timer.cancel()
-        if self.complete and not self.closed and self.error is None \
-                and len(self.pool) < self.pool.maxlen:
+        if self.complete and not self.closed and self.error is None:
             self._reset()
             self.idle_since = self.loop.time()
-            self.pool.append(self)
-        else:
-            self._abort()
+            if self.on_idle is not None:
+                if self.on_idle(self):
+                    return
+            elif len(self.pool) < self.pool.maxlen:
+                self.pool.append(self)
+                return
+        self._abort()
