@@ -165,17 +165,23 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 
 async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool = False,
-                reload=None) -> None:
+                reload=None, http_limits=None) -> None:
     """Run the router until SIGINT/SIGTERM; SIGHUP re-reads the decoders file (if serve has
     one: decoders are added or drained to match it) and reloads the artifact.
 
     ``port`` overrides the config's (a worker of ``--workers N`` binds the port its parent
     reserved, with ``reuse_port``); ``reload`` is what SIGHUP calls (default
-    ``router.reload``).
+    ``router.reload``). The HTTP server refuses malformed requests with JSON errors and
+    closes connections whose request head is late or that stay idle
+    (:mod:`eldr.proxy.httpserver`; ``http_limits``, an ``HttpLimits``, overrides its
+    defaults).
     """
     from aiohttp import web
 
-    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    from eldr.proxy.httpserver import HardenedAppRunner
+
+    runner = HardenedAppRunner(router.make_app(), limits=http_limits,
+                               handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, router.config.host,
                        router.config.port if port is None else port, backlog=1024,
