@@ -141,9 +141,15 @@ class UpstreamSession:
             payload += data
         loop = asyncio.get_running_loop()
         deadline = None if timeout.total is None else loop.time() + timeout.total
-        fresh = False
+        fresh = None  # the error that made the request go once more on a new connection
         while True:
-            conn, reused = await self._connect(loop, host, port, timeout, deadline, fresh)
+            try:
+                conn, reused = await self._connect(loop, host, port, timeout, deadline,
+                                                   fresh is not None)
+            except UpstreamConnectError:
+                if fresh is not None:  # the engine may have read the request, then died:
+                    raise fresh from None  # its first failure is the truth, not "connect"
+                raise
             if deadline is not None:
                 conn.timer = loop.call_at(deadline, conn._total_timeout)
             conn.sock_read = timeout.sock_read
@@ -158,7 +164,7 @@ class UpstreamSession:
                 conn.finish()  # aborts: the answer never started
                 if reused and silent and isinstance(exc, (aiohttp.ServerDisconnectedError,
                                                           ConnectionResetError)):
-                    fresh = True  # the engine closed a kept-alive connection as it went out:
+                    fresh = exc  # the engine closed a kept-alive connection as it went out:
                     continue  # it read nothing of the request; once more, on a new one
                 raise
             conn.response = _Response(conn, conn.parser.get_status_code(), conn.headers)
