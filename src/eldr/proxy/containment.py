@@ -1,0 +1,206 @@
+"""Fault containment: poison requests and the retry budget (docs/failures.md).
+
+Retries protect a request from a failing engine; they must not let one request, or one
+failing engine, take more engines down. Two mechanisms, both free of I/O:
+
+- :class:`PoisonList` counts engine deaths per request body and remembers, for ``ttl``
+  seconds, the bodies that killed two engines in one request, or three over several (a
+  "query of death"). A resend of such a
+  body is refused before any engine sees it. It is a fixed table of ``capacity``
+  entries, indexed by the body's hash (a newer entry replaces an older one in its slot):
+  bounded memory whatever the clients send, and a slot is four 8-byte words, so the
+  table can live in memory shared by every worker of ``--workers N``.
+- :class:`RetryBudget` caps the retries of ALL requests together: over the last
+  ``window`` seconds, at most ``min_per_second · window + ratio · requests`` retries
+  (Finagle's retry budget: a floor so that a quiet router can still retry, and a share
+  of the traffic so that retries never more than ``1 + ratio`` times the load on the
+  engines left). Each worker counts its own requests and retries in its own row of
+  per-second buckets (one writer per cell, no lock); every worker reads the sum of all
+  rows, so the budget is shared by ``--workers N``.
+
+:class:`Strikes` is what went wrong for one request; the request flow
+(:mod:`eldr.proxy.flow`) decides what a death is (a 5xx or a lost connection followed by
+the engine failing a health probe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["POISON_BODY_DEATHS", "POISON_DEATHS", "PoisonList", "RetryBudget", "Strikes",
+           "body_digest", "shared_buffer"]
+
+POISON_DEATHS = 2  # engines one request may see die: at the second it is poison
+# deaths a body may see over several requests (resends) before it is refused: one more than
+# a request's own, since identical bodies in flight at two unrelated deaths are not poison
+POISON_BODY_DEATHS = 3
+
+
+def body_digest(raw: bytes) -> int:
+    """A request body's 63-bit fingerprint (BLAKE2b; 0 is never returned: it marks an
+    empty slot)."""
+    value = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+    return value or 1
+
+
+def shared_buffer(num_bytes: int):
+    """Zeroed memory shared with processes forked after this call (anonymous mapping)."""
+    return mmap.mmap(-1, num_bytes)
+
+
+class PoisonList:
+    """Engine deaths per request body, and the bodies refused for them.
+
+    ``capacity`` slots of (digest, expiry, deaths, last death event), indexed by the
+    digest. A body is refused for ``ttl`` seconds once :meth:`add` put it there (a request
+    that saw two engines die), or once it has seen :data:`POISON_BODY_DEATHS` deaths
+    within ``ttl`` of each other across several requests (a prompt that kills the only
+    prefill engine dies once per request; it is refused at its third). One death event
+    (an engine that dies, found by one health probe) counts once per body, however many
+    identical requests were in flight there.
+
+    ``buffer``: memory for the table (``PoisonList.nbytes(capacity)`` bytes, e.g. a
+    :func:`shared_buffer`); None: private memory. ``clock``: wall-clock seconds
+    (``time.time``: the same in every process).
+    """
+
+    def __init__(self, *, capacity: int = 4096, ttl: float = 300.0, buffer=None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"poison list capacity must be a positive integer, got "
+                             f"{capacity!r}")
+        if not ttl > 0:
+            raise ValueError(f"poison list ttl must be > 0, got {ttl!r}")
+        self.capacity = capacity
+        self.ttl = float(ttl)
+        self.clock = clock
+        buf = bytearray(self.nbytes(capacity)) if buffer is None else buffer
+        table = np.frombuffer(buf, dtype=np.int64, count=3 * capacity).reshape(capacity, 3)
+        self._digests, self._deaths, self._events = table[:, 0], table[:, 1], table[:, 2]
+        self._expiry = np.frombuffer(buf, dtype=np.float64, count=capacity,
+                                     offset=24 * capacity)
+
+    @staticmethod
+    def nbytes(capacity: int) -> int:
+        return 32 * capacity
+
+    def _live(self, slot: int, digest: int) -> bool:
+        return int(self._digests[slot]) == digest and self._expiry[slot] > self.clock()
+
+    def record_death(self, digest: int, event: int) -> int:
+        """An engine died serving ``digest`` (death ``event``: the same for every request
+        that saw that death); the body's deaths within ``ttl`` (this one included)."""
+        slot = digest % self.capacity
+        if not self._live(slot, digest):  # a new body takes the slot over
+            self._expiry[slot] = 0.0  # a reader in between sees no entry, never a wrong one
+            self._digests[slot], self._deaths[slot], self._events[slot] = digest, 0, 0
+        if int(self._events[slot]) != event:
+            self._deaths[slot] += 1
+            self._events[slot] = event
+        self._expiry[slot] = self.clock() + self.ttl
+        return int(self._deaths[slot])
+
+    def add(self, digest: int) -> None:
+        """Refuse ``digest`` for ``ttl`` seconds from now."""
+        slot = digest % self.capacity
+        if not self._live(slot, digest):
+            self._expiry[slot] = 0.0
+            self._digests[slot], self._events[slot] = digest, 0
+        self._deaths[slot] = max(int(self._deaths[slot]), POISON_BODY_DEATHS)
+        self._expiry[slot] = self.clock() + self.ttl
+
+    def seconds_left(self, digest: int) -> float | None:
+        """Seconds ``digest`` stays refused, or None when it is not poison."""
+        slot = digest % self.capacity
+        if int(self._digests[slot]) != digest or self._deaths[slot] < POISON_BODY_DEATHS:
+            return None
+        left = float(self._expiry[slot]) - self.clock()
+        return left if left > 0 else None
+
+    def __len__(self) -> int:
+        """Bodies refused now."""
+        return int(np.count_nonzero((self._expiry > self.clock())
+                                    & (self._deaths >= POISON_BODY_DEATHS)))
+
+
+class RetryBudget:
+    """Retries of all requests over a sliding window of ``window`` one-second buckets.
+
+    ``on_request()`` once per client request; ``try_retry()`` before each retry: True
+    (and counted) while the budget allows one, else False. ``rows``/``row``: the workers
+    sharing ``buffer`` (``RetryBudget.nbytes(rows, window)`` bytes) and this one's row.
+    """
+
+    def __init__(self, *, ratio: float = 0.2, min_per_second: float = 5.0,
+                 window: int = 10, rows: int = 1, row: int = 0, buffer=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not (ratio >= 0 and np.isfinite(ratio)):
+            raise ValueError(f"retry budget ratio must be finite and >= 0, got {ratio!r}")
+        if not (min_per_second >= 0 and np.isfinite(min_per_second)):
+            raise ValueError(f"retry budget floor must be finite and >= 0, got "
+                             f"{min_per_second!r}")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"retry budget window must be a positive integer, got {window!r}")
+        if not 0 <= row < rows:
+            raise ValueError(f"row {row} is not in [0, {rows})")
+        self.ratio = float(ratio)
+        self.min_per_second = float(min_per_second)
+        self.window = window
+        self.row = row
+        self.clock = clock
+        buf = bytearray(self.nbytes(rows, window)) if buffer is None else buffer
+        # (rows, window, 3) int64: the second each bucket holds, its requests, its retries
+        self._table = np.frombuffer(buf, dtype=np.int64, count=rows * window * 3).reshape(
+            rows, window, 3)
+
+    @staticmethod
+    def nbytes(rows: int, window: int) -> int:
+        return 8 * 3 * rows * window
+
+    def _bucket(self) -> np.ndarray:
+        """This row's bucket of the current second (emptied when it held an older one)."""
+        second = int(self.clock())
+        cell = self._table[self.row, second % self.window]
+        if cell[0] != second:
+            cell[1] = cell[2] = 0
+            cell[0] = second
+        return cell
+
+    def _totals(self) -> tuple[int, int]:
+        """(requests, retries) of every row over the window."""
+        second = int(self.clock())
+        live = self._table[:, :, 0] > second - self.window
+        return (int(self._table[:, :, 1][live].sum()), int(self._table[:, :, 2][live].sum()))
+
+    def on_request(self) -> None:
+        self._bucket()[1] += 1
+
+    def allowed(self) -> float:
+        """Retries the window allows in all (spent ones included)."""
+        requests, _ = self._totals()
+        return self.min_per_second * self.window + self.ratio * requests
+
+    def try_retry(self) -> bool:
+        requests, retries = self._totals()
+        if retries + 1 > self.min_per_second * self.window + self.ratio * requests:
+            return False
+        self._bucket()[2] += 1
+        return True
+
+
+class Strikes:
+    """What went wrong for one request: its body's digest, the engines that died while
+    serving it, whether the retry budget refused it a retry."""
+
+    __slots__ = ("budget_refused", "deaths", "digest", "rid")
+
+    def __init__(self, rid: str, digest: int) -> None:
+        self.rid = rid  # the client's request id (logs)
+        self.digest = digest  # body_digest of its body
+        self.deaths: list[str] = []  # "role name (kind)" of each engine that died
+        self.budget_refused = False
