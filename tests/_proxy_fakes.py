@@ -90,7 +90,8 @@ class FakeEngine:
     SSE usage event, nested 100,000 deep) | notjson (a 200 that is not JSON / not SSE) |
     flood (streams 64 KiB events until its client goes away) | big (a JSON answer of
     ``big_bytes``; as a prefill too) | linger (a stream that stays open 0.3 s after
-    ``data: [DONE]``, as a TCP segment boundary can make any stream do).
+    ``data: [DONE]``, as a TCP segment boundary can make any stream do) | break_dead (a
+    stream cut after its first event by the engine dying: /health 503 from then on).
 
     Besides the completion routes it answers vLLM's ``/tokenize``, ``/detokenize``,
     ``/version`` and ``/ping`` (recorded in ``aux``), and a route it lacks or a wrong
@@ -114,6 +115,12 @@ class FakeEngine:
         self.api_key: str | None = None  # like vllm --api-key: /v1/* needs this bearer key
         self.aux: list[tuple[str, str, bytes]] = []  # (method, path_qs, body) of aux calls
         self.finished_streams = 0  # streams written to their end (incl. [DONE]) unaborted
+        # a prompt containing this kills the engine: the connection drops, /health 503
+        # (as vLLM's after its engine core died), until ``healthy`` is set again
+        self.die_on: str | None = None
+        self.hold: asyncio.Event | None = None  # completions wait for it (then answer)
+        self.block_size: int | None = None  # KV block size its /metrics reports, if any
+        self._open: set = set()  # transports of completions in progress (kill())
         self.server: TestServer | None = None
 
     @property
@@ -168,8 +175,18 @@ class FakeEngine:
                                   "tokens": tokens, "token_strs": None})
 
     async def _metrics(self, request):
-        return web.Response(text='vllm:num_requests_running{model_name="tiny"} 5.0\n'
-                                 'vllm:num_requests_waiting{model_name="tiny"} 2.0\n')
+        info = ("" if self.block_size is None else
+                f'vllm:cache_config_info{{block_size="{self.block_size}",'
+                f'cache_dtype="auto"}} 1.0\n')
+        return web.Response(text=info + 'vllm:num_requests_running{model_name="tiny"} 5.0\n'
+                                        'vllm:num_requests_waiting{model_name="tiny"} 2.0\n')
+
+    def kill(self) -> None:
+        """Die from outside: every completion in progress loses its connection at once,
+        and /health answers 503 until ``healthy`` is set again."""
+        self.healthy = False
+        for transport in list(self._open):
+            transport.close()
 
     async def _complete(self, request):
         if self._refused(request):
@@ -178,6 +195,19 @@ class FakeEngine:
         self.requests.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
         self.headers.append(dict(request.headers))
+        if self.die_on is not None and self.die_on in _prompt_of(body):
+            self.kill()
+            request.transport.close()
+            return web.Response()
+        if self.hold is not None:
+            if not self.healthy:  # killed while this request was on its way
+                request.transport.close()
+                return web.Response()
+            self._open.add(request.transport)
+            try:
+                await self.hold.wait()
+            finally:
+                self._open.discard(request.transport)
         mode = self.mode
         if mode == "500":
             return web.json_response({"error": "boom"}, status=500)
@@ -265,7 +295,9 @@ class FakeEngine:
                 delta = {"delta": {"content": tok}} if chat else {"text": tok}
                 await resp.write(b"data: " + json.dumps(
                     {"id": "x", "choices": [{"index": 0, **delta}]}).encode() + b"\n\n")
-                if self.mode == "break" and i == 0:
+                if self.mode in ("break", "break_dead") and i == 0:
+                    if self.mode == "break_dead":  # the engine dies mid-stream
+                        self.healthy = False
                     request.transport.close()
                     return resp
                 if self.mode == "slow":
@@ -301,8 +333,10 @@ async def cluster(*, num_prefill: int = 1, num_decode: int = 2, policy: str = "e
                 for i in range(num_prefill)]
     decoders = [await FakeEngine(f"d{k}", **(engine_kw or {})).start()
                 for k in range(num_decode)]
+    # the fakes' prompts are a few words: through the PD flow unless a test asks for the
+    # short-prompt path (short_prompt_tokens > 0)
     settings = {"health_interval": 0.05, "health_timeout": 1.0, "unhealthy_after": 1,
-                "artifact": None, **config_kw}
+                "artifact": None, "short_prompt_tokens": 0, **config_kw}
     config = ServeConfig(prefill_urls=tuple(e.url for e in prefills),
                          decode_urls=tuple(e.url for e in decoders), policy=policy,
                          **settings)

@@ -12,6 +12,7 @@ from eldr.proxy.bodies import (
     fix_usage,
     json_object,
     parse_body,
+    prompt_token_bound,
 )
 from eldr.proxy.errors import ProxyError
 
@@ -157,3 +158,24 @@ def test_utf16_bodies_are_accepted_and_reencoded_for_the_decoder():
     body = parse_body(raw, "completions")
     out = decode_body(body, raw, {"k": 1})
     assert json.loads(out) == {"prompt": "héllo", "kv_transfer_params": {"k": 1}}
+
+
+@pytest.mark.parametrize("body, kind, bound", [
+    ({"prompt": "hi"}, "completions", 2),
+    ({"prompt": "héllo"}, "completions", 6),  # UTF-8 bytes: >= byte-level BPE tokens
+    ({"prompt": [1, 2, 3]}, "completions", 3),  # token ids: exact
+    ({"prompt": [[1, 2], [3]]}, "completions", None),  # a batch: never short
+    ({"prompt": ["a", "b"]}, "completions", None),
+    ({"prompt": [1, True]}, "completions", None),
+    ({"prompt": "x", "prompt_embeds": "AAAA"}, "completions", None),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "yo"}]}, "chat", 4),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]}, "chat", 3),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "chat", None),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "chat", 0),
+    ({"messages": None}, "chat", None),
+    ({"messages": [{"role": "user", "content": 5}]}, "chat", None),
+])
+def test_prompt_token_bound(body, kind, bound):
+    assert prompt_token_bound(body, kind) == bound

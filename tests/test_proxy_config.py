@@ -30,6 +30,14 @@ def test_valid_config_strips_trailing_slash():
     ({"prefill_timeout": float("inf")}, "prefill_timeout"),
     ({"scrape_interval": -1.0}, "scrape_interval"),
     ({"engine_footprint": "on"}, "engine_footprint"),
+    ({"short_prompt_tokens": -1}, "short_prompt_tokens"),
+    ({"short_prompt_tokens": True}, "short_prompt_tokens"),
+    ({"short_prompt_tokens": 2.5}, "short_prompt_tokens"),
+    ({"poison_ttl": 0}, "poison_ttl"),
+    ({"poison_capacity": 0}, "poison_capacity"),
+    ({"retry_budget_ratio": -0.1}, "retry_budget_ratio"),
+    ({"retry_budget_min": float("nan")}, "retry_budget_min"),
+    ({"retry_budget_window": 0}, "retry_budget_window"),
 ])
 def test_bad_values_are_named(kw, match):
     base = {"prefill_urls": (P,), "decode_urls": (D1, D2), "policy": "jsq"}

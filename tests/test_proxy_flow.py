@@ -772,3 +772,199 @@ class _CountingLearner:
 
     async def stop(self):
         pass
+
+
+# -- containment: short prompts, poison requests, the retry budget (docs/failures.md) -----
+def test_short_prompts_are_served_whole_by_a_decoder_and_counted():
+    async def go():
+        async with cluster(short_prompt_tokens=32) as (router, client, prefills, decoders):
+            out = []
+            for body, path in (
+                    ({"model": "tiny", "prompt": "hi", "max_tokens": 4}, "/v1/completions"),
+                    ({"model": "tiny", "prompt": [5, 6, 7]}, "/v1/completions"),
+                    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                      "stream": True}, "/v1/chat/completions"),
+                    ({"model": "tiny", "prompt": "hi", "kv_transfer_params": {"x": 1}},
+                     "/v1/completions")):
+                r = await client.post(path, json=body)
+                out.append((r.status, r.headers["X-Eldr-Prefill"], await r.text()))
+            long = await client.post("/v1/completions",
+                                     json={"model": "tiny", "prompt": "x" * 40})
+            return router, out, long.headers["X-Eldr-Prefill"], prefills, decoders
+
+    router, out, long_prefill, prefills, decoders = run(go())
+    assert [(s, p) for s, p, _ in out] == [(200, "none")] * 4
+    assert all("tok0" in text for _, _, text in out)
+    assert "data: [DONE]" in out[2][2]
+    assert long_prefill == "prefill-0"  # 40 bytes may be 32 tokens or more: PD flow
+    assert len(prefills[0].requests) == 1  # only the long prompt was prefilled
+    whole = [b for d in decoders for b in d.requests][:4]
+    assert all("kv_transfer_params" not in b for b in whole)  # a client's own is dropped too
+    assert whole[1]["prompt"] == [5, 6, 7] and whole[0]["max_tokens"] == 4
+    assert _metric(router, "short_prompts") == 4
+    assert _metric(router, "fallbacks", reason="short_prompt") == 4  # routed by load
+    assert sum(_metric(router, "decisions", policy="eldr", decoder=n)
+               for n in ("w-code", "w-other")) == 5
+    assert _metric(router, "abandoned", reason="decode_failed") == 0
+    assert router.pool.tracker.loads.tolist() == [0, 0]
+
+
+def test_a_short_prompt_whose_decoder_fails_is_retried_on_another_without_a_prefill():
+    async def go():
+        async with cluster(short_prompt_tokens=32, unhealthy_after=10) as (
+                router, client, prefills, decoders):
+            decoders[0].mode = decoders[1].mode = "500"
+            failed = await client.post("/v1/completions", json={"prompt": "hi"})
+            decoders[1].mode = "ok"
+            r = await client.post("/v1/completions", json={"prompt": "hi"})
+            return router, failed.status, r, prefills, decoders
+
+    router, failed, r, prefills, _ = run(go())
+    assert failed == 502
+    assert r.status == 200 and r.headers["X-Eldr-Decoder"] == "w-other"
+    assert prefills[0].requests == []
+    assert _metric(router, "retries") >= 2
+
+
+def test_the_short_prompt_threshold_defaults_to_the_engines_kv_block():
+    async def go():
+        async with cluster(short_prompt_tokens=None) as (router, client, prefills, decoders):
+            for e in (*prefills, *decoders):
+                e.block_size = 8
+            for inst in (*router.pool.prefill, *router.pool.decode):
+                inst.block_size = None  # as before the first check (the fakes start first)
+            await router.pool.check_all()
+            r8 = await client.post("/v1/completions", json={"prompt": "1234567"})
+            r9 = await client.post("/v1/completions", json={"prompt": "12345678"})
+            return router, r8.headers["X-Eldr-Prefill"], r9.headers["X-Eldr-Prefill"]
+
+    router, short, long = run(go())
+    assert router.pool.block_size() == 8
+    assert (short, long) == ("none", "prefill-0")
+
+
+def test_without_a_reported_block_the_threshold_is_16_tokens():
+    async def go():
+        async with cluster(short_prompt_tokens=None) as (router, client, _, __):
+            a = await client.post("/v1/completions", json={"prompt": "x" * 15})
+            b = await client.post("/v1/completions", json={"prompt": "x" * 16})
+            return router, a.headers["X-Eldr-Prefill"], b.headers["X-Eldr-Prefill"]
+
+    router, a, b = run(go())
+    assert router.pool.block_size() is None
+    assert (a, b) == ("none", "prefill-0")
+
+
+POISON = {"model": "tiny", "prompt": "POISON pill"}
+
+
+def test_a_request_that_kills_two_decoders_is_poison_and_refused_on_resend():
+    async def go():
+        async with cluster(num_decode=3, policy="jsq", health_interval=60) as (
+                router, client, prefills, decoders):
+            for d in decoders:
+                d.die_on = "POISON"
+            first = await client.post("/v1/completions", json=POISON,
+                                      headers={"X-Request-Id": "bad-1"})
+            again = await client.post("/v1/completions", json=POISON)
+            fine = await client.post("/v1/completions", json=CODE)
+            return (router, first.status, (await first.json())["error"], again.status,
+                    (await again.json())["error"], fine.status, prefills, decoders)
+
+    router, status, err, again, again_err, fine, prefills, decoders = run(go())
+    assert status == 502
+    assert "bad-1" in err["message"] and "died" in err["message"]
+    assert "decode w-code (disconnect)" in err["message"]
+    # distinct ids: a request on a reused connection may go twice (eldr.proxy.client)
+    poison_ids = [{i for i, b in zip(d.request_ids, d.requests, strict=True)
+                   if "POISON" in b["prompt"]} for d in decoders]
+    assert [len(ids) for ids in poison_ids] == [1, 1, 0]  # no third engine touched
+    assert again == 422 and "poison" in again_err["message"]
+    assert len(prefills[0].requests) == 2 + 1  # the resend reached no engine; CODE did
+    assert fine == 200
+    assert _metric(router, "poison", event="detected") == 1
+    assert _metric(router, "poison", event="refused") == 1
+    assert _metric(router, "engine_deaths", role="decode", instance="w-code") == 1
+    assert _metric(router, "engine_deaths", role="decode", instance="w-other") == 1
+    assert router.pool.tracker.loads.tolist() == [0, 0, 0]
+
+
+def test_an_engine_killed_from_outside_poisons_none_of_its_requests():
+    async def go():
+        async with cluster(policy="jsq", health_interval=60) as (router, client, _, decoders):
+            decoders[0].hold = asyncio.Event()  # d0 holds what it gets until it is killed
+            body = {"model": "tiny", "prompt": "the same words for everyone"}
+            tasks = [asyncio.ensure_future(client.post("/v1/completions", json=body))
+                     for _ in range(6)]
+            for _ in range(200):
+                if len(decoders[0]._open) >= 3:
+                    break
+                await asyncio.sleep(0.01)
+            held = len(decoders[0]._open)
+            decoders[0].kill()
+            rs = await asyncio.gather(*tasks)
+            decoders[0].healthy, decoders[0].hold = True, None  # restarted
+            resend = await client.post("/v1/completions", json=body)
+            return router, held, [r.status for r in rs], resend.status
+
+    router, held, statuses, resend = run(go())
+    assert held >= 3
+    assert statuses == [200] * 6 and resend == 200
+    assert _metric(router, "engine_deaths", role="decode", instance="w-code") == 1
+    assert _metric(router, "poison", event="detected") == 0
+
+
+def test_a_prompt_that_kills_the_only_prefill_is_refused_at_its_third_death():
+    async def go():
+        async with cluster(health_interval=60) as (router, client, prefills, _):
+            prefills[0].die_on = "POISON"
+            out = []
+            for _ in range(4):
+                r = await client.post("/v1/completions", json=POISON)
+                out.append((r.status, (await r.json())["error"]["message"]))
+                prefills[0].healthy = True  # restarted (eldr cluster)
+                await router.pool.check(router.pool.prefill[0])
+            return router, out, prefills
+
+    router, out, prefills = run(go())
+    assert [s for s, _ in out] == [502, 502, 502, 422]
+    assert "prefill failed" in out[0][1] and "died" in out[2][1]
+    assert len(set(prefills[0].request_ids)) == 3  # the fourth never reached it
+    assert _metric(router, "poison", event="detected") == 1
+
+
+def test_a_stream_cut_by_the_second_death_ends_with_a_poison_error_event():
+    async def go():
+        async with cluster(policy="jsq", health_interval=60) as (router, client, _, decoders):
+            decoders[0].die_on = "POISON"  # dies before its first byte
+            decoders[1].mode = "break_dead"  # dies after its first event
+            r = await client.post("/v1/completions", json={**POISON, "stream": True})
+            text = await r.text()
+            again = await client.post("/v1/completions", json={**POISON, "stream": True})
+            return router, r.status, text, again.status
+
+    router, status, text, again = run(go())
+    assert status == 200 and "tok0" in text
+    assert '"error"' in text and "died" in text
+    assert again == 422
+    assert _metric(router, "poison", event="detected") == 1
+
+
+def test_retries_beyond_the_budget_fail_fast():
+    async def go():
+        async with cluster(retry_budget_ratio=0.0, retry_budget_min=0.1,
+                           retry_budget_window=10, unhealthy_after=10) as (
+                router, client, _, decoders):
+            for d in decoders:
+                d.mode = "500"
+            first = await client.post("/v1/completions", json=CODE)  # 1 retry: the floor
+            second = await client.post("/v1/completions", json=CODE)  # none left
+            return (router, first.status, second.status, (await second.json())["error"],
+                    decoders)
+
+    router, first, second, err, decoders = run(go())
+    assert first == 502 and second == 502
+    assert "retry budget" in err["message"]
+    assert sum(len(d.requests) for d in decoders) == 2 + 1
+    assert _metric(router, "retries") == 1
+    assert _metric(router, "retries_refused") == 2

@@ -25,7 +25,8 @@ def test_status_and_trace_of_a_learning_router(tmp_path):
         engines = [prefill, *decoders]
         config = ServeConfig(prefill_urls=(prefill.url,),
                              decode_urls=tuple(d.url for d in decoders), admin_token=TOKEN,
-                             health_interval=0.05, health_timeout=1.0, unhealthy_after=1)
+                             health_interval=0.05, health_timeout=1.0, unhealthy_after=1,
+                             short_prompt_tokens=0)  # short test prompts: PD flow
         router = Router(config)
         learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
                                             min_requests=40))

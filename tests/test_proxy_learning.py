@@ -51,7 +51,8 @@ async def _cluster(tmp_path, policy="eldr_cost", **learn_kw):
     decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
     config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
                          health_interval=0.05, health_timeout=1.0, unhealthy_after=1,
-                         policy=policy, stand_in=policy != "eldr_cost")
+                         policy=policy, stand_in=policy != "eldr_cost",
+                         short_prompt_tokens=0)  # short test prompts: through the PD flow
     router = Router(config)  # eldr_cost, no artifact
     learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
                                         **{"min_requests": 40, **learn_kw}))
@@ -222,7 +223,7 @@ def test_with_two_workers_one_learns_from_both_and_its_swap_reaches_both(tmp_pat
             [sys.executable, "-m", "eldr", "serve", "--prefill", prefill.url,
              *[a for d in decoders for a in ("--decode", d.url)], "--port", str(port),
              "--workers", "2", "--health-interval", "0.2", "--learn", str(learn_dir),
-             "--learn-min-requests", "40"], stderr=err,
+             "--learn-min-requests", "40", "--short-prompt-tokens", "0"], stderr=err,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "ELDR_ADMIN_TOKEN": token})
         try:
             for _ in range(600):

@@ -116,6 +116,17 @@ PINNED = {  # family -> (type, help text, label names of its samples)
     "eldr_prefills_abandoned_total": (
         "counter", "Prefills whose decode did not complete (their KV may stay held on the "
         "prefill instance until its connector's timeout), by reason.", ("reason",)),
+    "eldr_short_prompts_total": (
+        "counter", "Requests served whole by a decoder, without a prefill, because their "
+        "prompt has fewer tokens than --short-prompt-tokens.", ()),
+    "eldr_engine_deaths_total": (
+        "counter", "Engines found dead (a health probe failed) right after a request failed "
+        "there, by role and instance.", ("role", "instance")),
+    "eldr_poison_requests_total": (
+        "counter", "Requests during which two engines died (detected: answered 502, their body "
+        "put on the poison list) and resends of such a body (refused: 422).", ("event",)),
+    "eldr_retries_refused_total": (
+        "counter", "Retries the retry budget refused (the request failed instead: 502).", ()),
     "eldr_kv_releases_total": (
         "counter", "One-token decodes sent to read (and so free) the KV of a prefill whose "
         "decoder refused the request, by result.", ("result",)),
@@ -177,6 +188,8 @@ def _record_one_of_each(m) -> None:
     m.requests.inc(endpoint="completions", status="200")
     m.decisions.inc(policy="eldr", decoder="decode-0")
     m.signatures.inc(source="payload")
+    m.short_prompts.inc()
+    m.retries_refused.inc()
     m.partial.inc()
     m.fallbacks.inc(reason="missing")
     m.band.observe(2)

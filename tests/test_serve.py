@@ -85,7 +85,8 @@ def test_serve_process_routes_reloads_on_sighup_and_stops_on_sigterm(policy, wit
         port = _free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "eldr", "serve", "--prefill", eng.url, "--decode", eng.url,
-             "--policy", policy, "--port", str(port), "--health-interval", "0.2", *extra],
+             "--policy", policy, "--port", str(port), "--health-interval", "0.2",
+             "--short-prompt-tokens", "0", *extra],
             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         base = f"http://127.0.0.1:{port}"
         try:
@@ -174,7 +175,8 @@ def test_workers_share_the_port_the_loads_and_reloads(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "eldr", "serve", "--prefill", pre.url, "--decode", dec.url,
              "--policy", "jsq", "--port", str(port), "--workers", "2",
-             "--health-interval", "0.2", *extra], stderr=subprocess.PIPE, text=True,
+             "--health-interval", "0.2", "--short-prompt-tokens", "0", *extra],
+            stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "ELDR_ADMIN_TOKEN": token})
         base = f"http://127.0.0.1:{port}"
         out = {}

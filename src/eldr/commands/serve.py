@@ -80,6 +80,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not send a one-token decode to free the KV of a prefill whose "
                         "decoder refused the request (it then waits for the connector's "
                         "timeout)")
+    p.add_argument("--short-prompt-tokens", type=int, default=None, metavar="N",
+                   help="serve a prompt of fewer than N tokens whole on a decoder, without a "
+                        "prefill (default: one KV block as the engines report it, else 16; "
+                        "0: always disaggregate; docs/failures.md)")
+    p.add_argument("--poison-ttl", type=float, default=300.0, metavar="S",
+                   help="seconds a request body that made two engines die is refused (422) "
+                        "(default 300)")
+    p.add_argument("--retry-budget", type=float, default=0.2, metavar="RATIO",
+                   help="retries of all requests together: at most RATIO per request over "
+                        "the last 10 s, plus --retry-budget-min per second (default 0.2)")
+    p.add_argument("--retry-budget-min", type=float, default=5.0, metavar="R",
+                   help="retries per second always allowed, whatever the traffic (default 5)")
     p.add_argument("--breaker-failures", type=int, default=3,
                    help="consecutive failed requests that open a decoder's circuit breaker")
     p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
@@ -130,6 +142,8 @@ def config_from_args(args: argparse.Namespace):
         health_timeout=min(2.0, args.health_interval), scrape_interval=args.scrape_interval,
         engine_footprint=args.engine_footprint,
         max_attempts=args.max_attempts, release_kv=args.release_kv,
+        short_prompt_tokens=args.short_prompt_tokens, poison_ttl=args.poison_ttl,
+        retry_budget_ratio=args.retry_budget, retry_budget_min=args.retry_budget_min,
         breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,
         breaker_max_backoff=max(120.0, args.breaker_backoff), workers=args.workers,

@@ -10,7 +10,8 @@ What the request flow (:mod:`eldr.proxy.flow`) does with bytes, kept apart from 
 - :class:`SSEUsage` and :func:`fix_usage` make ``usage`` count the whole prompt;
 - :func:`decode_body` builds the decoder's request from the client's bytes;
 - :func:`parse_body` checks a client's request body, refusing what vLLM refuses (a 400 in
-  vLLM's error shape) and nothing it accepts.
+  vLLM's error shape) and nothing it accepts;
+- :func:`prompt_token_bound` bounds a prompt's tokens (short prompts skip the prefill).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import sys
 from eldr.proxy.errors import ProxyError
 
 __all__ = ["MAX_EVENT_BYTES", "SMALL_ANSWER", "BadEvent", "ByteBudget", "SSEUsage",
-           "decode_body", "fix_usage", "json_object", "parse_body", "read_upto", "within"]
+           "decode_body", "fix_usage", "json_object", "parse_body", "prompt_token_bound",
+           "read_upto", "within"]
 
 
 def fix_usage(usage: object, prompt_tokens: int | None) -> bool:
@@ -327,3 +329,43 @@ def parse_body(raw: bytes, kind: str) -> dict:
                               f"(parameter={name}, value={effective})", param=name,
                          code="invalid_request")
     return body
+
+
+def prompt_token_bound(body: dict, kind: str) -> int | None:
+    """An upper bound on the prompt's tokens read off the request, or None (unknown).
+
+    Exact for a completion prompt of token ids. For text it is the UTF-8 byte count: a
+    byte-level BPE tokenizer (GPT-2, Qwen, Llama 3, the tiny MoE's) never makes a token of
+    less than one byte, so a text of n bytes has at most n tokens. A chat counts the bytes
+    of its messages' text; the template's own tokens and a BOS are not counted, so a prompt
+    judged short may really be a few tokens longer (it is then served whole anyway: a
+    choice of speed, never of correctness, docs/failures.md). Anything else (a batch of
+    prompts, prompt embeddings, images) is None: never judged short.
+    """
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        total = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                total += len(content.encode("utf-8", "surrogatepass"))
+            elif isinstance(content, list):  # parts: text only, else unknown
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if not isinstance(text, str) or part.get("type", "text") != "text":
+                        return None
+                    total += len(text.encode("utf-8", "surrogatepass"))
+            elif content is not None:
+                return None
+        return total
+    if body.get("prompt_embeds") not in (None, []):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
+        return len(prompt)
+    return None

@@ -71,6 +71,15 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     engine_footprint: str = "auto"  # "auto": the scrape reads engine footprints; "off"
     max_attempts: int = 3  # prefill+decode attempts per request (retries = attempts - 1)
     release_kv: bool = True  # after a decoder's 4xx, read the prefill's KV (1-token decode)
+    # a prompt whose token count is surely below this is served whole by a decoder (no
+    # prefill, no KV transfer); 0: always disaggregate. None: one KV block, as the engines
+    # report it on /metrics (vllm:cache_config_info), else 16 (docs/failures.md)
+    short_prompt_tokens: int | None = None
+    poison_ttl: float = 300.0  # seconds the body of a request that killed 2 engines is refused
+    poison_capacity: int = 4096  # bodies the poison list holds (older ones replaced)
+    retry_budget_ratio: float = 0.2  # retries allowed per request over the window ...
+    retry_budget_min: float = 5.0  # ... plus this many per second, whatever the traffic
+    retry_budget_window: int = 10  # seconds the retry budget counts over
     breaker_failures: int = 3  # consecutive failed requests that open a decoder's breaker
     breaker_backoff: float = 5.0  # seconds it stays open first; doubled per failed probe
     breaker_max_backoff: float = 120.0  # the longest it stays open
@@ -132,7 +141,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
                     "max_response_bytes", "max_buffered_bytes", "health_interval",
                     "health_timeout",
                     "unhealthy_after", "max_attempts", "breaker_failures", "breaker_backoff",
-                    "breaker_max_backoff", "affinity_block_chars",
+                    "breaker_max_backoff", "affinity_block_chars", "poison_ttl",
                     "affinity_max_blocks", "affinity_capacity")
         for name in positive:
             value = getattr(self, name)
@@ -144,6 +153,25 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if self.max_buffered_bytes < self.max_response_bytes:
             raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least "
                              f"max_response_bytes ({self.max_response_bytes})")
+        if self.short_prompt_tokens is not None and (
+                isinstance(self.short_prompt_tokens, bool)
+                or not isinstance(self.short_prompt_tokens, int)
+                or not 0 <= self.short_prompt_tokens <= 1 << 20):
+            raise ValueError(f"short_prompt_tokens must be an integer in [0, 1048576] (0: "
+                             f"always disaggregate), got {self.short_prompt_tokens!r}")
+        if isinstance(self.poison_capacity, bool) or not isinstance(self.poison_capacity, int) \
+                or not 1 <= self.poison_capacity <= 1 << 24:
+            raise ValueError(f"poison_capacity must be an integer in [1, 16777216], got "
+                             f"{self.poison_capacity!r}")
+        if isinstance(self.retry_budget_window, bool) or \
+                not isinstance(self.retry_budget_window, int) or \
+                not 1 <= self.retry_budget_window <= 3600:
+            raise ValueError(f"retry_budget_window must be an integer number of seconds in "
+                             f"[1, 3600], got {self.retry_budget_window!r}")
+        for name in ("retry_budget_ratio", "retry_budget_min"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
         if self.engine_footprint not in ("auto", "off"):
             raise ValueError(f"engine_footprint must be 'auto' or 'off', "
                              f"got {self.engine_footprint!r}")

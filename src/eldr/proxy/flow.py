@@ -33,6 +33,7 @@ footprint.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -41,7 +42,8 @@ import uuid
 from dataclasses import dataclass
 
 from eldr.capture.decode import REPORT_KEY
-from eldr.proxy.bodies import ByteBudget, json_object, read_upto
+from eldr.proxy.bodies import ByteBudget, json_object, prompt_token_bound, read_upto
+from eldr.proxy.containment import POISON_BODY_DEATHS, POISON_DEATHS, Strikes, body_digest
 from eldr.proxy.decision import (
     Reading,
     RoutingState,
@@ -61,11 +63,16 @@ from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
 )
 from eldr.proxy.signatures import payload_request
 from eldr.proxy.upstream import Instance, error_kind
+from eldr.proxy.workers import make_guards
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
 __all__ = ["RequestFlow", "prompt_key"]
 
 log = logging.getLogger("eldr.serve")
+
+DEFAULT_SHORT_PROMPT_TOKENS = 16  # vLLM's default KV block on GPUs, when engines say none
+# failures after which the engine may have died: probed, and a death is a strike
+DEATH_KINDS = ("http_5xx", "disconnect")
 
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                      "remote_engine_id": None, "remote_block_ids": None,
@@ -81,6 +88,7 @@ class Decision:
     reading: Reading  # what the prefill response carried
     kv_params: dict | None  # kv_transfer_params to relay to the decoder
     prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
+    faults: Strikes | None = None  # the request's deaths so far (a stream dying mid-way)
 
 
 def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
@@ -116,6 +124,9 @@ class RequestFlow(DecodeRelay):
         self.budget = ByteBudget(self.config.max_buffered_bytes)  # of non-streaming answers
         self._background: set[asyncio.Task] = set()  # KV releases in flight
         self._id_count = itertools.count()
+        # bodies that killed engines, and retries of all requests (shared by --workers N)
+        self.poison, self.retry_budget = make_guards(self.config)
+        self._deaths_seen: collections.deque = collections.deque(maxlen=64)  # death events
 
     def _new_id(self) -> str:
         """A fresh id: a per-process random prefix and a counter (unique across replicas).
@@ -130,11 +141,18 @@ class RequestFlow(DecodeRelay):
         state: RoutingState = self.router.state  # this request's snapshot, reloads or not
         rid = request.headers.get("X-Request-Id") or self._new_id()
         stream = bool(body.get("stream", False))
+        faults = Strikes(rid, body_digest(raw if raw is not None else
+                                          json.dumps(body, sort_keys=True).encode()))
+        self._refuse_poison(faults)
+        self.retry_budget.on_request()
+        whole = self._is_short(body, kind)
+        if whole:
+            self.metrics.short_prompts.inc()
         try:
             # Affinity only matters with a choice of prefill instances.
             hashes = (self.router.affinity.hashes(prompt_key(body, kind))
-                      if len(self.pool.prefill) > 1 else [])
-            prefill_data = self._prefill_body(body, kind, state)  # the same for every attempt
+                      if len(self.pool.prefill) > 1 and not whole else [])
+            prefill_data = None if whole else self._prefill_body(body, kind, state)
         except RecursionError:  # parsed just under the limit, deeper to re-encode
             raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                              code="invalid_json") from None
@@ -146,35 +164,44 @@ class RequestFlow(DecodeRelay):
         last: _RetryDecode | None = None
         unread = None  # (prefill, answer, id) of a prefill no decoder could have read
         for attempt in range(config.max_attempts):
+            if attempt:
+                if not self._may_retry(faults, last):
+                    break
+                self.metrics.retries.inc()
+            prefill, doc = None, None
             if unread is None:
                 # Engines key requests by this id: a client's id may be shared or replayed,
-                # so each prefill gets one of ours (the client's stays in answers and logs).
+                # so each attempt gets one of ours (the client's stays in answers and logs).
                 attempt_id = self._new_id()
                 headers["X-Request-Id"] = attempt_id
                 self._check_decoders()
-                prefill, doc = await self._prefill(prefill_data, kind, hashes, headers)
+                if not whole:
+                    prefill, doc = await self._prefill(prefill_data, kind, hashes, headers,
+                                                       faults)
             else:  # the last decoder was never reached: its KV is still there to read
                 (prefill, doc, attempt_id), unread = unread, None
                 headers["X-Request-Id"] = attempt_id
             if state.worker_names != self.router.state.worker_names:
                 state = self.router.state  # the decoder set changed (eldr.proxy.elastic)
             try:
-                decision = self._decide(state, attempt_id, doc, excluded)
+                decision = self._decide(state, attempt_id, doc, excluded, faults)
             except ProxyError:
-                self.metrics.abandoned.inc(reason="no_decoder")
+                if not whole:
+                    self.metrics.abandoned.inc(reason="no_decoder")
                 raise
             decoder = self.pool.decode[decision.worker]
-            reply = {"X-Request-Id": rid, "X-Eldr-Prefill": prefill.name,
+            reply = {"X-Request-Id": rid,
+                     "X-Eldr-Prefill": prefill.name if prefill is not None else "none",
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
             log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
-                      attempt + 1, attempt_id, prefill.name, decoder.name)
+                      attempt + 1, attempt_id, reply["X-Eldr-Prefill"], decoder.name)
             state.policy.on_dispatch(decision.request, decision.worker)
             decoder.breaker.on_dispatch()
             outcome: Outcome = "failed"
             try:
                 resp, outcome = await self._decode(request, kind, body, raw, decoder,
                                                    decision, headers, reply, stream, web)
-                if self.router.learner is not None and outcome == "completed":
+                if self.router.learner is not None and outcome == "completed" and not whole:
                     self.router.learner.on_request_done(doc, decoder.name, resp,
                                                         decode=decode_report(request))
                 return resp
@@ -183,19 +210,20 @@ class RequestFlow(DecodeRelay):
                 outcome = "completed" if is_stream_done(request) else "cancelled"
                 raise
             except UpstreamReply:
-                self.metrics.abandoned.inc(reason="decoder_4xx")
+                if not whole:
+                    self.metrics.abandoned.inc(reason="decoder_4xx")
                 if decision.kv_params is not None and config.release_kv:
                     self._release_kv(body, kind, decoder, decision, dict(headers))
                 raise
             except _RetryDecode as exc:
                 last = exc
                 excluded.append(decoder)
-                if exc.kind == "connect":  # no byte reached the decoder: reuse the prefill
+                if exc.kind == "connect" and not whole:  # no byte reached it: reuse the KV
                     unread = (prefill, doc, attempt_id)
-                else:
+                elif not whole:
                     self.metrics.abandoned.inc(reason="decode_failed")
-                if attempt + 1 < config.max_attempts:
-                    self.metrics.retries.inc()
+                if exc.kind != "connect":
+                    await self._check_death(decoder, exc.kind, faults)  # poison: raises
                 log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", rid,
                             attempt_id, decoder.name, exc,
                             "retrying" if attempt + 1 < config.max_attempts else "giving up")
@@ -204,8 +232,74 @@ class RequestFlow(DecodeRelay):
                 decoder.breaker.on_abandon()  # no-op unless a probe ended with no verdict
         if unread is not None:
             self.metrics.abandoned.inc(reason="decode_failed")
+        if faults.budget_refused:
+            raise ProxyError(502, f"decode failed ({last}); not retried: the router's retry "
+                                  f"budget is spent (too many failures at once)",
+                             code="retry_budget")
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
+
+    # -- containment (docs/failures.md) ----------------------------------------------------
+    def _is_short(self, body: dict, kind: str) -> bool:
+        """Serve the request whole on a decoder: its prompt has fewer tokens than the
+        threshold (``short_prompt_tokens``; None: the engines' KV block, else 16)."""
+        limit = self.config.short_prompt_tokens
+        if limit is None:
+            limit = self.pool.block_size() or DEFAULT_SHORT_PROMPT_TOKENS
+        if limit <= 0:
+            return False
+        bound = prompt_token_bound(body, kind)
+        return bound is not None and bound < limit
+
+    def _refuse_poison(self, faults: Strikes) -> None:
+        """422 before any engine sees a body that killed two engines not long ago."""
+        left = self.poison.seconds_left(faults.digest)
+        if left is None:
+            return
+        self.metrics.poison.inc(event="refused")
+        raise ProxyError(422, f"this request is refused for another {left:.0f} s: the same "
+                              f"body made two engines die in a row (a poison request; "
+                              f"change it, or ask the operator)", code="poison_request")
+
+    def _may_retry(self, faults: Strikes, last) -> bool:
+        """One more try elsewhere, if the shared retry budget allows it."""
+        if self.retry_budget.try_retry():
+            return True
+        faults.budget_refused = True
+        self.metrics.retries_refused.inc()
+        log.warning("request %s: not retried, the retry budget is spent (%s)", faults.rid,
+                    last)
+        return False
+
+    async def _check_death(self, inst: Instance, kind: str, faults: Strikes) -> None:
+        """After a 5xx or a lost connection at ``inst``: did the engine die? A death is a
+        strike against the request; the second makes it poison (ProxyError 502, the body
+        refused for ``poison_ttl`` s)."""
+        if kind not in DEATH_KINDS or await self.pool.confirm_alive(inst):
+            return
+        faults.deaths.append(f"{inst.role} {inst.name} ({kind})")
+        # one death event per engine death, whichever of its requests found it
+        event = body_digest(f"{inst.url}#{inst.deaths}".encode())
+        if event not in self._deaths_seen:
+            self._deaths_seen.append(event)
+            self.metrics.engine_deaths.inc(role=inst.role, instance=inst.name)
+        total = self.poison.record_death(faults.digest, event)
+        if len(faults.deaths) >= POISON_DEATHS or total >= POISON_BODY_DEATHS:
+            raise self._poison(faults, total)
+
+    def _poison(self, faults: Strikes, total: int) -> ProxyError:
+        self.poison.add(faults.digest)
+        self.metrics.poison.inc(event="detected")
+        deaths = ", then ".join(faults.deaths)
+        if total > len(faults.deaths):  # the body killed engines in earlier requests too
+            deaths = (f"{total - len(faults.deaths)} engine(s) in earlier requests with this "
+                      f"body, then {deaths}")
+        log.error("request %s is poison: engines died while serving it (%s); not retried, "
+                  "its body refused for %.0f s", faults.rid, deaths, self.config.poison_ttl)
+        return ProxyError(502, f"request {faults.rid} was not served: engines died in a row "
+                               f"serving this body ({deaths}); it is not retried, and the "
+                               f"same body is refused for {self.config.poison_ttl:.0f} s",
+                          code="poison_request")
 
     def _check_decoders(self) -> None:
         """503 before the prefill when no decoder can take the request: a prefill whose KV
@@ -219,11 +313,18 @@ class RequestFlow(DecodeRelay):
 
         A decoder that refuses a request (4xx: a parameter it rejects) never reads the KV
         the prefill holds for it, and vLLM's connectors free held blocks only after a
-        timeout (NIXL: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, minutes). A proxy cannot abort
-        a finished prefill; what it can do is read the KV: the prompt alone, one token, the
-        same ``kv_transfer_params``. The answer is discarded. If the prompt itself was what
-        the decoder refused, this is refused too, at no cost.
+        timeout: vLLM 0.32's NixlConnector keeps a finished prefill's blocks for
+        ``kv_lease_duration`` seconds (its ``kv_connector_extra_config``, default 30),
+        renewed by the heartbeats of a decoder that has taken the request up (every
+        lease/6 s, by 2/3 of the lease), so KV nobody reads is freed after one lease. A
+        proxy cannot abort a finished prefill; what it can do is read the KV: the prompt
+        alone, one token, the same ``kv_transfer_params``. The answer is discarded. If the
+        prompt itself was what the decoder refused, this is refused too, at no cost. A body
+        on the poison list is never sent again, release or not.
         """
+        if decision.faults is not None and \
+                self.poison.seconds_left(decision.faults.digest) is not None:
+            return  # the poison rule wins: no engine sees that body again
         keep = ("model", "messages") if kind == "chat" else ("model", "prompt")
         release = {k: body[k] for k in keep if k in body}
         release.update(max_tokens=1, stream=False, kv_transfer_params=decision.kv_params)
@@ -282,7 +383,10 @@ class RequestFlow(DecodeRelay):
         self._kv_params_for = (state, params)
         return params
 
-    async def _prefill(self, data: bytes, kind: str, hashes, headers) -> tuple[Instance, dict]:
+    async def _prefill(self, data: bytes, kind: str, hashes, headers,
+                       faults: Strikes) -> tuple[Instance, dict]:
+        """A prefill on the affine healthy instance, then on the others while they fail
+        (each move costs the retry budget; an instance that dies is a strike)."""
         import aiohttp
 
         pool, config = self.pool, self.config
@@ -290,15 +394,22 @@ class RequestFlow(DecodeRelay):
         timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
                                         sock_connect=config.connect_timeout)
         healthy = pool.prefill_healthy.copy()
-        tried = 0
+        tried, failed = 0, None
         while True:
             try:
                 i = self.router.affinity.pick(hashes, pool.prefill_loads, healthy)
             except LookupError:
                 if tried:
+                    await self._check_death(*failed, faults)  # poison: raises
                     raise ProxyError(502, f"prefill failed on all {tried} healthy instance(s)",
                                      code="upstream_failed") from None
                 raise ProxyError(503, "no healthy prefill instance", code="no_prefill") from None
+            if failed is not None:
+                await self._check_death(*failed, faults)  # poison: raises
+                if not self._may_retry(faults, f"prefill at {failed[0].name}: {failed[1]}"):
+                    raise ProxyError(502, f"prefill failed at {failed[0].name} ({failed[1]}); "
+                                          f"not retried: the router's retry budget is spent",
+                                     code="retry_budget")
             tried += 1
             healthy[i] = False  # not again within this prefill
             inst = pool.prefill[i]
@@ -311,21 +422,25 @@ class RequestFlow(DecodeRelay):
                     raw, whole = await read_upto(
                         resp, _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
-                self._upstream_error(inst, error_kind(exc), exc)
+                failed = (inst, error_kind(exc))
+                self._upstream_error(inst, failed[1], exc)
                 continue
             finally:
                 pool.end(inst)
             if status >= 500:
+                failed = (inst, "http_5xx")
                 self._upstream_error(inst, "http_5xx", f"status {status}")
                 continue
             if status >= 400:
                 raise UpstreamReply(status, raw, ctype)
             if not whole:
+                failed = (inst, "too_large")
                 self._upstream_error(inst, "too_large", f"prefill answer over "
                                                         f"{config.max_prefill_bytes} bytes")
                 continue
             doc = json_object(raw)
             if doc is None:
+                failed = (inst, "protocol")
                 self._upstream_error(inst, "protocol", "prefill answer is not a JSON object")
                 continue
             pool.record_success(inst)
@@ -333,22 +448,17 @@ class RequestFlow(DecodeRelay):
             return inst, doc
 
     # -- route -----------------------------------------------------------------------------
-    def _decide(self, state: RoutingState, request_id: str, doc: dict,
-                excluded: list[Instance]) -> Decision:
+    def _decide(self, state: RoutingState, request_id: str, doc: dict | None,
+                excluded: list[Instance], faults: Strikes | None = None) -> Decision:
+        """The decoder of one attempt. ``doc``: the prefill's answer, or None for a short
+        prompt served whole (no signature: the policy routes it by load; no KV to relay)."""
         t0 = time.perf_counter()
         metrics = self.metrics
-        kv_params, payload = split_kv_params(doc)
-        kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
-        if payload is not None:
-            self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
-        usage = doc.get("usage")
-        pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
-        reading = read_inputs(doc, payload, state, pt)
-        if reading.problem != "not_used":
-            metrics.signatures.inc(source=reading.source)
-            if reading.problem is None and _is_partial(payload, pt):
-                metrics.partial.inc()
+        if doc is None:
+            kv_params = pt = None
+            reading = Reading(None, None, 0, "none", "short_prompt")
+        else:
+            kv_params, pt, reading = self._read_prefill(state, doc)
         tracker = self.pool.tracker
         healthy = self.pool.decode_available()
         if excluded:
@@ -370,4 +480,22 @@ class RequestFlow(DecodeRelay):
             metrics.band.observe(decided.band_size)
         metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
         metrics.latency.observe(time.perf_counter() - t0)
-        return Decision(k, route, reading, kv_params, pt)
+        return Decision(k, route, reading, kv_params, pt, faults)
+
+    def _read_prefill(self, state: RoutingState, doc: dict) -> tuple[dict, int | None, Reading]:
+        """(kv_transfer_params for the decoder, the prompt's tokens, the routing inputs) of
+        a prefill answer."""
+        metrics = self.metrics
+        kv_params, payload = split_kv_params(doc)
+        kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
+        if payload is not None:
+            self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
+        usage = doc.get("usage")
+        pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
+        reading = read_inputs(doc, payload, state, pt)
+        if reading.problem != "not_used":
+            metrics.signatures.inc(source=reading.source)
+            if reading.problem is None and _is_partial(payload, pt):
+                metrics.partial.inc()
+        return kv_params, pt, reading

@@ -244,7 +244,7 @@ ENDPOINTS = ("completions", "chat")  # eldr.proxy.app's generation routes
 SIGNATURE_SOURCES = ("payload", "routed_experts", "none")  # eldr.proxy.signatures
 # eldr.proxy.signatures' problems, and "unbound" from the flow
 FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_shape",
-                    "no_encoder", "unbound")
+                    "no_encoder", "unbound", "short_prompt")
 ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.flow
 KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
@@ -293,6 +293,22 @@ class RouterMetrics:
             "eldr_prefills_abandoned_total",
             "Prefills whose decode did not complete (their KV may stay held on the prefill "
             "instance until its connector's timeout), by reason.", ("reason",))
+        self.short_prompts = reg.counter(
+            "eldr_short_prompts_total",
+            "Requests served whole by a decoder, without a prefill, because their prompt "
+            "has fewer tokens than --short-prompt-tokens.")
+        self.engine_deaths = reg.counter(
+            "eldr_engine_deaths_total",
+            "Engines found dead (a health probe failed) right after a request failed there, "
+            "by role and instance.", ("role", "instance"))
+        self.poison = reg.counter(
+            "eldr_poison_requests_total",
+            "Requests during which two engines died (detected: answered 502, their body "
+            "put on the poison list) and resends of such a body (refused: 422).",
+            ("event",))
+        self.retries_refused = reg.counter(
+            "eldr_retries_refused_total",
+            "Retries the retry budget refused (the request failed instead: 502).")
         self.kv_releases = reg.counter(
             "eldr_kv_releases_total",
             "One-token decodes sent to read (and so free) the KV of a prefill whose decoder "
@@ -362,6 +378,7 @@ class RouterMetrics:
         self.fallbacks.prime(*((r,) for r in FALLBACK_REASONS))
         self.abandoned.prime(*((r,) for r in ABANDON_REASONS))
         self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
+        self.poison.prime(("detected",), ("refused",))
         self.reloads.prime(*((r,) for r in RELOAD_RESULTS))
         self.decode_payloads.prime(("read",), ("invalid",))
         self.engine_footprints.prime(*((r,) for r in FOOTPRINT_RESULTS))
@@ -376,4 +393,5 @@ class RouterMetrics:
         self.decode_distinct.prime(*((i.name,) for i in instances if i.role == "decode"))
         self.upstream_errors.prime(*((i.role, i.name, k) for i in instances
                                      for k in UPSTREAM_ERROR_KINDS))
+        self.engine_deaths.prime(*((i.role, i.name) for i in instances))
 

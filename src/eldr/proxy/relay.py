@@ -249,6 +249,11 @@ class DecodeRelay:
                     kind = "protocol" if isinstance(exc, BadEvent) else error_kind(exc)
                     self._upstream_error(inst, kind, exc)
                     msg = f"decoder {inst.name} failed mid-stream: {kind}"
+                    if decision.faults is not None:
+                        try:  # a death is a strike; the second one makes the body poison
+                            await self._check_death(inst, kind, decision.faults)
+                        except ProxyError as poison:
+                            msg = poison.message
                     outcome = "failed"
                     data = usage.flush() + b"data: " + error_body(502, msg) + b"\n\n"
                     chunk = b""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -49,6 +50,8 @@ ENGINE_DISTINCT_METRIC = "eldr_engine_step_distinct_experts"
 _HEALTH_BODY_LIMIT = 64 * 1024
 _MODELS_BODY_LIMIT = 1024 * 1024
 _METRICS_BODY_LIMIT = 16 * 1024 * 1024
+# vLLM's info gauge of its cache settings: vllm:cache_config_info{block_size="16",...} 1.0
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}\n]*\bblock_size="(\d+)"', re.M)
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +74,9 @@ class Instance:
     # live footprint (eldr plugin), scraped; the same for every router replica
     engine_distinct: float | None = None
     draining: bool = False  # being removed: no new request, its in-flight ones finish
+    block_size: int | None = None  # tokens per KV block, from its /metrics (cache_config_info)
+    deaths: int = 0  # times a probe found it dead right after a failed request
+    dead: bool = False  # a probe found it dead, and no request or check succeeded since
     removed: bool = False  # out of the pool (a late health check or scrape is ignored)
 
     def describe(self) -> dict:
@@ -134,6 +140,7 @@ class UpstreamPool:
         self.footprints = FootprintReader(config.scrape_interval, config.engine_footprint)
         self._session = None
         self._tasks: list[asyncio.Task] = []
+        self._probes: dict[Instance, asyncio.Future] = {}  # death checks in flight
 
     def _decoder(self, k: int, url: str, name: str, **kw) -> Instance:
         config = self.config
@@ -179,6 +186,7 @@ class UpstreamPool:
 
     def record_success(self, inst: Instance) -> None:
         inst.failures = 0
+        inst.dead = False
         self._set_healthy(inst, True)
 
     def record_failure(self, inst: Instance, kind: str, detail: str) -> None:
@@ -224,6 +232,51 @@ class UpstreamPool:
             self.tracker.on_complete(inst.index)
         else:
             self.prefill_loads[inst.index] -= 1
+
+    def block_size(self) -> int | None:
+        """The smallest KV block any engine reported (None: none reported)."""
+        sizes = [i.block_size for i in (*self.prefill, *self.decode) if i.block_size]
+        return min(sizes) if sizes else None
+
+    async def confirm_alive(self, inst: Instance) -> bool:
+        """Is ``inst`` still alive after a request failed there? One ``GET /health`` now,
+        shared by every request that asks while it runs (an engine that dies fails all its
+        requests at once: one probe answers them all).
+
+        Dead means the engine is gone (connection refused or lost) or says so (a non-200:
+        vLLM answers 503 once its engine core died); the instance is then taken out at
+        once. A probe that times out is no proof of death: alive (an overloaded engine
+        answers late; a hung one is left to the health checks and the breaker).
+        """
+        probe = self._probes.get(inst)
+        if probe is None:
+            probe = asyncio.ensure_future(self._probe(inst))
+            self._probes[inst] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(inst, None))
+        return await asyncio.shield(probe)
+
+    async def _probe(self, inst: Instance) -> bool:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        try:
+            async with self._session.get(f"{inst.url}/health", timeout=timeout,
+                                         headers=self.auth_headers()) as resp:
+                await read_upto(resp, _HEALTH_BODY_LIMIT)
+                if resp.status == 200:
+                    return True
+                detail = f"/health answered {resp.status} right after a failed request"
+        except Exception as exc:
+            if error_kind(exc) == "timeout":
+                return True
+            detail = f"gone right after a failed request ({str(exc) or type(exc).__name__})"
+        inst.failures += 1
+        if not inst.dead:  # one death, however many of its requests find it
+            inst.dead = True
+            inst.deaths += 1
+        inst.last_error = f"dead: {detail}"
+        self._set_healthy(inst, False)
+        return False
 
     def auth_headers(self) -> dict[str, str]:
         """``Authorization`` for the engines when they require a key (vllm --api-key)."""
@@ -296,11 +349,29 @@ class UpstreamPool:
                     doc = json_object(raw) if resp.status == 200 and whole else None
                     if doc is not None:  # an odd list is no reason to take an engine out
                         self._learn_models(inst, doc)
+            if inst.block_size is None and self.config.short_prompt_tokens is None:
+                inst.block_size = await self._read_block_size(inst, timeout, headers)
         except Exception as exc:  # any failure is "unhealthy"
             self.record_failure(inst, error_kind(exc), str(exc) or type(exc).__name__)
             return False
         self.record_success(inst)
         return True
+
+    async def _read_block_size(self, inst: Instance, timeout, headers) -> int | None:
+        """The engine's KV block size from its ``/metrics`` (vLLM's
+        ``vllm:cache_config_info`` info gauge), 0 when it reports none (asked once), None
+        when the page could not be read (asked again at the next check)."""
+        try:
+            async with self._session.get(f"{inst.url}/metrics", timeout=timeout,
+                                         headers=headers) as resp:
+                raw, _ = await read_upto(resp, _METRICS_BODY_LIMIT)
+                if resp.status != 200:
+                    return 0
+        except Exception:  # the health check passed: a scrape failure decides nothing
+            return None
+        match = _BLOCK_SIZE.search(raw.decode("utf-8", "replace"))
+        size = int(match.group(1)) if match else 0
+        return size if 0 < size <= 1 << 20 else 0
 
     @staticmethod
     def _learn_models(inst: Instance, doc: dict) -> None:

@@ -30,6 +30,9 @@ balancers see a single router. How they share it:
   fit process); the other workers forward their completed requests to it through the
   parent (bounded, dropped when it falls behind, never holding a request), so it learns
   from all the traffic; its swaps reach every worker as journal reloads.
+- **Containment.** The poison list and the retry budget (:mod:`eldr.proxy.containment`)
+  live in shared memory too, so a body refused by one worker is refused by all, and the
+  budget caps the retries of all workers together.
 - **Lifetime.** ``SIGTERM``/``SIGINT`` to the parent stop every worker; a worker that dies
   is started again (its row of the load table zeroed first: its requests died with it;
   it builds its router from the journal's base and replays the entries since), unless it
@@ -55,6 +58,7 @@ import socket
 import sys
 import time
 
+from eldr.proxy.containment import PoisonList, RetryBudget, shared_buffer
 from eldr.proxy.sharedpool import (
     PoolJournal,
     PoolRefused,
@@ -64,12 +68,15 @@ from eldr.proxy.sharedpool import (
 )
 from eldr.routing.loads import LoadTracker
 
-__all__ = ["SharedLoadTracker", "SharedLoads", "make_tracker", "reserve_port", "run_workers"]
+__all__ = ["SharedLoadTracker", "SharedLoads", "guard_buffers", "make_guards", "make_tracker",
+           "reserve_port", "run_workers"]
 
 log = logging.getLogger("eldr.serve")
 
 # (table, this worker's row, its decoders' slots) in a worker
 _current: tuple[SharedLoads, int, list[int]] | None = None
+# (poison list memory, retry budget memory, workers) shared by the workers (guard_buffers)
+_guards: tuple | None = None
 _MIN_LIFETIME = 5.0  # seconds: a worker ending sooner cannot start (port, artifact): stop
 _MAX_LINE = 16 << 20  # bytes of one message from a worker
 _MAX_FORWARD = 8 << 20  # bytes of learn records queued for the learner before dropping
@@ -88,6 +95,28 @@ def make_tracker(num_decoders: int) -> LoadTracker:
         raise ValueError(f"a worker's pool of {num_decoders} decoders does not match its "
                          f"{len(_current[2])} shared load slots")
     return SharedLoadTracker(*_current)
+
+
+def guard_buffers(config, num_workers: int) -> tuple:
+    """Shared memory for the poison list and the retry budget of ``num_workers`` workers
+    (made before ``fork``; :func:`make_guards` reads it in each worker)."""
+    return (shared_buffer(PoisonList.nbytes(config.poison_capacity)),
+            shared_buffer(RetryBudget.nbytes(num_workers, config.retry_budget_window)),
+            num_workers)
+
+
+def make_guards(config) -> tuple[PoisonList, RetryBudget]:
+    """The poison list and retry budget of the flow (docs/failures.md): shared by every
+    worker inside ``run_workers``, else this process's own."""
+    poison_buf, budget_buf, rows = (None, None, 1) if _guards is None else _guards
+    row = 0 if _current is None or _guards is None else _current[1]
+    poison = PoisonList(capacity=config.poison_capacity, ttl=config.poison_ttl,
+                        buffer=poison_buf)
+    budget = RetryBudget(ratio=config.retry_budget_ratio,
+                         min_per_second=config.retry_budget_min,
+                         window=config.retry_budget_window, rows=rows, row=row,
+                         buffer=budget_buf)
+    return poison, budget
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -219,6 +248,7 @@ def run_workers(config, make_router, serve, *, ready=None, names=None,
     names = list(names or config.decode_ids or (f"decode-{i}" for i in range(k)))
     capacity = default_capacity(k) if capacity is None else capacity
     table = SharedLoads(n, capacity)
+    guards = guard_buffers(config, n)
     journal = PoolJournal(names, config.decode_urls, capacity, config.artifact, table)
     holder, port = reserve_port(config.host, config.port)
     wake_r, wake_w = os.pipe()
@@ -259,7 +289,7 @@ def run_workers(config, make_router, serve, *, ready=None, names=None,
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve handles it
                 status = _worker_main(make_router, serve, cfg, table, row,
                                       list(base["slots"]), list(journal.entries), port,
-                                      theirs)
+                                      theirs, guards)
             except BaseException:  # a worker must never return into the parent's loop
                 log.exception("worker %d failed", row)
             finally:
@@ -352,7 +382,8 @@ def _signal_all(children: dict[int, _Child], sig: int) -> None:
 
 
 def _worker_main(make_router, serve, config, table: SharedLoads, row: int,
-                 slots: list[int], entries: list[dict], port: int, sock) -> int:
+                 slots: list[int], entries: list[dict], port: int, sock,
+                 guards: tuple | None = None) -> int:
     """One worker: its router (from the journal's base, then its entries replayed), its
     own listening socket, its link to the parent."""
     import asyncio
@@ -360,8 +391,9 @@ def _worker_main(make_router, serve, config, table: SharedLoads, row: int,
     from eldr.proxy.learning import attach_link
     from eldr.proxy.poollink import PoolLink
 
-    global _current
+    global _current, _guards
     _current = (table, row, slots)
+    _guards = guards
     router = make_router(config, row)  # its pool's tracker is the shared one (make_tracker)
     link = PoolLink(router, sock, row, router.reload)
     link.replay(entries)
