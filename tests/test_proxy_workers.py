@@ -20,6 +20,29 @@ from eldr.proxy.workers import SharedLoads, SharedLoadTracker, make_tracker, res
 from eldr.routing.loads import LoadTracker
 
 
+def test_make_guards_are_private_outside_workers_and_shared_inside(monkeypatch):
+    from eldr.proxy.config import ServeConfig
+    from eldr.proxy.containment import body_digest
+
+    config = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                         policy="jsq", retry_budget_ratio=1.0, retry_budget_min=0.0)
+    one, _ = workers.make_guards(config)
+    two, _ = workers.make_guards(config)
+    one.add(body_digest(b"x"))
+    assert two.seconds_left(body_digest(b"x")) is None  # one process: its own list
+    buffers = workers.guard_buffers(config, 2)  # made before fork in run_workers
+    guards = []
+    for row in (0, 1):
+        monkeypatch.setattr(workers, "_current", (SharedLoads(2, 2), row, [0]))
+        monkeypatch.setattr(workers, "_guards", buffers)
+        guards.append(workers.make_guards(config))
+    (poison0, budget0), (poison1, budget1) = guards
+    poison0.add(body_digest(b"y"))
+    assert poison1.seconds_left(body_digest(b"y")) is not None
+    budget0.on_request()  # one request in worker 0 allows one retry, taken by worker 1
+    assert budget1.try_retry() and not budget0.try_retry()
+
+
 def test_make_tracker_is_local_outside_workers(monkeypatch):
     assert type(make_tracker(2)) is LoadTracker
     table = SharedLoads(2, 4)
