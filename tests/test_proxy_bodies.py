@@ -179,3 +179,12 @@ def test_utf16_bodies_are_accepted_and_reencoded_for_the_decoder():
 ])
 def test_prompt_token_bound(body, kind, bound):
     assert prompt_token_bound(body, kind) == bound
+
+
+def test_prompt_token_bound_stops_counting_at_its_cap():
+    assert prompt_token_bound({"prompt": "x" * 10_000}, "completions", cap=32) == 32
+    assert prompt_token_bound({"prompt": "é" * 20}, "completions", cap=32) == 32
+    assert prompt_token_bound({"prompt": "é" * 10}, "completions", cap=32) == 20
+    assert prompt_token_bound({"prompt": list(range(100))}, "completions", cap=32) == 32
+    chat = {"messages": [{"role": "user", "content": "x" * 20}] * 3}
+    assert prompt_token_bound(chat, "chat", cap=32) == 32

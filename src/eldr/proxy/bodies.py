@@ -331,7 +331,7 @@ def parse_body(raw: bytes, kind: str) -> dict:
     return body
 
 
-def prompt_token_bound(body: dict, kind: str) -> int | None:
+def prompt_token_bound(body: dict, kind: str, cap: int | None = None) -> int | None:
     """An upper bound on the prompt's tokens read off the request, or None (unknown).
 
     Exact for a completion prompt of token ids. For text it is the UTF-8 byte count: a
@@ -341,7 +341,18 @@ def prompt_token_bound(body: dict, kind: str) -> int | None:
     judged short may really be a few tokens longer (it is then served whole anyway: a
     choice of speed, never of correctness, docs/failures.md). Anything else (a batch of
     prompts, prompt embeddings, images) is None: never judged short.
+
+    ``cap``: the caller only asks whether the bound is below it; counting stops there (a
+    long prompt is never encoded just to be measured), and any bound >= ``cap`` comes
+    back as ``cap``.
     """
+    cap = sys.maxsize if cap is None else cap
+
+    def size(text: str) -> int:
+        # a character is at least one byte: a text of >= cap characters is long already
+        return cap if len(text) >= cap else min(cap, len(text.encode("utf-8",
+                                                                      "surrogatepass")))
+
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -350,21 +361,26 @@ def prompt_token_bound(body: dict, kind: str) -> int | None:
         for m in messages:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, str):
-                total += len(content.encode("utf-8", "surrogatepass"))
+                total += size(content)
             elif isinstance(content, list):  # parts: text only, else unknown
                 for part in content:
                     text = part.get("text") if isinstance(part, dict) else None
                     if not isinstance(text, str) or part.get("type", "text") != "text":
                         return None
-                    total += len(text.encode("utf-8", "surrogatepass"))
+                    total += size(text)
             elif content is not None:
                 return None
+            if total >= cap:
+                return cap
         return total
     if body.get("prompt_embeds") not in (None, []):
         return None
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return len(prompt.encode("utf-8", "surrogatepass"))
+        return size(prompt)
+    if isinstance(prompt, list) and len(prompt) >= cap:
+        return cap if all(isinstance(t, int) and not isinstance(t, bool)
+                          for t in prompt[:1]) else None
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                         for t in prompt):
         return len(prompt)

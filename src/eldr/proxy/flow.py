@@ -248,7 +248,7 @@ class RequestFlow(DecodeRelay):
             limit = self.pool.block_size() or DEFAULT_SHORT_PROMPT_TOKENS
         if limit <= 0:
             return False
-        bound = prompt_token_bound(body, kind)
+        bound = prompt_token_bound(body, kind, cap=limit)
         return bound is not None and bound < limit
 
     def _refuse_poison(self, faults: Strikes) -> None:
