@@ -285,7 +285,7 @@ def test_a_head_sent_in_pieces_within_the_timeout_is_served():
 def test_kept_alive_connections_idle_or_stalled_between_requests_are_closed():
     """Idle after an answer: closed after keepalive_timeout. A second request begun and
     stalled: closed after header_timeout from its first byte, with a 408."""
-    limits = HttpLimits(header_timeout=0.5, keepalive_timeout=1.0)
+    limits = HttpLimits(header_timeout=0.5, keepalive_timeout=2.0)
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
     async def go():
@@ -309,8 +309,8 @@ def test_kept_alive_connections_idle_or_stalled_between_requests_are_closed():
 
     (first, rest1, idle), (_, rest2, stalled) = asyncio.run(go())
     assert first.startswith(b"HTTP/1.1 200")
-    assert rest1 == b"" and idle >= 0.9  # the keep-alive timeout: closed, no answer
-    _check_json_error(rest2, 408, "took over 0.5 s")
+    assert rest1 == b"" and idle >= 1.0  # the keep-alive timeout (2 s): closed, no answer
+    _check_json_error(rest2, 408, "took over 0.5 s")  # not the keep-alive's silent close
     assert stalled >= 0.6  # 0.2 s idle + 0.5 s from the second request's first byte
 
 
