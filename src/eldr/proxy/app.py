@@ -120,7 +120,9 @@ class Router(AdminRoutes):
     async def _startup(self, app) -> None:
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        # idle connections closed after 4 s: below the engines' (uvicorn) 5 s keep-alive,
+        # as eldr.proxy.client's own pool (docs/failures.md, idle sockets)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4, ttl_dns_cache=300)
         # No Accept-Encoding: engines answer uncompressed, and bytes are relayed as they come.
         self.session = make_session(aiohttp.ClientSession(
             connector=connector, auto_decompress=False,
