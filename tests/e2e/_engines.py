@@ -216,3 +216,63 @@ def engine_set(tmp_path_factory, name: str, layout):
         for proc in reversed(list(procs.values())):
             proc.stop()
         shutil.rmtree(tmp / "kv", ignore_errors=True)
+
+
+class ClusterProcess:
+    """``eldr cluster`` as a subprocess (an operator's view): its output in ``out``, the
+    router's URL and each engine's URL and pid read off its lines, stopped by SIGTERM to
+    its process group (eldr cluster then stops its own processes)."""
+
+    def __init__(self, tmp: Path, args: list[str], pythonpath: str) -> None:
+        import subprocess
+        import sys
+
+        self.out = tmp / "cluster.out"
+        self._log = open(self.out, "w")  # closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "cluster", *args], stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": pythonpath})
+        self.url: str | None = None  # the router
+        self.engines: dict[str, tuple[str, int]] = {}  # name -> (url, pid of the first start)
+        self.exit_code: int | None = None
+
+    def lines(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        import re
+        import time
+
+        while time.monotonic() < deadline:
+            text = self.lines()
+            m = re.search(r"^ready: (\S+)", text, re.M)
+            if m:
+                self.url = m.group(1)
+                self.engines = {name: (url, int(pid)) for name, url, pid in re.findall(
+                    r"^((?:prefill|decode)-\d+): (\S+) \(pid (\d+),", text, re.M)}
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"eldr cluster exited with {self.proc.returncode}:\n"
+                            f"{text[-3000:]}")
+            time.sleep(1)
+        pytest.fail(f"eldr cluster not ready in time:\n{self.lines()[-3000:]}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then (after 120 s) SIGKILL to its group and to the group of every
+        process it said it started (each runs in its own session); its exit code."""
+        import re
+        import subprocess
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.exit_code = self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.exit_code = self.proc.wait(timeout=30)
+            for pid in {int(p) for p in re.findall(r"\(pid (\d+)", self.lines())}:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        self._log.close()
+        return self.exit_code
