@@ -73,8 +73,9 @@ def server(tmp_path_factory):
         pytest.skip(f"no model folder at {model}")
     tmp = tmp_path_factory.mktemp("vllm")
     port = _free_port()
-    kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": str(tmp / "kv")}}
+    from eldr.deploy.local import connector_config
+
+    kv = connector_config(tmp / "kv")  # vLLM's ExampleConnector dies on one-token prompts
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "ELDR_CAPTURE": "prefill"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
