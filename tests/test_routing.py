@@ -209,6 +209,61 @@ def test_registry_lists_builtins_and_refuses_duplicates():
         POLICIES["x"] = None  # read-only view
 
 
+def test_registry_says_what_each_policy_is_for_and_needs_fitted():
+    from eldr.routing import policies_with_role
+
+    assert policies_with_role("balancer") == ("random", "round_robin", "jsq", "p2c")
+    assert set(policies_with_role("locality")) == {"eldr", "eldr_top1", "eldr_cost"}
+    assert set(policies_with_role("oracle")) == {"domain", "oracle_signature"}
+    assert [n for n, s in POLICIES.items() if s.evaluation_only] == \
+        list(policies_with_role("oracle"))
+    assert POLICIES["eldr"].fitted == {"centroids"} and POLICIES["eldr_cost"].fitted == set()
+    assert POLICIES["eldr_cost"].needs_only_shape and not POLICIES["jsq"].needs_only_shape
+    assert POLICIES["eldr"].stand_in == "eldr_cost" and POLICIES["jsq"].stand_in is None
+    with pytest.raises(ValueError, match="role"):
+        register_policy("new-role", lambda K: None, role="other")
+    with pytest.raises(ValueError, match="stand-in"):  # a stand-in needs nothing fitted
+        register_policy("new-stand-in", lambda K: None, stand_in="eldr")
+    with pytest.raises(ValueError, match="role"):
+        policies_with_role("other")
+
+
+def test_an_unbound_policy_balances_load_until_it_learns_the_shape():
+    from eldr.routing import LazyShapePolicy, make_unbound_policy
+
+    policy = make_unbound_policy("eldr_cost", num_workers=3, load_slack=0.5)
+    assert isinstance(policy, LazyShapePolicy) and isinstance(policy, Policy)
+    assert policy.name == "eldr_cost" and policy.inputs == {"profile"}
+    assert policy.shape is None and policy.footprint is None
+    assert policy.engine_footprint_shape is None
+    req = _req()
+    decided = policy.decide(req, np.array([2.0, 0.0, 1.0]))
+    assert (decided.worker, decided.fallback) == (1, True)  # JSQ, counted
+    policy.on_dispatch(req, 1)  # dropped: nothing to release later
+    policy.bind(*PROFILE_SHAPE)
+    assert policy.shape == PROFILE_SHAPE and policy.footprint is not None
+    assert policy.engine_footprint_shape == PROFILE_SHAPE
+    policy.bind(9, 9)  # later calls change nothing
+    assert policy.shape == PROFILE_SHAPE
+    assert not policy.decide(req, np.zeros(3)).fallback
+    assert policy.num_fallbacks == 1
+    assert policy.add_worker() == 3 and policy.inner.num_workers == 4
+    with pytest.raises(ValueError, match="nothing fitted"):
+        make_unbound_policy("eldr", num_workers=2)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_unbound_policy("nope", num_workers=2)
+
+
+def test_every_policy_declares_the_whole_contract():
+    for name in POLICIES:
+        policy = _policy(name)
+        assert isinstance(policy, Policy), name
+        policy.bind(*PROFILE_SHAPE)  # a no-op for a policy built with its shape
+        expected = PROFILE_SHAPE if name == "eldr_cost" else None
+        assert policy.shape == expected and policy.engine_footprint_shape == expected, name
+        assert (policy.footprint is not None) == (name == "eldr_cost"), name
+
+
 def test_decode_patterns_are_unit_rows():
     counts = np.array([[[2, 0], [0, 2]], [[0, 0], [0, 0]]])
     p = decode_patterns(counts)

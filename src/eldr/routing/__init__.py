@@ -9,7 +9,8 @@ Modules, in the order a decision runs (llm-d's filter → score → pick shape):
 - :mod:`~eldr.routing.pickers`: lowest score with tie-breaks;
 - policies: :mod:`~eldr.routing.baselines` (random, round-robin, JSQ, P2C, domain),
   :mod:`~eldr.routing.band` (``eldr``), :mod:`~eldr.routing.cost` (``eldr_cost``);
-- :mod:`~eldr.routing.registry`: names → factories with declared resources;
+- :mod:`~eldr.routing.registry`: names → factories with declared resources, roles and
+  stand-ins; :mod:`~eldr.routing.lazy`: a policy served before the model's shape is known;
 - :mod:`~eldr.routing.loads`: the router's live per-decoder loads and health.
 """
 
@@ -24,6 +25,7 @@ from eldr.routing.baselines import (
     domain_groups,
 )
 from eldr.routing.cost import CostPolicy, ExpertFootprint, prefill_profile
+from eldr.routing.lazy import LazyShapePolicy
 from eldr.routing.protocol import (
     OUTCOMES,
     Decision,
@@ -35,21 +37,28 @@ from eldr.routing.protocol import (
 )
 from eldr.routing.registry import (
     POLICIES,
+    ROLES,
+    SHAPE_RESOURCES,
     PolicySpec,
     RoutingResources,
     make_policy,
+    make_unbound_policy,
+    policies_with_role,
     register_policy,
 )
 
 __all__ = [
     "OUTCOMES",
     "POLICIES",
+    "ROLES",
+    "SHAPE_RESOURCES",
     "CostPolicy",
     "Decision",
     "DomainPolicy",
     "EldrPolicy",
     "ExpertFootprint",
     "JSQPolicy",
+    "LazyShapePolicy",
     "NoHealthyWorkerError",
     "Outcome",
     "P2CPolicy",
@@ -64,7 +73,9 @@ __all__ = [
     "domain_groups",
     "filters",
     "make_policy",
+    "make_unbound_policy",
     "pickers",
+    "policies_with_role",
     "prefill_profile",
     "register_policy",
     "scorers",

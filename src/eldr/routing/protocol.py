@@ -26,6 +26,12 @@ A policy that can use the decode engines' own footprints (``eldr_cost``; docs/se
 ``--engine-footprint``) names their (L, E) in ``engine_footprint_shape`` (None: it does
 not want them) and takes each reading with ``observe_engine(k, freq, age_s, max_age_s)``.
 
+A policy built for a model names its (L, E) in ``shape`` (None: it reads no expert counts,
+or does not know them yet) and, when it keeps one, its per-decoder expected footprint in
+``footprint`` (an :class:`eldr.routing.cost.ExpertFootprint`, else None). A policy built
+before the model's shape was known (:mod:`eldr.routing.lazy`) takes it with
+``bind(num_layers, num_experts)``; for every other policy ``bind`` changes nothing.
+
 A decoder is removed only once drained (every request placed there released); a policy
 forgets whatever it still held for it, so nothing leaks if one was not.
 """
@@ -102,6 +108,16 @@ class Policy(Protocol):
 
     def remove_worker(self, worker: int) -> None: ...
 
+    # (L, E) of the model it routes for, or None (reads no expert counts / not bound yet)
+    shape: tuple[int, int] | None
+    footprint: object | None  # its per-decoder expected footprint (ExpertFootprint), or None
+    engine_footprint_shape: tuple[int, int] | None  # (L, E) of engine footprints it takes
+
+    def bind(self, num_layers: int, num_experts: int) -> None: ...
+
+    def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
+                       max_age_s: float) -> bool: ...
+
 
 class PolicyBase:
     """Defaults for stateless policies: ``choose`` = ``decide().worker``, no-op events."""
@@ -127,6 +143,12 @@ class PolicyBase:
 
     # (L, E) of the engine footprints the policy routes on; None: it takes none
     engine_footprint_shape: tuple[int, int] | None = None
+    shape: tuple[int, int] | None = None  # (L, E) it routes for; None: reads no counts
+    footprint: object | None = None  # per-decoder expected footprint, when it keeps one
+
+    def bind(self, num_layers: int, num_experts: int) -> None:
+        """The model's (L, E), learned after construction (a policy built without it,
+        :mod:`eldr.routing.lazy`); others already have theirs: nothing changes."""
 
     def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
                        max_age_s: float) -> bool:

@@ -15,6 +15,11 @@ any policy from it. Registered policies:
 - ``eldr_cost``: marginal expert cost (:mod:`eldr.routing.cost`; ``num_layers``,
   ``num_experts``, optional ``context_weight`` and ``capacity``);
 - ``oracle_signature``: the band on the TRUE decode pattern (evaluation only).
+
+Each spec also says what the policy is for (``role``: balancer, locality, oracle), what
+it needs fitted (``fitted``) and what a router runs while that is missing
+(``stand_in``), so callers (the router, the reproduction) ask the registry instead of
+matching policy names.
 """
 
 from __future__ import annotations
@@ -34,13 +39,18 @@ from eldr.routing.baselines import (
     RoundRobinPolicy,
 )
 from eldr.routing.cost import CostPolicy
+from eldr.routing.lazy import LazyShapePolicy
 from eldr.routing.protocol import Policy
 
 __all__ = [
     "POLICIES",
+    "ROLES",
+    "SHAPE_RESOURCES",
     "PolicySpec",
     "RoutingResources",
     "make_policy",
+    "make_unbound_policy",
+    "policies_with_role",
     "register_policy",
 ]
 
@@ -86,15 +96,43 @@ class RoutingResources:
 RESOURCE_NAMES = frozenset(f.name for f in fields(RoutingResources))
 
 
+SHAPE_RESOURCES = frozenset({"num_layers", "num_experts"})  # the model's (L, E): no fit
+ROLES = ("balancer", "locality", "oracle")
+
+
 @dataclass(frozen=True)
 class PolicySpec:
-    """A registered policy: its factory and what it needs."""
+    """A registered policy: its factory, what it needs, and what it is for.
+
+    ``role``: ``"balancer"`` (load only: the baselines every locality policy is held
+    against), ``"locality"`` (routes on expert locality; what ELDR ships) or ``"oracle"``
+    (reads labels a deployment lacks: evaluation only). ``stand_in``: the policy a router
+    runs while what this one needs fitted is missing (``--learn`` before its first
+    artifact), or None.
+    """
 
     name: str
     factory: Callable[..., Policy]  # factory(num_workers, **declared resources)
     needs: frozenset[str] = frozenset()  # required resources
     options: frozenset[str] = frozenset()  # resources used when given
-    evaluation_only: bool = False  # needs labels a deployment lacks (oracles)
+    role: str = "balancer"
+    stand_in: str | None = None
+
+    @property
+    def evaluation_only(self) -> bool:
+        """Needs labels a deployment lacks (oracles): the router refuses it."""
+        return self.role == "oracle"
+
+    @property
+    def fitted(self) -> frozenset[str]:
+        """Resources that come from a fit (an artifact), not from the model alone."""
+        return self.needs - SHAPE_RESOURCES
+
+    @property
+    def needs_only_shape(self) -> bool:
+        """Needs the model's (L, E) and nothing fitted: it can run before the shape is
+        known (:mod:`eldr.routing.lazy`)."""
+        return bool(self.needs & SHAPE_RESOURCES) and not self.fitted
 
 
 _REGISTRY: dict[str, PolicySpec] = {}
@@ -102,8 +140,9 @@ POLICIES: Mapping[str, PolicySpec] = MappingProxyType(_REGISTRY)  # name → spe
 
 
 def register_policy(name: str, factory: Callable[..., Policy], *, needs=(), options=(),
-                    evaluation_only: bool = False) -> None:
-    """Add a policy. A name can be registered once; resources must be known names."""
+                    role: str = "balancer", stand_in: str | None = None) -> None:
+    """Add a policy. A name can be registered once; resources must be known names; a
+    stand-in must be registered already and need nothing fitted."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy name must be a non-empty string, got {name!r}")
     if name in _REGISTRY:
@@ -112,8 +151,20 @@ def register_policy(name: str, factory: Callable[..., Policy], *, needs=(), opti
     if unknown:
         raise ValueError(f"policy {name!r} declares unknown resources {sorted(unknown)}; "
                          f"known: {sorted(RESOURCE_NAMES)}")
+    if role not in ROLES:
+        raise ValueError(f"policy {name!r}: role must be one of {ROLES}, got {role!r}")
+    if stand_in is not None and (stand_in not in _REGISTRY or _REGISTRY[stand_in].fitted):
+        raise ValueError(f"policy {name!r}: stand-in {stand_in!r} must be a registered "
+                         f"policy that needs nothing fitted")
     _REGISTRY[name] = PolicySpec(name, factory, frozenset(needs), frozenset(options),
-                                 evaluation_only)
+                                 role, stand_in)
+
+
+def policies_with_role(role: str) -> tuple[str, ...]:
+    """Names of the registered policies of ``role``, in registration order."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return tuple(n for n, spec in _REGISTRY.items() if spec.role == role)
 
 
 def make_policy(name: str, *, num_workers: int, **resources) -> Policy:
@@ -135,22 +186,43 @@ def make_policy(name: str, *, num_workers: int, **resources) -> Policy:
     return spec.factory(num_workers, **used)
 
 
+def make_unbound_policy(name: str, *, num_workers: int, **resources) -> Policy:
+    """Policy ``name`` before the model's (L, E) is known: a
+    :class:`~eldr.routing.lazy.LazyShapePolicy` that balances load until ``bind(L, E)``
+    builds the policy with ``resources``. Only for a policy that needs nothing fitted
+    (:attr:`PolicySpec.needs_only_shape`)."""
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(_REGISTRY)}")
+    if not spec.needs_only_shape:
+        raise ValueError(f"{name}: only a policy that needs the model's shape and nothing "
+                         f"fitted can start before the shape is known")
+    probe = make_policy(name, num_workers=1, num_layers=1, num_experts=1, **resources)
+
+    def build(k: int, num_layers: int, num_experts: int) -> Policy:
+        return make_policy(name, num_workers=k, num_layers=num_layers,
+                           num_experts=num_experts, **resources)
+
+    return LazyShapePolicy(name, num_workers, probe.inputs, build)
+
+
 register_policy("random", lambda K, **kw: RandomPolicy(K, **kw), options={"random_state"})
 register_policy("round_robin", lambda K: RoundRobinPolicy(K))
 register_policy("jsq", lambda K: JSQPolicy(K))
 register_policy("p2c", lambda K, **kw: P2CPolicy(K, **kw), options={"random_state"})
 register_policy("domain", lambda K, **kw: DomainPolicy(K, **kw), needs={"domain_shares"},
-                evaluation_only=True)
-register_policy("eldr", lambda K, **kw: EldrPolicy(K, **kw), needs={"centroids"},
-                options={"tau"})
-register_policy("eldr_top1", lambda K, centroids: EldrPolicy(K, centroids=centroids, tau=0.0,
-                                                             name="eldr_top1"),
-                needs={"centroids"})
+                role="oracle")
 register_policy("eldr_cost", lambda K, **kw: CostPolicy(K, **kw),
                 needs={"num_layers", "num_experts"},
-                options={"context_weight", "capacity", "decoder_profiles", "load_slack"})
+                options={"context_weight", "capacity", "decoder_profiles", "load_slack"},
+                role="locality")
+register_policy("eldr", lambda K, **kw: EldrPolicy(K, **kw), needs={"centroids"},
+                options={"tau"}, role="locality", stand_in="eldr_cost")
+register_policy("eldr_top1", lambda K, centroids: EldrPolicy(K, centroids=centroids, tau=0.0,
+                                                             name="eldr_top1"),
+                needs={"centroids"}, role="locality", stand_in="eldr_cost")
 register_policy("oracle_signature",
                 lambda K, decode_centroids, tau=0.1: EldrPolicy(
                     K, centroids=decode_centroids, tau=tau, use_decode_pattern=True,
                     name="oracle_signature"),
-                needs={"decode_centroids"}, options={"tau"}, evaluation_only=True)
+                needs={"decode_centroids"}, options={"tau"}, role="oracle")
