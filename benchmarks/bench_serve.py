@@ -263,8 +263,12 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
     from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
-    from eldr.proxy.decision import RoutingState
     from eldr.routing import make_policy
+
+    try:
+        from eldr.proxy.request.decision import RoutingState
+    except ModuleNotFoundError:  # a tree from before the proxy's subpackages (--baseline-src)
+        from eldr.proxy.decision import RoutingState
 
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     kwargs = {"workers": workers} if workers > 1 else {}
@@ -287,7 +291,10 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
                             top_k=8)
 
     if workers > 1:
-        from eldr.proxy.workers import run_workers
+        try:
+            from eldr.proxy.workers import run_workers
+        except ImportError:
+            from eldr.proxy.workers.supervisor import run_workers
 
         # (config, row) since the pool journal; *_ also runs an older tree's run_workers
         run_workers(config, lambda *_: Router(config, state=make_state()), serve)
@@ -390,7 +397,8 @@ def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2
     benchmark's payload as the router gets it (masked: it asks for its layer mask)."""
     from eldr.capture import payload as wire
     from eldr.fit.signature import SignatureEncoder
-    from eldr.proxy.decision import RoutingState, read_inputs, split_kv_params
+    from eldr.proxy.request.decision import RoutingState
+    from eldr.proxy.request.signatures import read_inputs, split_kv_params
     from eldr.routing import RouteRequest, make_policy
 
     rng = np.random.default_rng(1)

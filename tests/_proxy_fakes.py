@@ -21,7 +21,7 @@ from eldr.capture.payload import encode_counts
 from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.app import Router
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.decision import RoutingState
+from eldr.proxy.request.decision import RoutingState
 from eldr.routing import make_policy
 
 L, E, TOP_K = 2, 8, 4  # fingerprint of the fake model (domain_counts: 4 experts a token)

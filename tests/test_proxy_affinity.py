@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from eldr.proxy.affinity import PrefixAffinity
+from eldr.proxy.request.affinity import PrefixAffinity
 
 H = np.ones(3, dtype=bool)
 Z = np.zeros(3)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, fake_centroids, run
-from eldr.proxy import admin as admin_mod
 from eldr.proxy.app import parse_body
+from eldr.proxy.control import admin as admin_mod
 from eldr.proxy.errors import ProxyError
 from eldr.routing import make_policy
 
@@ -556,7 +556,7 @@ def test_own_routes_keep_priority_over_forwarding():
 
 
 def test_a_forwarded_answer_over_its_cap_is_a_502(monkeypatch):
-    from eldr.proxy import forward
+    from eldr.proxy.request import forward
 
     monkeypatch.setattr(forward, "FORWARD_ANSWER_LIMIT", 10)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from eldr.proxy.breaker import CircuitBreaker
+from eldr.proxy.engines.breaker import CircuitBreaker
 
 
 class Clock:

@@ -1,12 +1,12 @@
-"""The router's HTTP/1.1 client to the engines (eldr.proxy.client), against raw servers."""
+"""The router's HTTP/1.1 client to the engines (eldr.proxy.engines.client), against raw servers."""
 
 import asyncio
 
 import aiohttp
 import pytest
 
-from eldr.proxy.client import UpstreamConnectError, UpstreamProtocolError, UpstreamSession
-from eldr.proxy.upstream import error_kind, make_session
+from eldr.proxy.engines.client import UpstreamConnectError, UpstreamProtocolError, UpstreamSession
+from eldr.proxy.engines.upstream import error_kind, make_session
 
 
 class _Server:

@@ -1,4 +1,4 @@
-"""The poison list and the retry budget (eldr.proxy.containment), with injected clocks."""
+"""The poison list and the retry budget (eldr.proxy.request.containment), with injected clocks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from eldr.proxy.containment import (
+from eldr.proxy.request.containment import (
     POISON_BODY_DEATHS,
     PoisonList,
     RetryBudget,

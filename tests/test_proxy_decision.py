@@ -10,7 +10,7 @@ from eldr.capture.payload import encode_counts
 from eldr.fit.artifact import RoutingArtifact
 from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.decision import (
+from eldr.proxy.request.decision import (
     LazyCostPolicy,
     build_state,
     read_inputs,

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from _proxy_fakes import FakeEngine, cluster, run
 from eldr.capture.decode import DecodeTally, encode_decode_payload
-from eldr.proxy.decodepayload import DecodeStripper, read_report, strip_json
+from eldr.proxy.request.decodepayload import DecodeStripper, read_report, strip_json
 
 L, E = 2, 8
 

@@ -1,4 +1,4 @@
-"""The elastic decoder pool (eldr.proxy.elastic): decoders added and removed under load."""
+"""The elastic decoder pool (eldr.proxy.control.elastic): decoders added and removed under load."""
 
 import asyncio
 import json
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from _proxy_fakes import FakeEngine, cluster, run
-from eldr.proxy import admin as admin_mod
-from eldr.proxy.decision import WorkerMismatch
-from eldr.proxy.elastic import read_decoders_file
+from eldr.proxy.control import admin as admin_mod
+from eldr.proxy.control.elastic import read_decoders_file
+from eldr.proxy.request.decision import WorkerMismatch
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, make_state, run
-from eldr.proxy.flow import RequestFlow, prompt_key
+from eldr.proxy.request.flow import RequestFlow, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -875,7 +875,7 @@ def test_a_request_that_kills_two_decoders_is_poison_and_refused_on_resend():
     assert status == 502
     assert "bad-1" in err["message"] and "died" in err["message"]
     assert "decode w-code (disconnect)" in err["message"]
-    # distinct ids: a request on a reused connection may go twice (eldr.proxy.client)
+    # distinct ids: a request on a reused connection may go twice (eldr.proxy.engines.client)
     poison_ids = [{i for i, b in zip(d.request_ids, d.requests, strict=True)
                    if "POISON" in b["prompt"]} for d in decoders]
     assert [len(ids) for ids in poison_ids] == [1, 1, 0]  # no third engine touched

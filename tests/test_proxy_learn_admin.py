@@ -15,9 +15,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def test_status_and_trace_of_a_learning_router(tmp_path):
     from eldr.learn.config import LearnConfig
-    from eldr.proxy import learning
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
+    from eldr.proxy.control import learning
 
     async def go():
         prefill = await TwoDomainEngine("p0").start()

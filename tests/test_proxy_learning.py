@@ -11,9 +11,9 @@ from _learn_data import E, L, token_counts
 from _proxy_fakes import FakeEngine
 from eldr.capture.payload import encode_counts
 from eldr.learn.config import LearnConfig
-from eldr.proxy import learning
 from eldr.proxy.app import Router
 from eldr.proxy.config import ServeConfig
+from eldr.proxy.control import learning
 from eldr.proxy.metrics import parse_samples
 
 
@@ -314,7 +314,7 @@ def test_without_learning_the_band_policy_still_needs_an_artifact(tmp_path):
 
     from eldr.cli import build_parser
     from eldr.commands.serve import config_from_args
-    from eldr.proxy.decision import build_state
+    from eldr.proxy.request.decision import build_state
 
     with pytest.raises(ValueError, match="needs a routing artifact"):
         build_state(ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),

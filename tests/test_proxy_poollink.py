@@ -1,4 +1,4 @@
-"""A worker's link to the pool journal (eldr.proxy.poollink), in one process: the router
+"""A worker's link to the pool journal (eldr.proxy.workers.poollink), in one process: the router
 of a stand-in cluster talks to a parent (workers._Parent) over a real socketpair."""
 
 import asyncio
@@ -8,9 +8,9 @@ import socket
 import numpy as np
 
 from _proxy_fakes import FakeEngine, cluster, run
-from eldr.proxy import workers
-from eldr.proxy.poollink import PoolLink
-from eldr.proxy.sharedpool import PoolJournal, SharedLoads, SharedLoadTracker
+from eldr.proxy.workers import supervisor as workers
+from eldr.proxy.workers.poollink import PoolLink
+from eldr.proxy.workers.sharedpool import PoolJournal, SharedLoads, SharedLoadTracker
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

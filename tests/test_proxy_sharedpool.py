@@ -1,11 +1,11 @@
-"""The workers' shared decoder slots and pool journal (eldr.proxy.sharedpool)."""
+"""The workers' shared decoder slots and pool journal (eldr.proxy.workers.sharedpool)."""
 
 import os
 
 import numpy as np
 import pytest
 
-from eldr.proxy.sharedpool import (
+from eldr.proxy.workers.sharedpool import (
     PoolJournal,
     PoolRefused,
     SharedLoads,

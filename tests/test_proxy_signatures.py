@@ -8,7 +8,7 @@ pytest.importorskip("aiohttp")
 
 from _proxy_fakes import E, L, cluster, domain_counts, run
 from eldr.capture.payload import encode_counts, encode_payload
-from eldr.proxy.signatures import payload_request
+from eldr.proxy.request.signatures import payload_request
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 

@@ -8,7 +8,7 @@ import pytest
 
 from _proxy_fakes import FakeEngine, run
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.upstream import UpstreamPool, error_kind
+from eldr.proxy.engines.upstream import UpstreamPool, error_kind
 
 
 def _pool(**kw) -> UpstreamPool:
@@ -105,7 +105,7 @@ def test_check_of_a_dead_instance():
 
 def test_an_odd_model_list_does_not_take_an_engine_out():
     from eldr.proxy.config import ServeConfig
-    from eldr.proxy.upstream import Instance, UpstreamPool
+    from eldr.proxy.engines.upstream import Instance, UpstreamPool
 
     pool = UpstreamPool(ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
                                     policy="jsq"), ["d"])

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from _proxy_fakes import FakeEngine
-from eldr.proxy import workers
-from eldr.proxy.workers import SharedLoads, SharedLoadTracker, make_tracker, reserve_port
+from eldr.proxy.workers import supervisor as workers
+from eldr.proxy.workers.sharedpool import SharedLoads, SharedLoadTracker
+from eldr.proxy.workers.supervisor import make_tracker, reserve_port
 from eldr.routing.loads import LoadTracker
 
 
 def test_make_guards_are_private_outside_workers_and_shared_inside(monkeypatch):
     from eldr.proxy.config import ServeConfig
-    from eldr.proxy.containment import body_digest
+    from eldr.proxy.request.containment import body_digest
 
     config = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
                          policy="jsq", retry_budget_ratio=1.0, retry_budget_min=0.0)

@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the start-up ones and those added later (default max(2K, K + 16))")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
-    from eldr.proxy import learning
+    from eldr.proxy.control import learning
 
     learning.add_arguments(p)  # --learn DIR and its settings (docs/learn.md)
 
@@ -118,7 +118,7 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("give the decode instances with --decode [ID=]URL (repeatable) or "
                          "with --decoders-file PATH, one of the two")
     if decoders_file is not None:
-        from eldr.proxy.elastic import read_decoders_file
+        from eldr.proxy.control.elastic import read_decoders_file
 
         specs = read_decoders_file(decoders_file)
     else:
@@ -246,15 +246,15 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"eldr serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
                          f"from the source tree")
-    from eldr.proxy import learning
     from eldr.proxy.app import Router
+    from eldr.proxy.control import learning
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config, learn = learning.configure(config_from_args(args), args)
     router = Router(config)  # a bad artifact fails here, before any socket or worker
     if config.workers > 1:
-        from eldr.proxy.workers import run_workers
+        from eldr.proxy.workers.supervisor import run_workers
 
         names = router.state.worker_names
         slots = args.decoder_slots

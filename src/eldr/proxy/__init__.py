@@ -1,12 +1,14 @@
 """``eldr serve``: an OpenAI-compatible prefill/decode router for vLLM that routes decode
 by expert locality (docs/method.md#request-path-with-vllm).
 
-Modules: :mod:`~eldr.proxy.config` (settings), :mod:`~eldr.proxy.upstream` (engines,
-health, load), :mod:`~eldr.proxy.affinity` (prefill choice), :mod:`~eldr.proxy.decision`
-(routing snapshot, signatures), :mod:`~eldr.proxy.flow` (the per-request PD flow),
-:mod:`~eldr.proxy.bodies` (bounded reads, timed writes, usage), :mod:`~eldr.proxy.breaker`
-(per-decoder circuit breaker), :mod:`~eldr.proxy.app` (HTTP routes),
-:mod:`~eldr.proxy.metrics`, :mod:`~eldr.proxy.errors`.
+Four concerns, one subpackage each (docs/serve.md#code-layout): :mod:`eldr.proxy.request`
+(one request: prefill, decision, decode, relay), :mod:`eldr.proxy.engines` (the instances,
+their health and load, the HTTP client), :mod:`eldr.proxy.control` (admin token, reloads,
+the elastic pool, learning) and :mod:`eldr.proxy.workers` (``--workers N``). Beside them
+the modules every part reads: :mod:`~eldr.proxy.config` (settings),
+:mod:`~eldr.proxy.errors`, :mod:`~eldr.proxy.metrics`, :mod:`~eldr.proxy.bodies` (bounded
+reads, request bodies); and the two that make the server: :mod:`~eldr.proxy.app` (the
+router: its parts wired together, the HTTP routes) and :mod:`~eldr.proxy.httpserver`.
 aiohttp is needed (the ``serve`` extra); it is imported only when the router runs, so
 ``import eldr.proxy`` works without it.
 """

@@ -2,18 +2,18 @@
 
 Routes::
 
-    POST /v1/completions         the PD flow (eldr.proxy.flow), JSON or SSE
+    POST /v1/completions         the PD flow (eldr.proxy.request.flow), JSON or SSE
     POST /v1/chat/completions    the same for chat
     GET  /v1/models              the engines' model list, every field (relayed)
     GET  /health                 200 while >= 1 prefill and >= 1 decode instance are healthy
                                  (URLs, artifact path, last errors: admin token only)
     GET  /metrics                Prometheus text (eldr.proxy.metrics.RouterMetrics)
     POST /admin/reload           re-read the routing artifact (bearer token required)
-    GET|POST /admin/decoders     list or add decoders at run time (eldr.proxy.elastic; token)
+    GET|POST /admin/decoders     list or add decoders at run time (control.elastic; token)
     DELETE /admin/decoders/NAME  drain a decoder, then remove it (token)
     GET /admin/learn[/trace]     the learner's state, its buffer as a trace (token; --learn)
     GET|POST anything else       vLLM's auxiliary routes (/tokenize, /version, ...), forwarded
-                                 to a healthy prefill instance (eldr.proxy.forward)
+                                 to a healthy prefill instance (eldr.proxy.request.forward)
 
 Every error is an OpenAI-style JSON document (:mod:`eldr.proxy.errors`): malformed JSON or
 a non-object body → 400, an unknown model → 404, a route neither the router nor the
@@ -29,25 +29,25 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from eldr.proxy.admin import AdminRoutes, FailedAttempts
-from eldr.proxy.affinity import PrefixAffinity
 from eldr.proxy.bodies import parse_body
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.decision import RoutingState, build_state
-from eldr.proxy.elastic import ElasticPool
+from eldr.proxy.control.admin import AdminRoutes, FailedAttempts
+from eldr.proxy.control.elastic import ElasticPool
+from eldr.proxy.control.learn_admin import LearnAdmin
+from eldr.proxy.engines.upstream import UpstreamPool, make_session
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
-from eldr.proxy.flow import RequestFlow
-from eldr.proxy.forward import (
+from eldr.proxy.metrics import RouterMetrics
+from eldr.proxy.request.affinity import PrefixAffinity
+from eldr.proxy.request.decision import RoutingState, build_state
+from eldr.proxy.request.flow import RequestFlow
+from eldr.proxy.request.forward import (
     KNOWN_ROUTES,
     OWN_ROUTES,
     Forwarder,
     classify,
     method_not_allowed,
 )
-from eldr.proxy.learn_admin import LearnAdmin
-from eldr.proxy.metrics import RouterMetrics
-from eldr.proxy.relay import is_stream_done
-from eldr.proxy.upstream import UpstreamPool, make_session
+from eldr.proxy.request.relay import is_stream_done
 
 __all__ = ["Router"]
 
@@ -84,7 +84,7 @@ class Router(AdminRoutes):
         self._failed_tokens = FailedAttempts()  # wrong admin tokens per client address
         # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
         self.engine_shape: tuple[int, int] | None = None
-        self.learner = None  # eldr.proxy.learning.LiveLearning with eldr serve --learn
+        self.learner = None  # eldr.proxy.control.learning.LiveLearning with eldr serve --learn
         self.elastic = ElasticPool(self)  # decoders added/removed at run time
 
     def _on_recover(self, inst) -> None:
@@ -121,7 +121,7 @@ class Router(AdminRoutes):
         import aiohttp
 
         # idle connections closed after 4 s: below the engines' (uvicorn) 5 s keep-alive,
-        # as eldr.proxy.client's own pool (docs/failures.md, idle sockets)
+        # as eldr.proxy.engines.client's own pool (docs/failures.md, idle sockets)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4, ttl_dns_cache=300)
         # No Accept-Encoding: engines answer uncompressed, and bytes are relayed as they come.
         self.session = make_session(aiohttp.ClientSession(
@@ -258,7 +258,7 @@ class Router(AdminRoutes):
     async def other_route(self, request):
         """Every path but the router's own: vLLM's auxiliary routes are forwarded to a
         prefill instance; generations outside the PD flow and engine control routes are
-        refused (:mod:`eldr.proxy.forward` says which and why)."""
+        refused (:mod:`eldr.proxy.request.forward` says which and why)."""
 
         what = classify(request.method, request.path)
         if what == "forward":

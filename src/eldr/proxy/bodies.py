@@ -1,6 +1,6 @@
 """Bodies between clients, the router and the engines: bounded reads, timed writes, usage.
 
-What the request flow (:mod:`eldr.proxy.flow`) does with bytes, kept apart from the flow:
+What the request flow (:mod:`eldr.proxy.request.flow`) does with bytes, kept apart from the flow:
 
 - :func:`read_upto` reads an engine's body up to a cap (never the whole of a runaway one);
 - :class:`ByteBudget` bounds the bytes of all buffered answers together;

@@ -6,14 +6,14 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["EVALUATION_ONLY_POLICIES", "ServeConfig", "parse_decode_spec"]
+__all__ = ["EVALUATION_ONLY_POLICIES", "ServeConfig", "check_url", "parse_decode_spec"]
 
 # Policies that need information a live request does not carry (an oracle domain label, the
 # request's future decode pattern): usable in the simulator, refused by the router.
 EVALUATION_ONLY_POLICIES = ("domain", "oracle_signature")
 
 
-def _check_url(url: str, what: str) -> str:
+def check_url(url: str, what: str) -> str:
     if not isinstance(url, str):
         raise ValueError(f"{what} URL must be a string, got {url!r}")
     parts = urlsplit(url)
@@ -34,8 +34,8 @@ def parse_decode_spec(spec: str) -> tuple[str | None, str]:
     if sep and "://" not in head:
         if not head:
             raise ValueError(f"decode spec {spec!r}: the worker id before '=' is empty")
-        return head, _check_url(tail, "decode")
-    return None, _check_url(spec, "decode")
+        return head, check_url(tail, "decode")
+    return None, check_url(spec, "decode")
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         from eldr.routing import POLICIES
 
         object.__setattr__(self, "prefill_urls",
-                           tuple(_check_url(u, "prefill") for u in self.prefill_urls))
+                           tuple(check_url(u, "prefill") for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls",
-                           tuple(_check_url(u, "decode") for u in self.decode_urls))
+                           tuple(check_url(u, "decode") for u in self.decode_urls))
         if not self.prefill_urls:
             raise ValueError("at least one --prefill URL is required")
         if not self.decode_urls:

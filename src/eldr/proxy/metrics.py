@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 
-from eldr.proxy.footprints import FOOTPRINT_RESULTS
+from eldr.proxy.engines.footprints import FOOTPRINT_RESULTS
 
 __all__ = ["Counter", "Gauge", "Histogram", "Registry", "RouterMetrics", "parse_samples"]
 
@@ -241,24 +241,24 @@ _BREAKER_VALUE = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
 # scrape (a counter with no sample reads "no data", not 0). Values outside these lists
 # still count; they appear with their first event.
 ENDPOINTS = ("completions", "chat")  # eldr.proxy.app's generation routes
-SIGNATURE_SOURCES = ("payload", "routed_experts", "none")  # eldr.proxy.signatures
-# eldr.proxy.signatures' problems, and "unbound" from the flow
+SIGNATURE_SOURCES = ("payload", "routed_experts", "none")  # eldr.proxy.request.signatures
+# eldr.proxy.request.signatures' problems, and "unbound" from the flow
 FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_shape",
                     "no_encoder", "unbound", "short_prompt")
-ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.flow
+ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.request.flow
 KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
 # distinct experts per layer per decode step: from top-k (>= 1) to a model's experts (<= 512)
 DISTINCT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 512)
-POOL_ACTIONS = ("added", "draining", "removed")  # eldr.proxy.elastic
+POOL_ACTIONS = ("added", "draining", "removed")  # eldr.proxy.control.elastic
 UPSTREAM_ERROR_KINDS = ("timeout", "connect", "disconnect", "protocol", "http_5xx",
-                        "too_large", "other")  # eldr.proxy.upstream.error_kind and the flow
+                        "too_large", "other")  # eldr.proxy.engines.upstream.error_kind and the flow
 
 
 class RouterMetrics:
     """The router's metric families (names are the public contract; docs/serve.md).
 
-    ``pool`` is the :class:`~eldr.proxy.upstream.UpstreamPool`: its instances name the
+    ``pool`` is the :class:`~eldr.proxy.engines.upstream.UpstreamPool`: its instances name the
     per-engine label sets, and its ``config.policy`` the decisions primed at zero.
     """
 
@@ -361,7 +361,7 @@ class RouterMetrics:
             "eldr_engine_footprints_total", "Decode engines' expert footprints scraped for "
             "the policy, by result (read; missing, invalid, stale, refused: ignored).",
             ("result",))
-        reader = getattr(pool, "footprints", None)  # eldr.proxy.footprints.FootprintReader
+        reader = getattr(pool, "footprints", None)  # eldr.proxy.engines.footprints.FootprintReader
         if reader is not None:
             reader.on_result = lambda result: self.engine_footprints.inc(result=result)
         reg.gauge("eldr_decoder_engine_distinct_experts", "A decode engine's own live "

@@ -2,7 +2,7 @@
 
 Every decoder add, removal and artifact reload a worker is asked for (admin API,
 ``SIGHUP``, a ``--learn`` swap) goes to the parent as one JSON line on the worker's
-socket; the parent checks it against the pool (:class:`eldr.proxy.sharedpool.PoolJournal`),
+socket; the parent checks it against the pool (:class:`eldr.proxy.workers.sharedpool.PoolJournal`),
 numbers it and sends the entry to EVERY worker, the asking one included, which apply the
 entries one at a time in that order. The asking worker answers with the outcome of its own
 application, so every worker routes over the same decoder set and artifact, changed in
@@ -50,7 +50,8 @@ _JOURNAL = ("add", "drain", "reload", "refused", "joined", "freed", "hangup")
 
 class PoolLink:
     """The channel of worker ``row`` to its parent (``sock``: its end of a socketpair).
-    ``reload(artifact)`` is the router's own :meth:`~eldr.proxy.admin.AdminRoutes.reload`."""
+    ``reload(artifact)`` is the router's own
+    :meth:`~eldr.proxy.control.admin.AdminRoutes.reload`."""
 
     def __init__(self, router, sock, row: int, reload) -> None:
         self.router, self.row, self._sock, self._reload = router, row, sock, reload
@@ -210,8 +211,8 @@ class PoolLink:
     def replay(self, entries: list[dict]) -> None:
         """Apply the entries since the journal's base before serving (a restarted worker;
         nothing runs yet: a draining decoder is removed at once)."""
-        from eldr.proxy.admin import ReloadRefused
-        from eldr.proxy.decision import build_state
+        from eldr.proxy.control.admin import ReloadRefused
+        from eldr.proxy.request.decision import build_state
 
         router, elastic = self.router, self.router.elastic
         for entry in entries:

@@ -29,7 +29,7 @@ whose ``decode_urls``/``decode_ids`` list the new set, so that an artifact reloa
 learned artifact, which ``--learn`` fits for the router's current decoders — is checked
 against the set being served. An artifact fitted for the old set is refused (409) after a
 change. A request whose snapshot names another decoder set takes the current one before it
-routes (``eldr.proxy.flow``); releases go to the policy object it dispatched to.
+routes (``eldr.proxy.request.flow``); releases go to the policy object it dispatched to.
 
 **The decoders file.** ``eldr serve --decoders-file PATH`` (instead of ``--decode``) reads
 the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-reads it
@@ -38,7 +38,7 @@ the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-r
 artifact is reloaded as before.
 
 **--workers N.** Each change goes through the workers' pool journal
-(:mod:`eldr.proxy.poollink`, ``self.link``): the parent checks and orders it, every worker
+(:mod:`eldr.proxy.workers.poollink`, ``self.link``): the parent checks and orders it, every worker
 applies it (:meth:`ElasticPool.apply_add`, :meth:`ElasticPool.apply_drain`), and the
 asking worker answers once it applied it itself; ``?wait=true`` answers once EVERY worker
 has removed the decoder.
@@ -51,9 +51,9 @@ import dataclasses
 import logging
 import re
 
-from eldr.proxy.config import _check_url, parse_decode_spec
+from eldr.proxy.config import check_url, parse_decode_spec
 from eldr.proxy.errors import ProxyError
-from eldr.proxy.forward import method_not_allowed
+from eldr.proxy.request.forward import method_not_allowed
 
 __all__ = ["ElasticPool", "read_decoders_file"]
 
@@ -105,7 +105,7 @@ class ElasticPool:
     def __init__(self, router) -> None:
         self.router = router
         self._drains: dict[str, asyncio.Task] = {}  # name -> its drain-and-remove task
-        self.link = None  # eldr.proxy.poollink.PoolLink in a worker of --workers N
+        self.link = None  # eldr.proxy.workers.poollink.PoolLink in a worker of --workers N
 
     # -- HTTP ------------------------------------------------------------------------------
     async def collection(self, request):
@@ -127,7 +127,7 @@ class ElasticPool:
             raise ProxyError(400, "'url' is required: the decoder's base URL, "
                                   "http://HOST:PORT", param="url")
         try:
-            url = _check_url(url, "decode")
+            url = check_url(url, "decode")
         except ValueError as exc:
             raise ProxyError(400, str(exc), param="url") from None
         if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):

@@ -19,7 +19,7 @@ failing engine, take more engines down. Two mechanisms, both free of I/O:
   rows, so the budget is shared by ``--workers N``.
 
 :class:`Strikes` is what went wrong for one request; the request flow
-(:mod:`eldr.proxy.flow`) decides what a death is (a 5xx or a lost connection followed by
+(:mod:`eldr.proxy.request.flow`) decides what a death is (a 5xx or a lost connection followed by
 the engine failing a health probe).
 """
 

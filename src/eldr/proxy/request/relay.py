@@ -1,7 +1,7 @@
-"""The decode step of the PD flow (:mod:`eldr.proxy.flow`): the decoder's request, and its
+"""The decode step of the PD flow (:mod:`eldr.proxy.request.flow`): the decoder's request, and its
 answer relayed to the client, buffered whole (JSON) or streamed (SSE).
 
-:class:`DecodeRelay` is a mixin of :class:`~eldr.proxy.flow.RequestFlow`, which gives it
+:class:`DecodeRelay` is a mixin of :class:`~eldr.proxy.request.flow.RequestFlow`, which gives it
 ``config``, ``pool``, ``metrics``, ``router`` and ``budget``. A failure before the first
 byte reaches the client raises :class:`_RetryDecode` (the flow tries another decoder).
 """
@@ -24,13 +24,13 @@ from eldr.proxy.bodies import (
     read_upto,
     within,
 )
-from eldr.proxy.decodepayload import DecodeStripper, record_payload, strip_json
+from eldr.proxy.engines.upstream import Instance, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
-from eldr.proxy.upstream import Instance, error_kind
+from eldr.proxy.request.decodepayload import DecodeStripper, record_payload, strip_json
 from eldr.routing import Outcome
 
 if TYPE_CHECKING:
-    from eldr.proxy.flow import Decision
+    from eldr.proxy.request.flow import Decision
 
 __all__ = ["SSE_DONE", "DecodeRelay", "is_stream_done", "mark_stream_done", "reply_id"]
 

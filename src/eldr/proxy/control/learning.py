@@ -13,7 +13,7 @@ With ``--workers N`` worker 0 has the :class:`LiveLearning`; the others have a
 :class:`ForwardLearning`, which reads each completed request the same way
 (:func:`read_parts`) and sends it to worker 0 through the parent (dropped, never waited
 for, when the learner falls behind); worker 0's swaps reach every worker through the pool
-journal (:mod:`eldr.proxy.poollink`) with the learned artifact's path.
+journal (:mod:`eldr.proxy.workers.poollink`) with the learned artifact's path.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 from eldr.learn.buffer import make_record
 from eldr.learn.config import LearnConfig
 from eldr.learn.controller import Learner, learned_artifact
-from eldr.proxy.signatures import _read_counts, split_kv_params
+from eldr.proxy.request.signatures import read_counts, split_kv_params
 
 __all__ = ["ForwardLearning", "LiveLearning", "add_arguments", "config_from_args",
            "start_artifact"]
@@ -147,7 +147,7 @@ class LiveLearning:
         await self.router.reload(path)
 
     def on_pool_change(self, names: tuple[str, ...]) -> None:
-        """A decoder was added or removed (:mod:`eldr.proxy.elastic`). Fits read the
+        """A decoder was added or removed (:mod:`eldr.proxy.control.elastic`). Fits read the
         router's decoders when they start, so the next one is for ``names``; with an
         artifact running (fitted for the old set) a refit on the whole buffer is asked for
         now (:meth:`eldr.learn.controller.Learner.pool_changed`). A fit already running
@@ -270,7 +270,7 @@ def read_parts(router, doc: dict, decoder: str, resp, decode, shape=None) -> dic
     the (L, E) expected when the routing state has none (vLLM's ``routed_experts``)."""
     _, payload = split_kv_params(doc)
     want = None if payload is not None else (router.state.shape or shape)
-    counts = _read_counts(doc, payload, want)
+    counts = read_counts(doc, payload, want)
     if counts.counts is None:
         return "no_counts"
     decoded = getattr(decode, "tokens", None)  # forward passes: generated tokens - 1

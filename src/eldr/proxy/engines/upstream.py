@@ -7,7 +7,7 @@ it out at once (a refused connection is definitive), and other request failures 
 like failed checks. Nothing is ever removed for good: a restarted engine is taken back by
 the next successful check.
 
-Request outcomes also drive a circuit breaker per decoder (:mod:`eldr.proxy.breaker`):
+Request outcomes also drive a circuit breaker per decoder (:mod:`eldr.proxy.engines.breaker`):
 health checks re-admit an instance, but a decoder whose breaker is open gets no request
 until its back-off ends and a real request (the probe) succeeds there.
 
@@ -17,7 +17,7 @@ ends. With ``scrape_interval > 0`` each decoder's own ``/metrics`` is also read 
 ``vllm:num_requests_running + vllm:num_requests_waiting`` replaces the tracked value
 (``LoadTracker.report``), so several router replicas in front of the same engines see the
 same loads instead of only their own share. The same round reads each decoder's own expert
-footprint for the routing policy (:mod:`eldr.proxy.footprints`, ``--engine-footprint``),
+footprint for the routing policy (:mod:`eldr.proxy.engines.footprints`, ``--engine-footprint``),
 so the replicas' ``eldr_cost`` routes on the engines' whole batches, not its share.
 """
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.proxy.bodies import json_object, read_upto
-from eldr.proxy.breaker import CircuitBreaker
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.footprints import FootprintReader
+from eldr.proxy.engines.breaker import CircuitBreaker
+from eldr.proxy.engines.footprints import FootprintReader
 from eldr.proxy.metrics import parse_samples
-from eldr.proxy.workers import make_tracker
+from eldr.proxy.workers.supervisor import make_tracker
 
 __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind", "make_session"]
 
@@ -91,11 +91,12 @@ class Instance:
 
 
 def make_session(session):
-    """The client the router talks to engines with: :class:`eldr.proxy.client.UpstreamSession`
-    over the aiohttp ``session`` (which serves what it does not), or the aiohttp session
-    itself when ``httptools`` is not installed."""
+    """The client the router talks to engines with:
+    :class:`eldr.proxy.engines.client.UpstreamSession` over the aiohttp ``session`` (which
+    serves what it does not), or the aiohttp session itself when ``httptools`` is not
+    installed."""
     try:
-        from eldr.proxy.client import UpstreamSession
+        from eldr.proxy.engines.client import UpstreamSession
     except ModuleNotFoundError:
         return session
     return UpstreamSession(session)
@@ -105,7 +106,7 @@ def error_kind(exc: BaseException) -> str:
     """A short label for an upstream failure: the ``kind`` of the error metric."""
     import aiohttp
 
-    client = sys.modules.get("eldr.proxy.client")  # not loaded: none of its errors exist
+    client = sys.modules.get("eldr.proxy.engines.client")  # not loaded: none of its errors exist
     if client is not None and isinstance(exc, client.UpstreamConnectError):
         return "connect"
     if client is not None and isinstance(exc, client.UpstreamProtocolError):
@@ -148,7 +149,7 @@ class UpstreamPool:
             failures=config.breaker_failures, backoff=config.breaker_backoff,
             max_backoff=config.breaker_max_backoff), **kw)
 
-    # -- the elastic pool (eldr.proxy.elastic) -------------------------------------------
+    # -- the elastic pool (eldr.proxy.control.elastic) -------------------------------------------
     def add_decoder(self, url: str, name: str) -> Instance:
         """A new decoder at index K, out of rotation until its first health check passes
         (``healthy`` False here and in the tracker)."""

@@ -1,7 +1,7 @@
 """Reading a prefill response: the eldr payload, vLLM's ``routed_experts``, and what a
 policy's declared inputs (signature, profile) are computed from them.
 
-Moved out of :mod:`eldr.proxy.decision`, which re-exports every name here; see its
+Moved out of :mod:`eldr.proxy.request.decision`, which re-exports every name here; see its
 docstring for the order in which the prompt's expert counts are looked for.
 """
 
@@ -16,10 +16,10 @@ import numpy as np
 from eldr.routing import prefill_profile
 
 if TYPE_CHECKING:
-    from eldr.proxy.decision import RoutingState
+    from eldr.proxy.request.decision import RoutingState
 
 __all__ = ["LAYERS_KEY", "PAYLOAD_KEY", "Reading", "SignatureResult", "payload_request",
-           "payload_shape", "read_inputs", "read_signature", "split_kv_params"]
+           "payload_shape", "read_counts", "read_inputs", "read_signature", "split_kv_params"]
 
 PAYLOAD_KEY = "eldr"  # eldr.capture.payload.PAYLOAD_KEY, repeated to keep this import-light
 LAYERS_KEY = "eldr_layers"  # eldr.capture.payload.LAYERS_KEY: the mask asked of the engine
@@ -86,7 +86,7 @@ def payload_shape(payload: object) -> tuple[int, int] | None:
     return dims[-2], dims[-1]
 
 
-def _read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _Counts:
+def read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _Counts:
     """The prompt's (L, E) counts from a prefill response; ``shape`` None accepts the
     payload's own (L, E) (vLLM's ``routed_experts`` ids do not say E: refused then)."""
     from eldr.capture import payload as wire
@@ -146,7 +146,7 @@ def read_signature(doc: dict, payload: object, state: RoutingState) -> Signature
     """The prompt's signature from a prefill response ``doc`` (and its eldr ``payload``)."""
     if state.encoder is None:
         return SignatureResult(None, "none", "no_encoder")
-    return _signature(_read_counts(doc, payload, (state.num_layers, state.num_experts)),
+    return _signature(read_counts(doc, payload, (state.num_layers, state.num_experts)),
                       state)
 
 
@@ -166,7 +166,7 @@ def read_inputs(doc: dict, payload: object, state: RoutingState,
         return Reading(None, None, prompt_tokens or 0, "none", "not_used")
     if want_sig and state.encoder is None:
         return Reading(None, None, prompt_tokens or 0, "none", "no_encoder")
-    counts = _read_counts(doc, payload, state.shape)
+    counts = read_counts(doc, payload, state.shape)
     signature = profile = None
     problem = counts.problem
     if want_sig:

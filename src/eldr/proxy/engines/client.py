@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from eldr.proxy.connection import (
+from eldr.proxy.engines.connection import (
     UpstreamConnectError,
     UpstreamProtocolError,
     _Connection,

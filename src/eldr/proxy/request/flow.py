@@ -43,17 +43,18 @@ from dataclasses import dataclass
 
 from eldr.capture.decode import REPORT_KEY
 from eldr.proxy.bodies import ByteBudget, json_object, prompt_token_bound, read_upto
-from eldr.proxy.containment import POISON_BODY_DEATHS, POISON_DEATHS, Strikes, body_digest
-from eldr.proxy.decision import (
+from eldr.proxy.engines.upstream import Instance, error_kind
+from eldr.proxy.errors import ProxyError, UpstreamReply
+from eldr.proxy.request.containment import POISON_BODY_DEATHS, POISON_DEATHS, Strikes, body_digest
+from eldr.proxy.request.decision import (
     Reading,
     RoutingState,
     payload_shape,
     read_inputs,
     split_kv_params,
 )
-from eldr.proxy.decodepayload import decode_report
-from eldr.proxy.errors import ProxyError, UpstreamReply
-from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
+from eldr.proxy.request.decodepayload import decode_report
+from eldr.proxy.request.relay import (  # noqa: F401  (re-exported: moved there)
     _ERROR_BODY_LIMIT,
     _SSE_HEADERS,
     DecodeRelay,
@@ -61,9 +62,8 @@ from eldr.proxy.relay import (  # noqa: F401  (re-exported: moved there)
     is_stream_done,
     reply_id,
 )
-from eldr.proxy.signatures import payload_request
-from eldr.proxy.upstream import Instance, error_kind
-from eldr.proxy.workers import make_guards
+from eldr.proxy.request.signatures import payload_request
+from eldr.proxy.workers.supervisor import make_guards
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
 __all__ = ["RequestFlow", "prompt_key"]
@@ -182,7 +182,7 @@ class RequestFlow(DecodeRelay):
                 (prefill, doc, attempt_id), unread = unread, None
                 headers["X-Request-Id"] = attempt_id
             if state.worker_names != self.router.state.worker_names:
-                state = self.router.state  # the decoder set changed (eldr.proxy.elastic)
+                state = self.router.state  # the decoder set changed (eldr.proxy.control.elastic)
             try:
                 decision = self._decide(state, attempt_id, doc, excluded, faults)
             except ProxyError:

@@ -17,7 +17,7 @@ import os
 import tempfile
 
 from eldr.proxy.errors import ProxyError
-from eldr.proxy.forward import method_not_allowed
+from eldr.proxy.request.forward import method_not_allowed
 
 __all__ = ["LearnAdmin"]
 

@@ -13,8 +13,8 @@ import logging
 import time
 from collections import OrderedDict
 
-from eldr.proxy.decision import RoutingState, WorkerMismatch, build_state
 from eldr.proxy.errors import ProxyError
+from eldr.proxy.request.decision import RoutingState, WorkerMismatch, build_state
 
 __all__ = ["AdminRoutes", "FailedAttempts", "ReloadRefused"]
 

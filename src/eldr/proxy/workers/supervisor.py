@@ -15,22 +15,22 @@ balancers see a single router. How they share it:
   ``--decoder-slots``, default ``max(2K, K + 16)``: room for decoders added later);
   worker ``i`` writes only its row ``i`` (no lock: one writer per cell), and every
   decision reads the column sums of its decoders' slots, so each decoder's load is exactly
-  the requests in flight there from ALL workers (:mod:`eldr.proxy.sharedpool`). An engine
+  the requests in flight there from ALL workers (:mod:`eldr.proxy.workers.sharedpool`). An engine
   scrape (``--scrape-interval``) still overrides a decoder's load the same way in every
   worker.
 - **The pool journal.** Decoder adds and removals (admin API, ``--decoders-file`` +
   SIGHUP) and artifact reloads (``POST /admin/reload``, SIGHUP, a ``--learn`` swap with
   its new path) are asked of the parent over each worker's socket; the parent checks and
-  numbers them (:class:`~eldr.proxy.sharedpool.PoolJournal`: names, URLs, a free zeroed
+  numbers them (:class:`~eldr.proxy.workers.sharedpool.PoolJournal`: names, URLs, a free zeroed
   slot per add) and sends each to every worker, which apply them in that order
-  (:mod:`eldr.proxy.poollink`). A removed decoder drains in every worker; its slot is
+  (:mod:`eldr.proxy.workers.poollink`). A removed decoder drains in every worker; its slot is
   free again once every worker removed it. ``SIGHUP`` to the parent makes one worker
   re-read the decoders file and reload, through the journal.
 - **Learning.** With ``--learn DIR`` worker 0 learns (it owns DIR, the buffer and the
   fit process); the other workers forward their completed requests to it through the
   parent (bounded, dropped when it falls behind, never holding a request), so it learns
   from all the traffic; its swaps reach every worker as journal reloads.
-- **Containment.** The poison list and the retry budget (:mod:`eldr.proxy.containment`)
+- **Containment.** The poison list and the retry budget (:mod:`eldr.proxy.request.containment`)
   live in shared memory too, so a body refused by one worker is refused by all, and the
   budget caps the retries of all workers together.
 - **Lifetime.** ``SIGTERM``/``SIGINT`` to the parent stop every worker; a worker that dies
@@ -58,8 +58,8 @@ import socket
 import sys
 import time
 
-from eldr.proxy.containment import PoisonList, RetryBudget, shared_buffer
-from eldr.proxy.sharedpool import (
+from eldr.proxy.request.containment import PoisonList, RetryBudget, shared_buffer
+from eldr.proxy.workers.sharedpool import (
     PoolJournal,
     PoolRefused,
     SharedLoads,
@@ -388,8 +388,8 @@ def _worker_main(make_router, serve, config, table: SharedLoads, row: int,
     own listening socket, its link to the parent."""
     import asyncio
 
-    from eldr.proxy.learning import attach_link
-    from eldr.proxy.poollink import PoolLink
+    from eldr.proxy.control.learning import attach_link
+    from eldr.proxy.workers.poollink import PoolLink
 
     global _current, _guards
     _current = (table, row, slots)

@@ -31,8 +31,8 @@ import logging
 import time
 
 from eldr.proxy.bodies import json_object, read_upto
+from eldr.proxy.engines.upstream import Instance, error_kind
 from eldr.proxy.errors import ProxyError
-from eldr.proxy.upstream import Instance, error_kind
 
 __all__ = ["FORWARD_ANSWER_LIMIT", "Forwarder", "classify", "vllm_detail"]
 

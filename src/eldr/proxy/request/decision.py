@@ -30,18 +30,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.signatures import (  # noqa: F401  (re-exported: moved there)
+from eldr.proxy.request.signatures import (  # noqa: F401  (re-exported: moved there)
     PAYLOAD_KEY,
     Reading,
     SignatureResult,
     _counted_tokens,
     _Counts,
-    _read_counts,
     _routed_experts,
     _signature,
     _warn_once,
     _warned,
     payload_shape,
+    read_counts,
     read_inputs,
     read_signature,
     split_kv_params,

@@ -1,5 +1,5 @@
 """One keep-alive HTTP/1.1 connection to an engine, parsed by ``httptools``, and the
-answer read from it: the protocol under :class:`eldr.proxy.client.UpstreamSession`
+answer read from it: the protocol under :class:`eldr.proxy.engines.client.UpstreamSession`
 (which pools these connections and writes the requests; see its module docstring).
 """
 
