@@ -10,13 +10,8 @@ from eldr.capture.payload import encode_counts
 from eldr.fit.artifact import RoutingArtifact
 from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.request.decision import (
-    LazyCostPolicy,
-    build_state,
-    read_inputs,
-    read_signature,
-    split_kv_params,
-)
+from eldr.proxy.request.decision import LazyCostPolicy, build_state
+from eldr.proxy.request.signatures import read_inputs, read_signature, split_kv_params
 from eldr.routing import Decision, RouteRequest
 
 CFG = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),

@@ -1,4 +1,4 @@
-"""What the router decides with: the routing state, and what a prefill response tells it.
+"""What the router decides with: the routing state.
 
 :class:`RoutingState` is an immutable snapshot (policy, signature encoder, decode worker
 names, τ) built from the routing artifact. An artifact reload builds a new snapshot and
@@ -7,18 +7,7 @@ never disturbs them: each request's dispatch and release events go to the policy
 own snapshot (a stateful policy such as ``eldr_cost`` keeps per-decoder expert footprints
 keyed by request id). Loads live in the pool's ``LoadTracker``, not in the policy.
 
-What a policy reads is declared by ``policy.inputs`` (``"signature"``, ``"profile"``);
-:func:`read_inputs` computes exactly those from the prompt's expert counts, found in a
-prefill response in order:
-
-1. the capture plugin's compact payload, ``kv_transfer_params["eldr"]``
-   (:mod:`eldr.capture.payload`: (L, E) counts, or (B, L, E) per-block rows, summed);
-2. vLLM's own ``choices[0].routed_experts`` (base64 ``.npy`` of (tokens, L, k) ids,
-   from engines started with ``--enable-return-routed-experts``);
-3. nothing: the request is routed by load (the policy's fallback).
-
-A malformed or mismatched payload is treated like a missing one (reason recorded), never
-as an error of the request: routing quality may degrade, serving must not.
+The prefill answer's routing inputs are read by :mod:`eldr.proxy.request.signatures`.
 """
 
 from __future__ import annotations
@@ -30,22 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.request.signatures import (  # noqa: F401  (re-exported: moved there)
-    PAYLOAD_KEY,
-    Reading,
-    SignatureResult,
-    _counted_tokens,
-    _Counts,
-    _routed_experts,
-    _signature,
-    _warn_once,
-    _warned,
-    payload_shape,
-    read_counts,
-    read_inputs,
-    read_signature,
-    split_kv_params,
-)
 from eldr.routing import (
     POLICIES,
     Decision,
@@ -56,8 +29,7 @@ from eldr.routing import (
     make_policy,
 )
 
-__all__ = ["LazyCostPolicy", "Reading", "RoutingState", "SignatureResult", "WorkerMismatch",
-           "build_state", "payload_shape", "read_inputs", "read_signature"]
+__all__ = ["LazyCostPolicy", "RoutingState", "WorkerMismatch", "build_state"]
 
 _SHAPE_RESOURCES = frozenset({"num_layers", "num_experts"})
 

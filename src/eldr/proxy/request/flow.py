@@ -46,23 +46,16 @@ from eldr.proxy.bodies import ByteBudget, json_object, prompt_token_bound, read_
 from eldr.proxy.engines.upstream import Instance, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply
 from eldr.proxy.request.containment import POISON_BODY_DEATHS, POISON_DEATHS, Strikes, body_digest
-from eldr.proxy.request.decision import (
+from eldr.proxy.request.decision import RoutingState
+from eldr.proxy.request.decodepayload import decode_report
+from eldr.proxy.request.relay import ERROR_BODY_LIMIT, DecodeRelay, RetryDecode, is_stream_done
+from eldr.proxy.request.signatures import (
     Reading,
-    RoutingState,
+    payload_request,
     payload_shape,
     read_inputs,
     split_kv_params,
 )
-from eldr.proxy.request.decodepayload import decode_report
-from eldr.proxy.request.relay import (  # noqa: F401  (re-exported: moved there)
-    _ERROR_BODY_LIMIT,
-    _SSE_HEADERS,
-    DecodeRelay,
-    _RetryDecode,
-    is_stream_done,
-    reply_id,
-)
-from eldr.proxy.request.signatures import payload_request
 from eldr.proxy.workers.supervisor import make_guards
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
@@ -161,7 +154,7 @@ class RequestFlow(DecodeRelay):
             headers["Authorization"] = request.headers["Authorization"]
         headers.update(self.pool.auth_headers())  # the engines' key replaces the client's
         excluded: list[Instance] = []  # decoders that failed this request
-        last: _RetryDecode | None = None
+        last: RetryDecode | None = None
         unread = None  # (prefill, answer, id) of a prefill no decoder could have read
         for attempt in range(config.max_attempts):
             if attempt:
@@ -215,7 +208,7 @@ class RequestFlow(DecodeRelay):
                 if decision.kv_params is not None and config.release_kv:
                     self._release_kv(body, kind, decoder, decision, dict(headers))
                 raise
-            except _RetryDecode as exc:
+            except RetryDecode as exc:
                 last = exc
                 excluded.append(decoder)
                 if exc.kind == "connect" and not whole:  # no byte reached it: reuse the KV
@@ -344,7 +337,7 @@ class RequestFlow(DecodeRelay):
         try:
             async with self.router.session.post(inst.url + path, json=release,
                                                 headers=headers, timeout=timeout) as resp:
-                await read_upto(resp, _ERROR_BODY_LIMIT)
+                await read_upto(resp, ERROR_BODY_LIMIT)
                 result = "ok" if resp.status < 400 else "refused"
         except Exception as exc:  # background work: logged, never raised
             log.debug("KV release at %s failed: %s", inst.name, exc)
@@ -420,7 +413,7 @@ class RequestFlow(DecodeRelay):
                     status = resp.status
                     ctype = resp.content_type
                     raw, whole = await read_upto(
-                        resp, _ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
+                        resp, ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
                 failed = (inst, error_kind(exc))
                 self._upstream_error(inst, failed[1], exc)

@@ -3,7 +3,7 @@ answer relayed to the client, buffered whole (JSON) or streamed (SSE).
 
 :class:`DecodeRelay` is a mixin of :class:`~eldr.proxy.request.flow.RequestFlow`, which gives it
 ``config``, ``pool``, ``metrics``, ``router`` and ``budget``. A failure before the first
-byte reaches the client raises :class:`_RetryDecode` (the flow tries another decoder).
+byte reaches the client raises :class:`RetryDecode` (the flow tries another decoder).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from eldr.routing import Outcome
 if TYPE_CHECKING:
     from eldr.proxy.request.flow import Decision
 
-__all__ = ["SSE_DONE", "DecodeRelay", "is_stream_done", "mark_stream_done", "reply_id"]
+__all__ = ["ERROR_BODY_LIMIT", "SSE_DONE", "SSE_HEADERS", "DecodeRelay", "RetryDecode",
+           "is_stream_done", "mark_stream_done", "reply_id"]
 
 log = logging.getLogger("eldr.serve")
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer kept for relay / logs
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer kept for relay / logs
 SSE_DONE = b"data: [DONE]"  # the last event of an OpenAI stream
 
 
@@ -60,7 +61,10 @@ def is_stream_done(request) -> bool:
     return bool(request.get(_done_key(), False))
 
 
-class _RetryDecode(Exception):  # control flow: try a new prefill + decoder
+class RetryDecode(Exception):
+    """A decode failed before its first byte reached the client: the flow tries another
+    decoder (``kind``: the failure's :func:`~eldr.proxy.engines.upstream.error_kind`)."""
+
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
@@ -95,7 +99,7 @@ class DecodeRelay:
                 raise self._decode_failure(inst, error_kind(exc), exc) from None
             try:
                 if resp.status >= 400:
-                    raw, _ = await read_upto(resp, _ERROR_BODY_LIMIT)
+                    raw, _ = await read_upto(resp, ERROR_BODY_LIMIT)
                     if resp.status >= 500:
                         raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
@@ -110,9 +114,9 @@ class DecodeRelay:
         finally:
             pool.end(inst)
 
-    def _decode_failure(self, inst: Instance, kind: str, detail) -> _RetryDecode:
+    def _decode_failure(self, inst: Instance, kind: str, detail) -> RetryDecode:
         self._upstream_error(inst, kind, detail)
-        return _RetryDecode(kind, str(detail) or type(detail).__name__)
+        return RetryDecode(kind, str(detail) or type(detail).__name__)
 
     def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
         self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
@@ -224,7 +228,7 @@ class DecodeRelay:
         except BadEvent as exc:
             raise self._decode_failure(inst, "protocol", exc) from None
         self.pool.request_succeeded(inst)
-        out = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **reply})
+        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **reply})
         outcome: Outcome = "completed"
         tail = b""  # the last bytes sent: "data: [DONE]" may arrive split over two reads
         try:
@@ -287,7 +291,7 @@ class DecodeRelay:
 
     async def _finish_upstream(self, resp) -> None:
         try:
-            await within(read_upto(resp, _ERROR_BODY_LIMIT), self.config.connect_timeout)
+            await within(read_upto(resp, ERROR_BODY_LIMIT), self.config.connect_timeout)
         except Exception as exc:  # the answer is complete: the close aborts nothing
             log.debug("decoder stream after [DONE] did not end cleanly: %s", exc)
         finally:

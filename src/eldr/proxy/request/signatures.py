@@ -1,8 +1,18 @@
 """Reading a prefill response: the eldr payload, vLLM's ``routed_experts``, and what a
 policy's declared inputs (signature, profile) are computed from them.
 
-Moved out of :mod:`eldr.proxy.request.decision`, which re-exports every name here; see its
-docstring for the order in which the prompt's expert counts are looked for.
+What a policy reads is declared by ``policy.inputs`` (``"signature"``, ``"profile"``);
+:func:`read_inputs` computes exactly those from the prompt's expert counts, found in a
+prefill response in order:
+
+1. the capture plugin's compact payload, ``kv_transfer_params["eldr"]``
+   (:mod:`eldr.capture.payload`: (L, E) counts, or (B, L, E) per-block rows, summed);
+2. vLLM's own ``choices[0].routed_experts`` (base64 ``.npy`` of (tokens, L, k) ids,
+   from engines started with ``--enable-return-routed-experts``);
+3. nothing: the request is routed by load (the policy's fallback).
+
+A malformed or mismatched payload is treated like a missing one (reason recorded), never
+as an error of the request: routing quality may degrade, serving must not.
 """
 
 from __future__ import annotations
