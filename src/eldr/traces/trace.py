@@ -17,6 +17,9 @@ On-disk format: one ``.npz`` file (``numpy.savez_compressed``), loaded with
 JSON document stored as a ``uint8`` array under ``meta_json``. Ragged per-token arrays
 are concatenated over requests in request order; their offsets are the cumulative sums
 of ``prompt_lens`` (prefill) and ``output_lens - 1`` (decode). See ``docs/trace-format.md``.
+
+:class:`TraceMeta` and the field groups are defined in :mod:`eldr.traces.fields` (which
+:mod:`eldr.traces.validation` reads too) and exported from here with the trace.
 """
 
 from __future__ import annotations
@@ -30,13 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from eldr.fileio import NpzReader, atomic_file, open_regular
-from eldr.traces.validation import GATE_FIELDS, TOPK_FIELDS
-from eldr.traces.validation import validate as _validate
+from eldr.traces.fields import FORMAT_VERSION, GATE_FIELDS, TOPK_FIELDS, TraceMeta
+from eldr.traces.validation import validate
 
 __all__ = ["FORMAT_VERSION", "MAX_TRACE_BYTES", "MAX_TRACE_FILE_BYTES", "Trace", "TraceMeta",
            "concat", "load", "save"]
-
-FORMAT_VERSION = 1
 
 _OPTIONAL_ARRAYS = (
     "domains",
@@ -44,37 +45,6 @@ _OPTIONAL_ARRAYS = (
     *TOPK_FIELDS,
     "prompt_token_ids",
 )
-
-
-@dataclass(frozen=True)
-class TraceMeta:
-    """What a trace is about. Validated on construction."""
-
-    model: str  # model name, e.g. "qwen3-30b-a3b" or a local path
-    num_layers: int  # L, number of MoE layers
-    num_experts: int  # E, routed experts per layer
-    top_k: int  # k, experts selected per token per layer
-    block_size: int = 16  # KV-cache block size in tokens (prefix caching granularity)
-    source: str = "unknown"  # "synthetic:<generator>" or "captured:<engine>" ...
-    version: int = FORMAT_VERSION  # on-disk format version
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_experts", "top_k", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"trace meta: {name} must be a positive integer, got {value!r}")
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"trace meta: top_k={self.top_k} exceeds num_experts={self.num_experts}"
-            )
-        if self.version != FORMAT_VERSION:
-            raise ValueError(
-                f"trace meta: format version {self.version} is not supported "
-                f"(this eldr reads version {FORMAT_VERSION})"
-            )
-
-    def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +70,7 @@ class Trace:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

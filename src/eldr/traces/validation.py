@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
+from eldr.traces.fields import COUNT_FIELDS, GATE_FIELDS, TOPK_FIELDS, TraceMeta
+
+if TYPE_CHECKING:  # the trace module imports this one: the record is an annotation here
     from eldr.traces.trace import Trace
 
-COUNT_FIELDS = ("prefill_counts", "decode_counts")
-GATE_FIELDS = ("prefill_gate_prob", "prefill_gate_logit")
-TOPK_FIELDS = ("prefill_topk", "decode_topk")
+__all__ = ["validate"]
 
 
 def _fail(field_name: str, msg: str, request: int | None = None) -> None:
@@ -30,12 +30,22 @@ def _first_bad(mask: np.ndarray) -> int:
 
 
 def validate(t: Trace) -> None:
-    """Check every field of ``t`` (see eldr.traces.trace); normalise dtypes in place."""
-    from eldr.traces.trace import TraceMeta  # deferred: eldr.traces.trace imports this module
+    """Check every field of ``t`` (see eldr.traces.trace); normalise dtypes in place.
 
+    Groups run in dependency order: the meta gives L, E and k; the lengths give R and the
+    token totals that the counts and the per-token arrays are checked against."""
     if not isinstance(t.meta, TraceMeta):
         _fail("meta", f"must be a TraceMeta, got {type(t.meta).__name__}")
-    L, E, k = t.meta.num_layers, t.meta.num_experts, t.meta.top_k
+    _check_lengths(t)
+    _check_counts(t)
+    _check_gates(t)
+    _check_domains(t)
+    _check_topk(t)
+    _check_prompt_token_ids(t)
+
+
+def _check_lengths(t: Trace) -> None:
+    """``prompt_lens`` (>= 0) and ``output_lens`` (>= 1): (R,) integers, stored int64."""
     for name in ("prompt_lens", "output_lens"):
         arr = getattr(t, name)
         if not isinstance(arr, np.ndarray) or arr.ndim != 1:
@@ -53,6 +63,11 @@ def validate(t: Trace) -> None:
     object.__setattr__(t, "prompt_lens", t.prompt_lens.astype(np.int64, copy=False))
     object.__setattr__(t, "output_lens", t.output_lens.astype(np.int64, copy=False))
 
+
+def _check_counts(t: Trace) -> None:
+    """Expert counts: (R, L, E) non-negative integers summing to k x tokens per layer,
+    stored int32."""
+    R, L, E, k = t.prompt_lens.shape[0], t.meta.num_layers, t.meta.num_experts, t.meta.top_k
     tokens = {"prefill_counts": t.prompt_lens, "decode_counts": t.output_lens - 1}
     for name in COUNT_FIELDS:
         arr = getattr(t, name)
@@ -83,6 +98,10 @@ def validate(t: Trace) -> None:
         if arr.dtype != np.int32:
             object.__setattr__(t, name, arr.astype(np.int32))
 
+
+def _check_gates(t: Trace) -> None:
+    """Optional summed gate outputs: (R, L, E) finite floats, stored float32."""
+    R, L, E = t.prompt_lens.shape[0], t.meta.num_layers, t.meta.num_experts
     for name in GATE_FIELDS:
         arr = getattr(t, name)
         if arr is None:
@@ -96,6 +115,10 @@ def validate(t: Trace) -> None:
         if arr.dtype != np.float32:
             object.__setattr__(t, name, arr.astype(np.float32))
 
+
+def _check_domains(t: Trace) -> None:
+    """Optional domain labels: (R,) integers indexing ``domain_names``, stored int32."""
+    R = t.prompt_lens.shape[0]
     if t.domains is not None:
         if not isinstance(t.domains, np.ndarray) or t.domains.shape != (R,):
             _fail("domains", f"shape {getattr(t.domains, 'shape', None)}, expected ({R},)")
@@ -112,6 +135,11 @@ def validate(t: Trace) -> None:
     if t.domain_names is not None:
         object.__setattr__(t, "domain_names", tuple(str(s) for s in t.domain_names))
 
+
+def _check_topk(t: Trace) -> None:
+    """Optional per-token expert ids: (tokens, L, k) distinct ids in [0, E) per token and
+    layer, one row per prompt (decode) token, stored int16."""
+    L, E, k = t.meta.num_layers, t.meta.num_experts, t.meta.top_k
     expected_rows = {"prefill_topk": int(t.prompt_lens.sum()),
                      "decode_topk": int((t.output_lens - 1).sum())}
     for name in TOPK_FIELDS:
@@ -131,11 +159,16 @@ def validate(t: Trace) -> None:
                 _fail(name, "a token selects the same expert twice in one layer")
         if arr.dtype != np.int16:
             object.__setattr__(t, name, arr.astype(np.int16))
-    if t.prompt_token_ids is not None:
-        arr = t.prompt_token_ids
-        n = expected_rows["prefill_topk"]
-        if not isinstance(arr, np.ndarray) or arr.shape != (n,):
-            _fail("prompt_token_ids", f"shape {getattr(arr, 'shape', None)}, expected ({n},)")
-        if not np.issubdtype(arr.dtype, np.integer) or (n and arr.min() < 0):
-            _fail("prompt_token_ids", "must be non-negative integers")
-        object.__setattr__(t, "prompt_token_ids", arr.astype(np.int32, copy=False))
+
+
+def _check_prompt_token_ids(t: Trace) -> None:
+    """Optional prompt token ids: (Σ prompt_lens,) non-negative integers, stored int32."""
+    arr = t.prompt_token_ids
+    if arr is None:
+        return
+    n = int(t.prompt_lens.sum())
+    if not isinstance(arr, np.ndarray) or arr.shape != (n,):
+        _fail("prompt_token_ids", f"shape {getattr(arr, 'shape', None)}, expected ({n},)")
+    if not np.issubdtype(arr.dtype, np.integer) or (n and arr.min() < 0):
+        _fail("prompt_token_ids", "must be non-negative integers")
+    object.__setattr__(t, "prompt_token_ids", arr.astype(np.int32, copy=False))
