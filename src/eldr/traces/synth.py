@@ -244,6 +244,44 @@ def generate(
     """
     preset, wl = get_preset(model), get_workload(workload)
     p = get_params(preset, wl) if params is None else params
+    R, lengths = _check_arguments(wl, p, num_requests, seed, keep_topk, lengths)
+    L, k = preset.num_layers, preset.top_k
+    ss = np.random.SeedSequence([int(seed), 0x5E1D])
+    s_struct, s_req, s_ids, *s_layers = ss.spawn(3 + L)
+    st = _structure(np.random.default_rng(s_struct), preset, wl, p)
+    num_topics = st.topic.shape[2]
+    rq = _draw_requests(np.random.default_rng(s_req), wl, R, num_topics, block_size, lengths)
+    # Segments routed with one logit vector each: Q shared prefixes, then R user prompts.
+    seg_lens = np.concatenate([rq.prefix_lens, rq.user_lens])
+    recorder = TokenRecorder(seg_lens, rq.output_lens - 1, L, k) if keep_topk else None
+    with Progress(L, f"synth {preset.name}/{wl.name}", enabled=None if progress else False) as bar:
+        routed = _route_layers(st, rq, p, preset, s_layers, recorder, bar)
+    token_ids = _token_ids(np.random.default_rng(s_ids), rq, preset.vocab_size)
+    meta = TraceMeta(model=preset.name, num_layers=L, num_experts=preset.num_experts, top_k=k,
+                     block_size=block_size,
+                     source=f"synthetic:{GENERATOR}:{wl.name}:seed={int(seed)}")
+    Q = rq.prefix_lens.shape[0]
+    return Trace(
+        meta=meta,
+        prefill_counts=routed.prefill_counts,
+        decode_counts=routed.decode_counts,
+        prompt_lens=rq.user_lens + np.where(rq.prefix >= 0,
+                                            rq.prefix_lens[rq.prefix.clip(0)], 0),
+        output_lens=rq.output_lens,
+        domains=rq.domains,
+        domain_names=wl.domain_names,
+        prefill_gate_prob=routed.gate_prob,
+        prefill_gate_logit=routed.gate_logit,
+        prefill_topk=None if recorder is None else recorder.prefill_topk(rq.prefix, Q),
+        decode_topk=None if recorder is None else recorder.decode_topk,
+        prompt_token_ids=token_ids,
+    )
+
+
+def _check_arguments(wl: Workload, p: SynthParams, num_requests: int | None, seed: int,
+                     keep_topk: bool, lengths: tuple[np.ndarray, np.ndarray] | None
+                     ) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+    """The number of requests R and the validated explicit lengths (or ``None``)."""
     R = wl.num_requests if num_requests is None else int(num_requests)
     if lengths is not None:
         lengths = _check_lengths(lengths, num_requests)
@@ -255,71 +293,60 @@ def generate(
     if p.stickiness > 0 and not keep_topk:
         raise ValueError("generate: stickiness > 0 needs keep_topk=True (the count path "
                          "treats decode tokens as independent)")
-    L, E, k = preset.num_layers, preset.num_experts, preset.top_k
-    ss = np.random.SeedSequence([int(seed), 0x5E1D])
-    s_struct, s_req, s_ids, *s_layers = ss.spawn(3 + L)
-    st = _structure(np.random.default_rng(s_struct), preset, wl, p)
-    num_topics = st.topic.shape[2]
-    rq = _draw_requests(np.random.default_rng(s_req), wl, R, num_topics, block_size, lengths)
+    return R, lengths
 
-    # Segments routed with one logit vector each: Q shared prefixes, then R user prompts.
-    Q = rq.prefix_lens.shape[0]
+
+# -- routing ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Routed:
+    """Per-request routing aggregates of a generated trace."""
+
+    prefill_counts: np.ndarray  # (R, L, E) int32, shared prefix included
+    decode_counts: np.ndarray  # (R, L, E) int32
+    gate_prob: np.ndarray  # (R, L, E) float32 Σ over prompt tokens
+    gate_logit: np.ndarray  # (R, L, E) float32 Σ over prompt tokens
+
+
+def _route_layers(st: _Structure, rq: _Requests, p: SynthParams, preset: ModelPreset,
+                  s_layers: list[np.random.SeedSequence], recorder: TokenRecorder | None,
+                  bar: Progress) -> _Routed:
+    """Route every layer from its own stream ``s_layers[layer]``: token by token into
+    ``recorder`` when given (keep_topk), else by the count path of
+    :mod:`eldr.traces.sampling`."""
+    L, E, k = preset.num_layers, preset.num_experts, preset.top_k
+    R, Q = rq.user_lens.shape[0], rq.prefix_lens.shape[0]
     seg_lens = np.concatenate([rq.prefix_lens, rq.user_lens])
     dec_lens = rq.output_lens - 1
-
-    prefill_counts = np.zeros((R, L, E), np.int32)
-    decode_counts = np.zeros((R, L, E), np.int32)
-    gate_prob = np.zeros((R, L, E), np.float32)
-    gate_logit = np.zeros((R, L, E), np.float32)
-    plan = TokenRecorder(seg_lens, dec_lens, L, k) if keep_topk else None
-    with Progress(L, f"synth {preset.name}/{wl.name}", enabled=None if progress else False) as bar:
-        for layer in range(L):
-            rng = np.random.default_rng(s_layers[layer])
-            u = p.request_strength * rng.standard_normal((R, E))
-            v = p.request_strength * rng.standard_normal((R, E))
-            base = st.glob[layer] + st.domain[layer, rq.domains] \
-                + st.topic[layer, rq.domains, rq.topics]
-            z_user = base + u
-            z_dec = base + st.shift[layer] + np.sqrt(1.0 - p.decode_drift**2) * u \
-                + p.decode_drift * v
-            z_pre = st.glob[layer] + st.domain[layer, rq.prefix_domain]
-            z_seg = np.concatenate([z_pre, z_user])
-            if keep_topk:
-                cnt, prob, logit = plan.route_prefill(rng, layer, z_seg, E, p.gate_scale)
-                dcnt = plan.route_decode(rng, layer, z_dec, E, p.stickiness)
-            else:
-                pi = inclusion_probs(z_seg, k)
-                cnt = aggregate_counts(rng, pi, seg_lens, k)
-                prob, logit = approx_gate_sums(rng, z_seg, seg_lens, gate_scale=p.gate_scale)
-                dcnt = aggregate_counts(rng, inclusion_probs(z_dec, k), dec_lens, k)
-            # A request's prefill = its shared prefix (if any) + its own prompt.
-            has = rq.prefix >= 0
-            pre_idx = np.where(has, rq.prefix, 0)
-            prefill_counts[:, layer] = cnt[Q:] + cnt[pre_idx] * has[:, None]
-            gate_prob[:, layer] = prob[Q:] + prob[pre_idx] * has[:, None]
-            gate_logit[:, layer] = logit[Q:] + logit[pre_idx] * has[:, None]
-            decode_counts[:, layer] = dcnt
-            bar.update(1)
-
-    prompt_lens = rq.user_lens + np.where(rq.prefix >= 0, rq.prefix_lens[rq.prefix.clip(0)], 0)
-    token_ids = _token_ids(np.random.default_rng(s_ids), rq, preset.vocab_size)
-    meta = TraceMeta(model=preset.name, num_layers=L, num_experts=E, top_k=k,
-                     block_size=block_size,
-                     source=f"synthetic:{GENERATOR}:{wl.name}:seed={int(seed)}")
-    return Trace(
-        meta=meta,
-        prefill_counts=prefill_counts,
-        decode_counts=decode_counts,
-        prompt_lens=prompt_lens,
-        output_lens=rq.output_lens,
-        domains=rq.domains,
-        domain_names=wl.domain_names,
-        prefill_gate_prob=gate_prob,
-        prefill_gate_logit=gate_logit,
-        prefill_topk=None if plan is None else plan.prefill_topk(rq.prefix, Q),
-        decode_topk=None if plan is None else plan.decode_topk,
-        prompt_token_ids=token_ids,
-    )
+    out = _Routed(np.zeros((R, L, E), np.int32), np.zeros((R, L, E), np.int32),
+                  np.zeros((R, L, E), np.float32), np.zeros((R, L, E), np.float32))
+    # A request's prefill = its shared prefix (if any) + its own prompt.
+    has = rq.prefix >= 0
+    pre_idx = np.where(has, rq.prefix, 0)
+    for layer in range(L):
+        rng = np.random.default_rng(s_layers[layer])
+        u = p.request_strength * rng.standard_normal((R, E))
+        v = p.request_strength * rng.standard_normal((R, E))
+        base = st.glob[layer] + st.domain[layer, rq.domains] \
+            + st.topic[layer, rq.domains, rq.topics]
+        z_user = base + u
+        z_dec = base + st.shift[layer] + np.sqrt(1.0 - p.decode_drift**2) * u \
+            + p.decode_drift * v
+        z_pre = st.glob[layer] + st.domain[layer, rq.prefix_domain]
+        z_seg = np.concatenate([z_pre, z_user])
+        if recorder is not None:
+            cnt, prob, logit = recorder.route_prefill(rng, layer, z_seg, E, p.gate_scale)
+            dcnt = recorder.route_decode(rng, layer, z_dec, E, p.stickiness)
+        else:
+            pi = inclusion_probs(z_seg, k)
+            cnt = aggregate_counts(rng, pi, seg_lens, k)
+            prob, logit = approx_gate_sums(rng, z_seg, seg_lens, gate_scale=p.gate_scale)
+            dcnt = aggregate_counts(rng, inclusion_probs(z_dec, k), dec_lens, k)
+        out.prefill_counts[:, layer] = cnt[Q:] + cnt[pre_idx] * has[:, None]
+        out.gate_prob[:, layer] = prob[Q:] + prob[pre_idx] * has[:, None]
+        out.gate_logit[:, layer] = logit[Q:] + logit[pre_idx] * has[:, None]
+        out.decode_counts[:, layer] = dcnt
+        bar.update(1)
+    return out
 
 
 def _check_lengths(lengths: tuple[np.ndarray, np.ndarray],
