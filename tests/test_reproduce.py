@@ -11,9 +11,9 @@ import pytest
 
 from conftest import make_trace
 from eldr.cli import main
-from eldr.reproduce import Plan, headline_text, run_plan, write_report
-from eldr.reproduce.report import Analysis
-from eldr.reproduce.sweeps import make_job, plan_tasks
+from eldr.reproduce import Analysis, Plan, headline_text, run_plan, write_report
+from eldr.reproduce.plan import plan_tasks
+from eldr.reproduce.sweeps import make_job
 from eldr.traces.trace import save
 
 L, E, K_TOP = 48, 128, 8
@@ -173,11 +173,11 @@ def test_simulate_the_real_tiny_moe_trace_through_its_preset(capsys):
 
 
 def test_trace_arrays_move_to_files_unchanged(tmp_path):
-    from eldr.reproduce.sweeps import _map_to_files
+    from eldr.reproduce.memmaps import map_to_files
 
     trace = make_trace(20, L, E, K_TOP, seed=5, with_topk=False)
     before = {k: v.copy() for k, v in vars(trace).items() if isinstance(v, np.ndarray)}
-    _map_to_files(trace, str(tmp_path / "eval"), min_bytes=0)
+    map_to_files(trace, str(tmp_path / "eval"), min_bytes=0)
     for name, arr in before.items():
         now = getattr(trace, name)
         assert isinstance(now.base, np.memmap) and not now.flags.writeable

@@ -42,7 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eldr.reproduce import FULL, QUICK, headline_text, run_plan, with_overrides, write_report
+    from eldr.reproduce import (
+        FULL,
+        QUICK,
+        Analysis,
+        headline_text,
+        run_plan,
+        with_overrides,
+        write_report,
+    )
     from eldr.reproduce.plots import require_matplotlib
 
     require_matplotlib()  # the report ends in plots: fail now, not after the whole run
@@ -74,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
         f"{list(plan.rates)}, {plan.warmup_s:g}+{plan.duration_s:g} s per point")
     results = run_plan(plan, jobs=jobs, trace=trace, log=log)
     path = write_report(results, args.out)
-    from eldr.reproduce.report import Analysis
-
     print(headline_text(Analysis(results)))
     print(f"\nreport: {path} ({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -1,13 +1,19 @@
 """``eldr reproduce``: the paper's experiments in simulation, written up as a report.
 
-:mod:`eldr.reproduce.setup` fits the routing artifact on a calibration split;
-:mod:`eldr.reproduce.sweeps` runs the simulations of a :class:`Plan` (``QUICK`` or
-``FULL``); :mod:`eldr.reproduce.report` writes ``report.md``, plots and tidy CSV/JSON.
+:mod:`eldr.reproduce.plan` lists the simulations of a :class:`Plan` (``QUICK`` or
+``FULL``); :mod:`eldr.reproduce.setup` fits the routing artifact on a calibration split,
+:mod:`eldr.reproduce.building` does so for every trace of a plan;
+:mod:`eldr.reproduce.sweeps` runs the simulations (large arrays shared through
+:mod:`eldr.reproduce.memmaps`); :mod:`eldr.reproduce.analysis` and
+:mod:`eldr.reproduce.grid` derive the tables, :mod:`eldr.reproduce.plots` the figures, and
+:mod:`eldr.reproduce.report` writes ``report.md``, plots and tidy CSV/JSON.
 """
 
-from eldr.reproduce.report import Analysis, headline_text, write_report
+from eldr.reproduce.analysis import Analysis
+from eldr.reproduce.plan import FULL, QUICK, Plan, with_overrides
+from eldr.reproduce.report import headline_text, write_report
 from eldr.reproduce.setup import RoutingSetup, fit_setup
-from eldr.reproduce.sweeps import FULL, QUICK, Plan, Results, run_plan, with_overrides
+from eldr.reproduce.sweeps import Results, run_plan
 
 __all__ = [
     "FULL",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr.reproduce.sweeps import LOAD_BALANCERS, Results
+from eldr.reproduce.plan import LOAD_BALANCERS
+from eldr.reproduce.sweeps import Results
 
 __all__ = ["Analysis"]
 

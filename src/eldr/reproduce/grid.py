@@ -6,6 +6,8 @@ same cell, separately per metric: Δp50 against the lowest median TPOT of
 ``GRID_BALANCERS``, Δp99 against the lowest p99. A policy "never loses" when both stay
 within ``TOLERANCE_PCT`` in every cell. Cells use short windows (the plan's
 ``grid_warmup_s`` + ``grid_duration_s``), the same arrivals and tokens for every policy.
+``GRID_BALANCERS`` and ``GRID_POLICIES`` are :mod:`eldr.reproduce.plan`'s, whose tasks
+run the cells.
 
 Workloads: the synthetic ``task`` and ``language`` (Poisson arrivals) and the real
 ``azure_conv`` and ``mooncake_conv`` traces (their own arrival times scaled to each rate,
@@ -18,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["GRID_BALANCERS", "GRID_POLICIES", "TOLERANCE_PCT", "grid_rows", "grid_table",
-           "plot_grid"]
+from eldr.reproduce.plan import GRID_BALANCERS, GRID_POLICIES
+from eldr.reproduce.plots import pyplot
 
-GRID_BALANCERS = ("round_robin", "jsq", "p2c")  # random never wins a cell; it is left out
-GRID_POLICIES = ("eldr", "eldr_cost")
+__all__ = ["TOLERANCE_PCT", "grid_rows", "grid_table", "plot_grid"]
+
 TOLERANCE_PCT = 1.0  # "never worse": within +1% of the best load balancer
 
 
@@ -118,9 +120,7 @@ def grid_table(rows: list[dict]) -> str:
 def plot_grid(rows: list[dict], path: Path) -> None:
     """Heat maps: one column per policy, one row per workload; cell colour = the worse of
     Δp50 and Δp99 (%), red above 0 (worse than the best balancer), blue below."""
-    from eldr.reproduce.plots import _plt
-
-    plt = _plt()
+    plt = pyplot()
     wls = list(dict.fromkeys(r["workload"] for r in rows))
     pols = [p for p in GRID_POLICIES if any(r["policy"] == p for r in rows)]
     if not wls or not pols:

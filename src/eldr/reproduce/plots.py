@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from eldr.reproduce.sweeps import LOAD_BALANCERS
+from eldr.reproduce.analysis import Analysis
+from eldr.reproduce.plan import LOAD_BALANCERS
 
-if TYPE_CHECKING:
-    from eldr.reproduce.analysis import Analysis
-
-__all__ = ["plot_bars", "plot_decoders", "plot_main", "require_matplotlib"]
+__all__ = ["plot_bars", "plot_decoders", "plot_main", "pyplot", "require_matplotlib"]
 
 MISSING = "the report's plots need matplotlib: pip install 'eldr[report]' (scripts/setup.sh does)"
 
@@ -26,7 +23,8 @@ def require_matplotlib() -> None:
         raise ValueError(MISSING)
 
 
-def _plt():
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (imported here, on first use)."""
     require_matplotlib()
     import matplotlib
 
@@ -37,7 +35,7 @@ def _plt():
 
 
 def plot_main(an: Analysis, wl: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     K = an.plan.num_decode
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     variants = [*LOAD_BALANCERS, "domain", an.eldr(), "eldr_cost", an.oracle()]
@@ -69,7 +67,7 @@ def plot_main(an: Analysis, wl: str, path: Path) -> None:
 
 def plot_bars(labels, series: dict[str, list[float]], title: str, ylabel: str,
                path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(labels))
     w = 0.8 / max(len(series), 1)

@@ -14,11 +14,13 @@ import numpy as np
 
 from eldr.fileio import atomic_write_text
 from eldr.reproduce.analysis import Analysis
+from eldr.reproduce.grid import TOLERANCE_PCT, grid_rows, grid_table, plot_grid
+from eldr.reproduce.plan import GRID_BALANCERS
 from eldr.reproduce.plots import plot_bars, plot_decoders, plot_main
 from eldr.reproduce.sweeps import Results
 from eldr.sim.metrics import write_csv, write_json
 
-__all__ = ["Analysis", "write_report"]
+__all__ = ["headline_text", "write_report"]
 
 PAPER = {"task": "−7.0…−13.9%", "language": "−5.9…−10.0%"}
 
@@ -179,14 +181,6 @@ def write_report(results: Results, out: str | Path) -> Path:
                            _s(r["per_decoder_p50"]), _s(r["per_decoder_p99"])] for r in ep]))
     grid = []
     if plan.grid:
-        from eldr.reproduce.grid import (
-            GRID_BALANCERS,
-            TOLERANCE_PCT,
-            grid_rows,
-            grid_table,
-            plot_grid,
-        )
-
         grid = grid_rows(results.rows, {"eldr": an.eldr()})
         if grid:
             md.append("\n## Never worse than load balancing\n")
