@@ -1,5 +1,8 @@
 """Tables, plots and ``report.md`` from the rows of :func:`eldr.reproduce.sweeps.run_plan`.
 
+:func:`write_report` writes one section per experiment, each from its own function that
+returns the section's Markdown and the rows ``results.json`` keeps for it.
+
 Every comparison is ELDR against the BEST load balancer (lowest median TPOT among random,
 round_robin, jsq and p2c) of the same (workload, rate, pool size): Δ% = 100 · (ELDR −
 best) / best, negative = ELDR faster. The paper reports −7.0…−13.9% (task) and
@@ -59,26 +62,50 @@ def write_report(results: Results, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     an = Analysis(results)
-    plan = results.plan
     write_csv(results.rows, out / "rows.csv")
     write_csv(results.decoder_rows, out / "decoders.csv")
-    md: list[str] = [f"# ELDR reproduction report ({plan.name})", ""]
-    md.append(f"Model preset `{plan.model}` on `{plan.hardware}`, {plan.num_prefill}P"
-              f"{plan.num_decode}D, rates {list(plan.rates)} req/s, warm-up {plan.warmup_s:g} s, "
-              f"measured {plan.duration_s:g} s per point, seed {plan.seed}. Traces: "
-              f"`eldr.traces.synth` (calibrated to the paper's premises only), seed "
-              f"{plan.trace_seed}. Wall time {results.seconds.get('total', 0):.0f} s "
-              f"({results.seconds.get('jobs', 1)} process(es)).")
-    md.append("")
-    md.append("## Fit (calibration split only)\n")
-    md.append(_table(["workload", "calibration", "held-out", "ρ (count·idf)", "layers |S|",
-                      "encoder fit (s)"],
-                     [[wl, str(s.calib.num_requests), str(s.eval.num_requests),
-                       f"{s.encoder.rho_:.3f}", str(s.encoder.layers_.size),
-                       f"{s.fit_seconds:.1f}"] for wl, s in results.setups.items()]))
-    md.append("\n## Headline: ELDR vs the best load balancer (median / p99 TPOT)\n")
-    md.append(f"Paper at 8P16D: median TPOT {PAPER['task']} (task), {PAPER['language']} "
-              "(language). Δ = (policy − best LB) / best LB; negative is better.\n")
+    md = _intro(results) + _fit_section(results)
+    doc: dict = {"plan": results.plan.__dict__}
+    for name, section in SECTIONS:
+        lines, rows = section(an, out)
+        md += lines
+        doc[name] = rows
+    md += _decoders_section(an, out)
+    md.append("\n## Files\n\n`rows.csv` (one row per simulation), `decoders.csv` (per-decoder "
+              "statistics), `results.json` (headline, sweeps, timings).\n")
+    write_json({**doc, "seconds": results.seconds}, out / "results.json")
+    return atomic_write_text(out / "report.md", "\n".join(md) + "\n")
+
+
+# -- sections: (an, out) -> (Markdown lines, rows kept in results.json) -----------------------
+Section = tuple[list[str], list[dict]]
+
+
+def _intro(results: Results) -> list[str]:
+    plan = results.plan
+    return [f"# ELDR reproduction report ({plan.name})", "",
+            f"Model preset `{plan.model}` on `{plan.hardware}`, {plan.num_prefill}P"
+            f"{plan.num_decode}D, rates {list(plan.rates)} req/s, warm-up {plan.warmup_s:g} s, "
+            f"measured {plan.duration_s:g} s per point, seed {plan.seed}. Traces: "
+            f"`eldr.traces.synth` (calibrated to the paper's premises only), seed "
+            f"{plan.trace_seed}. Wall time {results.seconds.get('total', 0):.0f} s "
+            f"({results.seconds.get('jobs', 1)} process(es)).", ""]
+
+
+def _fit_section(results: Results) -> list[str]:
+    return ["## Fit (calibration split only)\n",
+            _table(["workload", "calibration", "held-out", "ρ (count·idf)", "layers |S|",
+                    "encoder fit (s)"],
+                   [[wl, str(s.calib.num_requests), str(s.eval.num_requests),
+                     f"{s.encoder.rho_:.3f}", str(s.encoder.layers_.size),
+                     f"{s.fit_seconds:.1f}"] for wl, s in results.setups.items()])]
+
+
+def _headline_section(an: Analysis, out: Path) -> Section:
+    """ELDR and the cost policy vs the best load balancer at 8P16D, with the main plots."""
+    md = ["\n## Headline: ELDR vs the best load balancer (median / p99 TPOT)\n",
+          f"Paper at 8P16D: median TPOT {PAPER['task']} (task), {PAPER['language']} "
+          "(language). Δ = (policy − best LB) / best LB; negative is better.\n"]
     hl = an.headline()
     md.append(_table(
         ["workload", "req/s", "best LB", "LB p50 ms", "ELDR p50 ms", "Δ p50", "LB p99 ms",
@@ -101,131 +128,163 @@ def write_report(results: Results, out: str | Path) -> Path:
           f"{_s(h['online_d_p50'])} / {_s(h['online_d_p99'])}",
           f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}→{_f(h['cost_distinct'], 1)}"]
          for h in hl]))
-    for wl in plan.workloads:
+    for wl in an.plan.workloads:
         plot_main(an, wl, out / f"main_{wl}.png")
         md.append(f"\n![{wl}](main_{wl}.png)\n")
-    tau = an.tau_rows()
-    if tau:
-        md.append(f"\n## τ sweep ({plan.workloads[0]}, {plan.tau_rate:g} req/s)\n")
-        md.append("τ = 0 is top-1 (nearest centroid only), τ = 1 is pure JSQ.\n")
-        md.append(_table(["τ", "TPOT p50 ms", "TPOT p99 ms", "Δ p50 vs best LB",
-                          "Δ p99 vs best LB", "D/layer", "max request share"],
-                         [[f"{r['tau']:g}", _f(r["tpot_p50"]), _f(r["tpot_p99"]),
-                           _s(r["d_p50"]), _s(r["d_p99"]), _f(r["distinct"], 1),
-                           _f(r["max_share"], 3)] for r in tau]))
-        plot_bars([f"{r['tau']:g}" for r in tau],
-                   {"Δ median TPOT %": [r["d_p50"] for r in tau],
-                    "Δ p99 TPOT %": [r["d_p99"] for r in tau]},
-                   "ELDR vs best load balancer by τ", "% vs best LB", out / "tau.png")
-        md.append("\n![tau](tau.png)\n")
-    pool = an.pool_rows()
-    if pool:
-        md.append(f"\n## Decode-pool size ({plan.workloads[0]}, mean over rates "
-                  f"{list(plan.pool_rates)})\n")
-        md.append("Paper: 8.0 → 9.8 → 10.2% median TPOT reduction for 8P8D → 8P16D → 8P24D.\n")
-        md.append(_table(["pool", "ELDR Δ p50 vs best LB", "ELDR Δ p99",
-                          "eldr_cost Δ p50", "eldr_cost Δ p99"],
-                         [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"]), _s(r["cost_d_p50"]),
-                           _s(r["cost_d_p99"])] for r in pool]))
-        plot_bars([r["pool"] for r in pool], {"ELDR Δ median %": [r["d_p50"] for r in pool],
-                                               "ELDR Δ p99 %": [r["d_p99"] for r in pool],
-                                               "eldr_cost Δ median %":
-                                                   [r["cost_d_p50"] for r in pool],
-                                               "eldr_cost Δ p99 %":
-                                                   [r["cost_d_p99"] for r in pool]},
-                   "ELDR vs best load balancer by decode-pool size", "% vs best LB",
-                   out / "pool.png")
-        md.append("\n![pool](pool.png)\n")
+    return md, hl
+
+
+def _tau_section(an: Analysis, out: Path) -> Section:
+    plan, tau = an.plan, an.tau_rows()
+    if not tau:
+        return [], tau
+    md = [f"\n## τ sweep ({plan.workloads[0]}, {plan.tau_rate:g} req/s)\n",
+          "τ = 0 is top-1 (nearest centroid only), τ = 1 is pure JSQ.\n",
+          _table(["τ", "TPOT p50 ms", "TPOT p99 ms", "Δ p50 vs best LB",
+                  "Δ p99 vs best LB", "D/layer", "max request share"],
+                 [[f"{r['tau']:g}", _f(r["tpot_p50"]), _f(r["tpot_p99"]),
+                   _s(r["d_p50"]), _s(r["d_p99"]), _f(r["distinct"], 1),
+                   _f(r["max_share"], 3)] for r in tau])]
+    plot_bars([f"{r['tau']:g}" for r in tau],
+              {"Δ median TPOT %": [r["d_p50"] for r in tau],
+               "Δ p99 TPOT %": [r["d_p99"] for r in tau]},
+              "ELDR vs best load balancer by τ", "% vs best LB", out / "tau.png")
+    md.append("\n![tau](tau.png)\n")
+    return md, tau
+
+
+def _pool_section(an: Analysis, out: Path) -> Section:
+    plan, pool = an.plan, an.pool_rows()
+    if not pool:
+        return [], pool
+    md = [f"\n## Decode-pool size ({plan.workloads[0]}, mean over rates "
+          f"{list(plan.pool_rates)})\n",
+          "Paper: 8.0 → 9.8 → 10.2% median TPOT reduction for 8P8D → 8P16D → 8P24D.\n",
+          _table(["pool", "ELDR Δ p50 vs best LB", "ELDR Δ p99",
+                  "eldr_cost Δ p50", "eldr_cost Δ p99"],
+                 [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"]), _s(r["cost_d_p50"]),
+                   _s(r["cost_d_p99"])] for r in pool])]
+    plot_bars([r["pool"] for r in pool], {"ELDR Δ median %": [r["d_p50"] for r in pool],
+                                          "ELDR Δ p99 %": [r["d_p99"] for r in pool],
+                                          "eldr_cost Δ median %":
+                                              [r["cost_d_p50"] for r in pool],
+                                          "eldr_cost Δ p99 %":
+                                              [r["cost_d_p99"] for r in pool]},
+              "ELDR vs best load balancer by decode-pool size", "% vs best LB",
+              out / "pool.png")
+    md.append("\n![pool](pool.png)\n")
+    return md, pool
+
+
+def _vanilla_section(an: Analysis, out: Path) -> Section:
     van = an.vanilla_rows()
-    if van:
-        md.append("\n## Vanilla vs balanced K-means (mean % Δ vs round-robin over rates)\n")
-        md.append("Paper (Fig. 15): vanilla −9.8% p50 but +17.4% p99; balanced −12.6% / "
-                  "−6.8%.\n")
-        md.append(_table(["workload", "centroids", "Δ p50 vs RR", "Δ p99 vs RR",
-                          "calibration cluster sizes (max/min)"],
-                         [[r["workload"], r["kind"], _s(r["d_p50"]), _s(r["d_p99"]),
-                           f"{r['cluster_max']}/{r['cluster_min']}"] for r in van]))
-        plot_bars([f"{r['workload']}\n{r['kind']}" for r in van],
-                   {"Δ p50 vs RR %": [r["d_p50"] for r in van],
-                    "Δ p99 vs RR %": [r["d_p99"] for r in van]},
-                   "vanilla vs balanced K-means", "% vs round-robin", out / "vanilla.png")
-        md.append("\n![vanilla](vanilla.png)\n")
-    pre = an.prefix_rows()
-    if pre:
-        md.append(f"\n## Prefix caching ({plan.workloads[0]}, per-token trace of "
-                  f"{plan.prefix_requests} requests, {plan.tau_rate:g} req/s)\n")
-        md.append("Prefill workers cache prefixes. ELDR's signatures come either through the "
-                  "block-granular signature cache (`eldr.cache.sigcache`, exact) or from the "
-                  "freshly "
-                  "computed tokens only (what a capture without the cache sees). Arrivals "
-                  "stop before held-out requests would repeat (a repeat hits the cache with "
-                  "its whole prompt), so this window is short.\n")
-        md.append(_table(["router", "TPOT p50 ms", "TPOT p99 ms", "Δ p50 vs best LB",
-                          "Δ p99 vs best LB", "exact signatures", "prefix-hit requests"],
-                         [[r["variant"], _f(r["tpot_p50"]), _f(r["tpot_p99"]), _s(r["d_p50"]),
-                           _s(r["d_p99"]), _f(r["exact"], 3), _f(r["hits"], 3)]
-                          for r in pre]))
-    ep = an.ep_rows()
-    if ep:
-        md.append(f"\n## Expert parallelism ({plan.ep_model}, TP{plan.ep_tp}/EP{plan.ep}, "
-                  f"{plan.ep_num_prefill}P{plan.ep_num_decode}D, {plan.workloads[0]})\n")
-        md.append("MoE layer time = slowest EP rank's a + b·D_rank. Layouts: vLLM's contiguous "
-                  "blocks, one global greedy layout balanced on the calibration activation, "
-                  "or one layout per decoder balanced on its cluster. Paper: −2.7…−4.3% "
-                  "median TPOT.\n")
-        md.append(_table(["req/s", "best LB (layout)", "LB p50 ms", "ELDR contiguous Δ p50",
-                          "ELDR global Δ p50", "ELDR per-decoder Δ p50",
-                          "per-decoder Δ p99"],
-                         [[f"{r['qps']:g}", r["best_lb"], _f(r["lb_p50"]),
-                           _s(r["contiguous_p50"]), _s(r["global_p50"]),
-                           _s(r["per_decoder_p50"]), _s(r["per_decoder_p99"])] for r in ep]))
-    grid = []
-    if plan.grid:
-        grid = grid_rows(results.rows, {"eldr": an.eldr()})
-        if grid:
-            md.append("\n## Never worse than load balancing\n")
-            md.append(f"Every cell of rates {list(plan.grid_rates)} req/s × decode pools "
-                      f"{list(plan.grid_pools)} ({plan.num_prefill} prefill workers) × "
-                      f"workloads {list(plan.grid_workloads)}, {plan.grid_warmup_s:g} s "
-                      f"warm-up + {plan.grid_duration_s:g} s measured per cell, longer at low "
-                      f"rates so every cell measures at least {plan.grid_min_requests} "
-                      "requests (short windows to afford the grid; a p99 of a few hundred "
-                      "requests moves by several percent between seeds). `azure_conv` and "
-                      "`mooncake_conv` replay "
-                      "the real traces' arrival times (scaled to the rate, bursts kept) and "
-                      "prompt/output lengths, with routing drawn for those lengths. Each "
-                      "cell: Δ median / Δ p99 TPOT against the best of "
-                      f"{', '.join(GRID_BALANCERS)} for that metric; **bold** = worse by "
-                      f"more than {TOLERANCE_PCT:g}%.\n")
-            md.append(grid_table(grid))
-            plot_grid(grid, out / "grid.png")
-            md.append("\n![grid](grid.png)\n")
+    if not van:
+        return [], van
+    md = ["\n## Vanilla vs balanced K-means (mean % Δ vs round-robin over rates)\n",
+          "Paper (Fig. 15): vanilla −9.8% p50 but +17.4% p99; balanced −12.6% / −6.8%.\n",
+          _table(["workload", "centroids", "Δ p50 vs RR", "Δ p99 vs RR",
+                  "calibration cluster sizes (max/min)"],
+                 [[r["workload"], r["kind"], _s(r["d_p50"]), _s(r["d_p99"]),
+                   f"{r['cluster_max']}/{r['cluster_min']}"] for r in van])]
+    plot_bars([f"{r['workload']}\n{r['kind']}" for r in van],
+              {"Δ p50 vs RR %": [r["d_p50"] for r in van],
+               "Δ p99 vs RR %": [r["d_p99"] for r in van]},
+              "vanilla vs balanced K-means", "% vs round-robin", out / "vanilla.png")
+    md.append("\n![vanilla](vanilla.png)\n")
+    return md, van
+
+
+def _prefix_section(an: Analysis, out: Path) -> Section:
+    plan, pre = an.plan, an.prefix_rows()
+    if not pre:
+        return [], pre
+    md = [f"\n## Prefix caching ({plan.workloads[0]}, per-token trace of "
+          f"{plan.prefix_requests} requests, {plan.tau_rate:g} req/s)\n",
+          "Prefill workers cache prefixes. ELDR's signatures come either through the "
+          "block-granular signature cache (`eldr.cache.sigcache`, exact) or from the freshly "
+          "computed tokens only (what a capture without the cache sees). Arrivals "
+          "stop before held-out requests would repeat (a repeat hits the cache with "
+          "its whole prompt), so this window is short.\n",
+          _table(["router", "TPOT p50 ms", "TPOT p99 ms", "Δ p50 vs best LB",
+                  "Δ p99 vs best LB", "exact signatures", "prefix-hit requests"],
+                 [[r["variant"], _f(r["tpot_p50"]), _f(r["tpot_p99"]), _s(r["d_p50"]),
+                   _s(r["d_p99"]), _f(r["exact"], 3), _f(r["hits"], 3)] for r in pre])]
+    return md, pre
+
+
+def _ep_section(an: Analysis, out: Path) -> Section:
+    plan, ep = an.plan, an.ep_rows()
+    if not ep:
+        return [], ep
+    md = [f"\n## Expert parallelism ({plan.ep_model}, TP{plan.ep_tp}/EP{plan.ep}, "
+          f"{plan.ep_num_prefill}P{plan.ep_num_decode}D, {plan.workloads[0]})\n",
+          "MoE layer time = slowest EP rank's a + b·D_rank. Layouts: vLLM's contiguous "
+          "blocks, one global greedy layout balanced on the calibration activation, "
+          "or one layout per decoder balanced on its cluster. Paper: −2.7…−4.3% "
+          "median TPOT.\n",
+          _table(["req/s", "best LB (layout)", "LB p50 ms", "ELDR contiguous Δ p50",
+                  "ELDR global Δ p50", "ELDR per-decoder Δ p50", "per-decoder Δ p99"],
+                 [[f"{r['qps']:g}", r["best_lb"], _f(r["lb_p50"]),
+                   _s(r["contiguous_p50"]), _s(r["global_p50"]),
+                   _s(r["per_decoder_p50"]), _s(r["per_decoder_p99"])] for r in ep])]
+    return md, ep
+
+
+def _grid_section(an: Analysis, out: Path) -> Section:
+    plan = an.plan
+    grid = grid_rows(an.results.rows, {"eldr": an.eldr()}) if plan.grid else []
+    if not grid:
+        return [], grid
+    md = ["\n## Never worse than load balancing\n",
+          f"Every cell of rates {list(plan.grid_rates)} req/s × decode pools "
+          f"{list(plan.grid_pools)} ({plan.num_prefill} prefill workers) × "
+          f"workloads {list(plan.grid_workloads)}, {plan.grid_warmup_s:g} s "
+          f"warm-up + {plan.grid_duration_s:g} s measured per cell, longer at low "
+          f"rates so every cell measures at least {plan.grid_min_requests} "
+          "requests (short windows to afford the grid; a p99 of a few hundred "
+          "requests moves by several percent between seeds). `azure_conv` and "
+          "`mooncake_conv` replay the real traces' arrival times (scaled to the rate, bursts "
+          "kept) and prompt/output lengths, with routing drawn for those lengths. Each "
+          "cell: Δ median / Δ p99 TPOT against the best of "
+          f"{', '.join(GRID_BALANCERS)} for that metric; **bold** = worse by "
+          f"more than {TOLERANCE_PCT:g}%.\n",
+          grid_table(grid)]
+    plot_grid(grid, out / "grid.png")
+    md.append("\n![grid](grid.png)\n")
+    return md, grid
+
+
+def _tiny_section(an: Analysis, out: Path) -> Section:
+    plan = an.plan
     tiny = an.tiny_rows() if plan.tiny else []
-    if tiny:
-        md.append("\n## The real tiny-MoE trace on its measured CPU preset\n")
-        md.append(f"The shipped tiny Qwen3-MoE's captured routing (314 held-out prompts; "
-                  f"calibration a third), step costs measured on this project's CPU "
-                  f"(`--hardware cpu`, docs/simulator.md), {plan.tiny_num_prefill}P"
-                  f"{plan.tiny_num_decode}D, {plan.tiny_warmup_s:g} + "
-                  f"{plan.tiny_duration_s:g} s. Δ vs the best load balancer per metric.\n")
-        md.append(_table(["req/s", "batch", "best LB", "LB p50 ms", "LB p99 ms",
-                          "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99",
-                          "D/layer LB→ELDR→cost"],
-                         [[f"{r['qps']:g}", f"{r['batch']:.1f}", r["best_lb"],
-                           _f(r["lb_p50"]), _f(r["lb_p99"]),
-                           f"{_s(r['eldr_d_p50'])} / {_s(r['eldr_d_p99'])}",
-                           f"{_s(r['cost_d_p50'])} / {_s(r['cost_d_p99'])}",
-                           f"{r['lb_distinct']:.1f}→{_f(r['eldr_distinct'], 1)}→"
-                           f"{_f(r['cost_distinct'], 1)}"] for r in tiny]))
-    dec = plot_decoders(an, out / "decoders.png")
-    if dec:
-        md.append(f"\n## Distinct experts per decoder ({plan.workloads[0]}, "
-                  f"{plan.tau_rate:g} req/s)\n")
-        md.append("![decoders](decoders.png)\n")
-    md.append("\n## Files\n\n`rows.csv` (one row per simulation), `decoders.csv` (per-decoder "
-              "statistics), `results.json` (headline, sweeps, timings).\n")
-    write_json({"plan": plan.__dict__, "headline": hl, "tau": tau, "pool": pool,
-                "vanilla": van, "prefix": pre, "ep": ep, "grid": grid, "tiny": tiny,
-                "seconds": results.seconds},
-               out / "results.json")
-    return atomic_write_text(out / "report.md", "\n".join(md) + "\n")
+    if not tiny:
+        return [], tiny
+    md = ["\n## The real tiny-MoE trace on its measured CPU preset\n",
+          f"The shipped tiny Qwen3-MoE's captured routing (314 held-out prompts; "
+          f"calibration a third), step costs measured on this project's CPU "
+          f"(`--hardware cpu`, docs/simulator.md), {plan.tiny_num_prefill}P"
+          f"{plan.tiny_num_decode}D, {plan.tiny_warmup_s:g} + "
+          f"{plan.tiny_duration_s:g} s. Δ vs the best load balancer per metric.\n",
+          _table(["req/s", "batch", "best LB", "LB p50 ms", "LB p99 ms",
+                  "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99", "D/layer LB→ELDR→cost"],
+                 [[f"{r['qps']:g}", f"{r['batch']:.1f}", r["best_lb"],
+                   _f(r["lb_p50"]), _f(r["lb_p99"]),
+                   f"{_s(r['eldr_d_p50'])} / {_s(r['eldr_d_p99'])}",
+                   f"{_s(r['cost_d_p50'])} / {_s(r['cost_d_p99'])}",
+                   f"{r['lb_distinct']:.1f}→{_f(r['eldr_distinct'], 1)}→"
+                   f"{_f(r['cost_distinct'], 1)}"] for r in tiny])]
+    return md, tiny
+
+
+def _decoders_section(an: Analysis, out: Path) -> list[str]:
+    """Distinct experts per decoder (a plot; its rows are in decoders.csv already)."""
+    if not plot_decoders(an, out / "decoders.png"):
+        return []
+    return [f"\n## Distinct experts per decoder ({an.plan.workloads[0]}, "
+            f"{an.plan.tau_rate:g} req/s)\n", "![decoders](decoders.png)\n"]
+
+
+# report order; the names are results.json's keys
+SECTIONS = (("headline", _headline_section), ("tau", _tau_section), ("pool", _pool_section),
+            ("vanilla", _vanilla_section), ("prefix", _prefix_section), ("ep", _ep_section),
+            ("grid", _grid_section), ("tiny", _tiny_section))
