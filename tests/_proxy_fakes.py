@@ -325,8 +325,10 @@ class FakeEngine:
 @contextlib.asynccontextmanager
 async def cluster(*, num_prefill: int = 1, num_decode: int = 2, policy: str = "eldr",
                   tau: float = 0.0, state_kw: dict | None = None, engine_kw: dict | None = None,
-                  **config_kw):
-    """Fake engines + a router in front; yields (router, client, prefills, decoders)."""
+                  share=None, **config_kw):
+    """Fake engines + a router in front; yields (router, client, prefills, decoders).
+    ``share``: a :class:`~eldr.proxy.workers.sharedpool.WorkerShare` (the router is then
+    one worker of ``--workers N``)."""
     from aiohttp.test_utils import TestClient
 
     prefills = [await FakeEngine(f"p{i}", **(engine_kw or {})).start()
@@ -341,7 +343,8 @@ async def cluster(*, num_prefill: int = 1, num_decode: int = 2, policy: str = "e
                          decode_urls=tuple(e.url for e in decoders), policy=policy,
                          **settings)
     names = tuple(["w-code", "w-other", "w-2", "w-3"][:num_decode])
-    router = Router(config, state=make_state(config, tau=tau, names=names, **(state_kw or {})))
+    router = Router(config, state=make_state(config, tau=tau, names=names, **(state_kw or {})),
+                    share=share)
     server = TestServer(router.make_app(), port=0, handler_cancellation=True)
     client = TestClient(server)
     await client.start_server()

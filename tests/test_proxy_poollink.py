@@ -10,7 +10,12 @@ import numpy as np
 from _proxy_fakes import FakeEngine, cluster, run
 from eldr.proxy.workers import supervisor as workers
 from eldr.proxy.workers.poollink import PoolLink
-from eldr.proxy.workers.sharedpool import PoolJournal, SharedLoads, SharedLoadTracker
+from eldr.proxy.workers.sharedpool import (
+    PoolJournal,
+    SharedLoads,
+    SharedLoadTracker,
+    WorkerShare,
+)
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -58,19 +63,19 @@ class _FakeParent:
         await self.link.stop()
 
 
-def _shared(monkeypatch, slots=(0, 1)) -> SharedLoads:
-    table = SharedLoads(2, 4)
-    monkeypatch.setattr(workers, "_current", (table, 0, list(slots)))
-    return table
+def _shared(slots=(0, 1)) -> WorkerShare:
+    """Row 0 of a two-worker load table with four slots."""
+    return WorkerShare(SharedLoads(2, 4), 0, tuple(slots))
 
 
-def test_changes_apply_through_the_journal_with_their_slots(monkeypatch):
-    table = _shared(monkeypatch)
+def test_changes_apply_through_the_journal_with_their_slots():
+    share = _shared()
 
     async def go():
-        async with cluster(policy="eldr", admin_token=TOKEN) as (router, client, _p, _d):
+        async with cluster(policy="eldr", admin_token=TOKEN, share=share) as (
+                router, client, _p, _d):
             assert isinstance(router.pool.tracker, SharedLoadTracker)
-            fake = _FakeParent(router, table)
+            fake = _FakeParent(router, share.loads)
             await fake.start()
             extra = await FakeEngine("d2").start()
             try:
@@ -86,7 +91,7 @@ def test_changes_apply_through_the_journal_with_their_slots(monkeypatch):
                 centroids = router.state.policy.centroids.copy()
                 r = await client.post("/v1/completions", json={"model": "tiny",
                                                                "prompt": "write code x"})
-                table_after = table.in_flight.copy()
+                table_after = share.loads.in_flight.copy()
                 gone = await client.delete("/admin/decoders/w-code?wait=true", headers=AUTH)
                 slots_gone = list(router.pool.tracker.slots)
                 unknown = (await client.delete("/admin/decoders/zz", headers=AUTH)).status
@@ -111,13 +116,14 @@ def test_changes_apply_through_the_journal_with_their_slots(monkeypatch):
     assert last == 202  # w-new still takes requests: w-other may drain
 
 
-def test_a_reload_waits_for_earlier_drains_here(monkeypatch):
-    table = _shared(monkeypatch)
+def test_a_reload_waits_for_earlier_drains_here():
+    share = _shared()
 
     async def go():
-        async with cluster(policy="jsq", admin_token=TOKEN, engine_kw={"tokens": 10}) as (
+        async with cluster(policy="jsq", admin_token=TOKEN, engine_kw={"tokens": 10},
+                           share=share) as (
                 router, client, _p, decoders):
-            fake = _FakeParent(router, table)
+            fake = _FakeParent(router, share.loads)
             await fake.start()
             try:
                 decoders[0].mode = "slow"  # 10 tokens 50 ms apart at w-code
@@ -143,12 +149,12 @@ def test_a_reload_waits_for_earlier_drains_here(monkeypatch):
     assert journal.entries == []  # the confirmed reload is the new base
 
 
-def test_replay_rebuilds_the_pool_of_a_restarted_worker(monkeypatch):
-    table = _shared(monkeypatch)
+def test_replay_rebuilds_the_pool_of_a_restarted_worker():
+    share = _shared()
 
     async def go():
-        async with cluster(policy="round_robin", admin_token=TOKEN) as (router, _client, _p,
-                                                                       _d):
+        async with cluster(policy="round_robin", admin_token=TOKEN, share=share) as (
+                router, _client, _p, _d):
             link = PoolLink(router, socket.socketpair()[1], 0, router.reload)
             link.replay([
                 {"seq": 1, "op": "add", "name": "x", "url": "http://127.0.0.1:9", "slot": 3,
@@ -163,15 +169,15 @@ def test_replay_rebuilds_the_pool_of_a_restarted_worker(monkeypatch):
 
     names, slots, ids, k = run(go())
     assert names == ids == ("w-other", "x") and slots == [1, 3] and k == 2
-    del table
 
 
-def test_a_removal_that_fails_in_a_worker_answers_500_and_keeps_the_slot(monkeypatch):
-    table = _shared(monkeypatch)
+def test_a_removal_that_fails_in_a_worker_answers_500_and_keeps_the_slot():
+    share = _shared()
 
     async def go():
-        async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, _d):
-            fake = _FakeParent(router, table)
+        async with cluster(policy="jsq", admin_token=TOKEN, share=share) as (
+                router, client, _p, _d):
+            fake = _FakeParent(router, share.loads)
             await fake.start()
             try:
                 def broken(worker):

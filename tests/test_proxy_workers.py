@@ -16,43 +16,38 @@ import pytest
 
 from _proxy_fakes import FakeEngine
 from eldr.proxy.workers import supervisor as workers
-from eldr.proxy.workers.sharedpool import SharedLoads, SharedLoadTracker
-from eldr.proxy.workers.supervisor import make_tracker, reserve_port
-from eldr.routing.loads import LoadTracker
+from eldr.proxy.workers.sharedpool import SharedLoads, SharedLoadTracker, WorkerShare
+from eldr.proxy.workers.supervisor import reserve_port
 
 
-def test_make_guards_are_private_outside_workers_and_shared_inside(monkeypatch):
+def test_guards_are_private_outside_workers_and_shared_inside():
     from eldr.proxy.config import ServeConfig
-    from eldr.proxy.request.containment import body_digest
+    from eldr.proxy.request.containment import GuardBuffers, body_digest, make_guards
 
     config = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
                          policy="jsq", retry_budget_ratio=1.0, retry_budget_min=0.0)
-    one, _ = workers.make_guards(config)
-    two, _ = workers.make_guards(config)
+    one, _ = make_guards(config)
+    two, _ = make_guards(config)
     one.add(body_digest(b"x"))
     assert two.seconds_left(body_digest(b"x")) is None  # one process: its own list
-    buffers = workers.guard_buffers(config, 2)  # made before fork in run_workers
-    guards = []
-    for row in (0, 1):
-        monkeypatch.setattr(workers, "_current", (SharedLoads(2, 2), row, [0]))
-        monkeypatch.setattr(workers, "_guards", buffers)
-        guards.append(workers.make_guards(config))
-    (poison0, budget0), (poison1, budget1) = guards
+    buffers = GuardBuffers.allocate(config, 2)  # made before fork in run_workers
+    (poison0, budget0), (poison1, budget1) = (make_guards(config, buffers, row)
+                                              for row in (0, 1))
     poison0.add(body_digest(b"y"))
     assert poison1.seconds_left(body_digest(b"y")) is not None
     budget0.on_request()  # one request in worker 0 allows one retry, taken by worker 1
     assert budget1.try_retry() and not budget0.try_retry()
 
 
-def test_make_tracker_is_local_outside_workers(monkeypatch):
-    assert type(make_tracker(2)) is LoadTracker
+def test_a_workers_tracker_writes_its_row_at_its_slots():
     table = SharedLoads(2, 4)
-    monkeypatch.setattr(workers, "_current", (table, 1, [2, 0]))
-    assert workers.current_row() == 1
-    t = make_tracker(2)
+    share = WorkerShare(table, 1, (2, 0))
+    t = share.tracker(2)
     assert isinstance(t, SharedLoadTracker)
     t.on_dispatch(0)
     assert np.array_equal(table.in_flight, [[0, 0, 0, 0], [0, 0, 1, 0]])
+    with pytest.raises(ValueError, match="does not match"):
+        share.tracker(3)
 
 
 def test_reserve_port_lets_workers_bind_the_same_port():
@@ -71,7 +66,7 @@ def test_workers_that_cannot_start_stop_the_parent_with_status_1():
     config = ServeConfig(prefill_urls=("http://127.0.0.1:9",), decode_urls=(
         "http://127.0.0.1:9",), policy="jsq", port=0, workers=2)
 
-    def broken_router(cfg, row):
+    def broken_router(cfg, share):
         raise ValueError("no artifact here")
 
     async def never(router, **kw):  # pragma: no cover - the router never gets built

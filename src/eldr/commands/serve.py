@@ -263,9 +263,9 @@ def run(args: argparse.Namespace) -> int:
                              f"decoders given at least), got {slots}")
         del router
 
-        def make_router(cfg, row):
-            worker = Router(cfg)
-            learning.attach(worker, learn, row)  # worker 0 learns, the others forward
+        def make_router(cfg, share):
+            worker = Router(cfg, share=share)  # the shared loads and guards of its row
+            learning.attach(worker, learn, share.row)  # worker 0 learns, the others forward
             return worker
 
         return run_workers(config, make_router, serve, names=names, capacity=slots)

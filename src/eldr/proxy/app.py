@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from eldr.proxy.bodies import parse_body
 from eldr.proxy.config import ServeConfig
@@ -35,6 +36,11 @@ from eldr.proxy.control.admin import AdminRoutes, FailedAttempts
 from eldr.proxy.control.elastic import ElasticPool
 from eldr.proxy.control.learn_admin import LearnAdmin
 from eldr.proxy.engines.upstream import UpstreamPool, make_session
+from eldr.proxy.request.containment import make_guards
+from eldr.routing.loads import LoadTracker
+
+if TYPE_CHECKING:
+    from eldr.proxy.workers.sharedpool import WorkerShare
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.request.affinity import PrefixAffinity
@@ -63,13 +69,18 @@ class Router(AdminRoutes):
 
     ``Router(config)`` loads the artifact (raising ``ValueError`` for a bad one, before any
     socket is opened); ``make_app()`` returns the aiohttp application; the HTTP client
-    session and the health checks start with the app and stop with it.
+    session and the health checks start with the app and stop with it. ``share``: what a
+    worker of ``--workers N`` shares with the others (its pool's loads, its guards' memory);
+    None: a router of its own.
     """
 
-    def __init__(self, config: ServeConfig, state: RoutingState | None = None) -> None:
+    def __init__(self, config: ServeConfig, state: RoutingState | None = None, *,
+                 share: WorkerShare | None = None) -> None:
         self.config = config
         self.state: RoutingState = state if state is not None else build_state(config)
-        self.pool = UpstreamPool(config, list(self.state.worker_names))
+        names = list(self.state.worker_names)
+        tracker = LoadTracker(len(names)) if share is None else share.tracker(len(names))
+        self.pool = UpstreamPool(config, names, tracker=tracker)
         self.affinity = PrefixAffinity(
             len(config.prefill_urls), block_chars=config.affinity_block_chars,
             max_blocks=config.affinity_max_blocks, capacity=config.affinity_capacity,
@@ -77,7 +88,9 @@ class Router(AdminRoutes):
         self.pool.on_recover = self._on_recover
         self.pool.footprints.policy_of = lambda: self.state.policy  # reloads replace it
         self.metrics = RouterMetrics(self.pool)
-        self.flow = RequestFlow(self)
+        guards = make_guards(config) if share is None else \
+            make_guards(config, share.guards, share.row)
+        self.flow = RequestFlow(self, *guards)
         self.forwarder = Forwarder(self)
         self.session = None
         self._reload_lock = asyncio.Lock()

@@ -37,7 +37,7 @@ from eldr.proxy.config import ServeConfig
 from eldr.proxy.engines.breaker import CircuitBreaker
 from eldr.proxy.engines.footprints import FootprintReader
 from eldr.proxy.metrics import parse_samples
-from eldr.proxy.workers.supervisor import make_tracker
+from eldr.routing.loads import LoadTracker
 
 __all__ = ["ENGINE_LOAD_METRICS", "Instance", "UpstreamPool", "error_kind", "make_session"]
 
@@ -126,14 +126,16 @@ def error_kind(exc: BaseException) -> str:
 class UpstreamPool:
     """Prefill and decode instances, health checks, load scraping, served models."""
 
-    def __init__(self, config: ServeConfig, decode_names: list[str]) -> None:
+    def __init__(self, config: ServeConfig, decode_names: list[str], *,
+                 tracker: LoadTracker | None = None) -> None:
         self.config = config
         self.prefill = [Instance("prefill", i, u, f"prefill-{i}")
                         for i, u in enumerate(config.prefill_urls)]
         self.decode = [self._decoder(k, u, decode_names[k])
                        for k, u in enumerate(config.decode_urls)]
-        # decode loads + health, for policies (shared by the workers of --workers N)
-        self.tracker = make_tracker(len(self.decode))
+        # decode loads + health, for policies (shared by the workers of --workers N: a
+        # SharedLoadTracker given by the router's builder)
+        self.tracker = LoadTracker(len(self.decode)) if tracker is None else tracker
         self.prefill_loads = np.zeros(len(self.prefill))  # (P,) in-flight prefills
         self.prefill_healthy = np.ones(len(self.prefill), dtype=bool)  # (P,)
         self.on_recover = None  # callback(instance) when an instance comes back

@@ -29,11 +29,16 @@ import hashlib
 import mmap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["POISON_BODY_DEATHS", "POISON_DEATHS", "PoisonList", "RetryBudget", "Strikes",
-           "body_digest", "shared_buffer"]
+if TYPE_CHECKING:
+    from eldr.proxy.config import ServeConfig
+
+__all__ = ["POISON_BODY_DEATHS", "POISON_DEATHS", "GuardBuffers", "PoisonList", "RetryBudget",
+           "Strikes", "body_digest", "make_guards", "shared_buffer"]
 
 POISON_DEATHS = 2  # engines one request may see die: at the second it is poison
 # deaths a body may see over several requests (resends) before it is refused: one more than
@@ -204,3 +209,34 @@ class Strikes:
         self.digest = digest  # body_digest of its body
         self.deaths: list[str] = []  # "role name (kind)" of each engine that died
         self.budget_refused = False
+
+
+@dataclass(frozen=True, slots=True)
+class GuardBuffers:
+    """The memory of one poison list and one retry budget shared by ``rows`` workers
+    (``eldr serve --workers N``): made before ``fork``, so every worker maps the same
+    pages; each worker's :func:`make_guards` lays its list and budget over them."""
+
+    poison: mmap.mmap  # PoisonList.nbytes(config.poison_capacity) zeroed bytes
+    budget: mmap.mmap  # RetryBudget.nbytes(rows, config.retry_budget_window) zeroed bytes
+    rows: int  # workers sharing them, each writing its own row of the budget
+
+    @classmethod
+    def allocate(cls, config: ServeConfig, rows: int) -> GuardBuffers:
+        return cls(shared_buffer(PoisonList.nbytes(config.poison_capacity)),
+                   shared_buffer(RetryBudget.nbytes(rows, config.retry_budget_window)), rows)
+
+
+def make_guards(config: ServeConfig, shared: GuardBuffers | None = None,
+                row: int = 0) -> tuple[PoisonList, RetryBudget]:
+    """The poison list and retry budget of one router (docs/failures.md): over ``shared``
+    memory as worker ``row`` of ``--workers N``, else this process's own."""
+    poison = PoisonList(capacity=config.poison_capacity, ttl=config.poison_ttl,
+                        buffer=None if shared is None else shared.poison)
+    budget = RetryBudget(ratio=config.retry_budget_ratio,
+                         min_per_second=config.retry_budget_min,
+                         window=config.retry_budget_window,
+                         rows=1 if shared is None else shared.rows,
+                         row=0 if shared is None else row,
+                         buffer=None if shared is None else shared.budget)
+    return poison, budget

@@ -45,7 +45,14 @@ from eldr.capture.decode import REPORT_KEY
 from eldr.proxy.bodies import ByteBudget, json_object, prompt_token_bound, read_upto
 from eldr.proxy.engines.upstream import Instance, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply
-from eldr.proxy.request.containment import POISON_BODY_DEATHS, POISON_DEATHS, Strikes, body_digest
+from eldr.proxy.request.containment import (
+    POISON_BODY_DEATHS,
+    POISON_DEATHS,
+    PoisonList,
+    RetryBudget,
+    Strikes,
+    body_digest,
+)
 from eldr.proxy.request.decision import RoutingState
 from eldr.proxy.request.decodepayload import decode_report
 from eldr.proxy.request.relay import ERROR_BODY_LIMIT, DecodeRelay, RetryDecode, is_stream_done
@@ -56,7 +63,6 @@ from eldr.proxy.request.signatures import (
     read_inputs,
     split_kv_params,
 )
-from eldr.proxy.workers.supervisor import make_guards
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
 __all__ = ["RequestFlow", "prompt_key"]
@@ -108,7 +114,7 @@ def prompt_key(body: dict, kind: str) -> bytes:
 class RequestFlow(DecodeRelay):
     """Runs the PD flow for the router (``router`` gives config, pool, state, metrics)."""
 
-    def __init__(self, router) -> None:
+    def __init__(self, router, poison: PoisonList, retry_budget: RetryBudget) -> None:
         self.router = router
         self.config = router.config
         self.pool = router.pool
@@ -118,7 +124,7 @@ class RequestFlow(DecodeRelay):
         self._background: set[asyncio.Task] = set()  # KV releases in flight
         self._id_count = itertools.count()
         # bodies that killed engines, and retries of all requests (shared by --workers N)
-        self.poison, self.retry_budget = make_guards(self.config)
+        self.poison, self.retry_budget = poison, retry_budget
         self._deaths_seen: collections.deque = collections.deque(maxlen=64)  # death events
 
     def _new_id(self) -> str:

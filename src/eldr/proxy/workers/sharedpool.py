@@ -19,12 +19,14 @@ Two parts, both free of I/O so they can be tested without processes:
 from __future__ import annotations
 
 import mmap
+from dataclasses import dataclass
 
 import numpy as np
 
+from eldr.proxy.request.containment import GuardBuffers
 from eldr.routing.loads import LoadTracker
 
-__all__ = ["PoolJournal", "PoolRefused", "SharedLoadTracker", "SharedLoads",
+__all__ = ["PoolJournal", "PoolRefused", "SharedLoadTracker", "SharedLoads", "WorkerShare",
            "default_capacity"]
 
 
@@ -130,6 +132,26 @@ class SharedLoadTracker(LoadTracker):
         t.at_report[s] = float(t.in_flight[:, s].sum())
         t.reported[s] = load
         t.has_report[s] = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShare:
+    """What worker ``row`` of ``--workers N`` shares with the others, handed to the router
+    it builds (``Router(config, share=...)``): the load table its pool's tracker reads and
+    writes, and the memory of the poison list and retry budget of its request flow."""
+
+    loads: SharedLoads  # the (N, C) in-flight table and engine reports of every worker
+    row: int  # this worker's row of ``loads`` and of the retry budget
+    slots: tuple[int, ...]  # (K,) the slot of each decoder of its start-up pool, in order
+    guards: GuardBuffers | None = None  # shared guard memory (None: the router's own)
+
+    def tracker(self, num_decoders: int) -> SharedLoadTracker:
+        """The pool's tracker over this worker's row and slots (``num_decoders`` of them:
+        a pool that does not match its slots is refused)."""
+        if len(self.slots) != num_decoders:
+            raise ValueError(f"a worker's pool of {num_decoders} decoders does not match its "
+                             f"{len(self.slots)} shared load slots")
+        return SharedLoadTracker(self.loads, self.row, list(self.slots))
 
 
 class PoolRefused(ValueError):

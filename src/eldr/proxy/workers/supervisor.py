@@ -58,65 +58,22 @@ import socket
 import sys
 import time
 
-from eldr.proxy.request.containment import PoisonList, RetryBudget, shared_buffer
+from eldr.proxy.request.containment import GuardBuffers
 from eldr.proxy.workers.sharedpool import (
     PoolJournal,
     PoolRefused,
     SharedLoads,
-    SharedLoadTracker,
+    WorkerShare,
     default_capacity,
 )
-from eldr.routing.loads import LoadTracker
 
-__all__ = ["SharedLoadTracker", "SharedLoads", "guard_buffers", "make_guards", "make_tracker",
-           "reserve_port", "run_workers"]
+__all__ = ["reserve_port", "run_workers"]
 
 log = logging.getLogger("eldr.serve")
 
-# (table, this worker's row, its decoders' slots) in a worker
-_current: tuple[SharedLoads, int, list[int]] | None = None
-# (poison list memory, retry budget memory, workers) shared by the workers (guard_buffers)
-_guards: tuple | None = None
 _MIN_LIFETIME = 5.0  # seconds: a worker ending sooner cannot start (port, artifact): stop
 _MAX_LINE = 16 << 20  # bytes of one message from a worker
 _MAX_FORWARD = 8 << 20  # bytes of learn records queued for the learner before dropping
-
-
-def current_row() -> int | None:
-    """This process's worker row inside ``run_workers`` (None elsewhere)."""
-    return None if _current is None else _current[1]
-
-
-def make_tracker(num_decoders: int) -> LoadTracker:
-    """The pool's tracker: shared across workers inside ``run_workers``, else local."""
-    if _current is None:
-        return LoadTracker(num_decoders)
-    if len(_current[2]) != num_decoders:
-        raise ValueError(f"a worker's pool of {num_decoders} decoders does not match its "
-                         f"{len(_current[2])} shared load slots")
-    return SharedLoadTracker(*_current)
-
-
-def guard_buffers(config, num_workers: int) -> tuple:
-    """Shared memory for the poison list and the retry budget of ``num_workers`` workers
-    (made before ``fork``; :func:`make_guards` reads it in each worker)."""
-    return (shared_buffer(PoisonList.nbytes(config.poison_capacity)),
-            shared_buffer(RetryBudget.nbytes(num_workers, config.retry_budget_window)),
-            num_workers)
-
-
-def make_guards(config) -> tuple[PoisonList, RetryBudget]:
-    """The poison list and retry budget of the flow (docs/failures.md): shared by every
-    worker inside ``run_workers``, else this process's own."""
-    poison_buf, budget_buf, rows = (None, None, 1) if _guards is None else _guards
-    row = 0 if _current is None or _guards is None else _current[1]
-    poison = PoisonList(capacity=config.poison_capacity, ttl=config.poison_ttl,
-                        buffer=poison_buf)
-    budget = RetryBudget(ratio=config.retry_budget_ratio,
-                         min_per_second=config.retry_budget_min,
-                         window=config.retry_budget_window, rows=rows, row=row,
-                         buffer=budget_buf)
-    return poison, budget
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -237,8 +194,9 @@ def run_workers(config, make_router, serve, *, ready=None, names=None,
                 capacity: int | None = None) -> int:
     """Run ``config.workers`` router processes on ``config.host:config.port``; returns the
     exit status when stopped (0 after SIGTERM/SIGINT, 1 when a worker could not start).
-    ``make_router(config, row)`` builds one worker's :class:`~eldr.proxy.app.Router`
-    (called in each worker, after ``fork``); ``serve`` is
+    ``make_router(config, share)`` builds one worker's :class:`~eldr.proxy.app.Router`
+    (called in each worker, after ``fork``; ``share``: the worker's
+    :class:`~eldr.proxy.workers.sharedpool.WorkerShare`, its row and shared memory); ``serve`` is
     :func:`eldr.commands.serve.serve`; ``ready(port)`` is called in the parent once the
     port is known. ``names``: the decoders' names (default: ``config.decode_ids``, else
     ``decode-K``); ``capacity``: decoder slots (default ``max(2K, K + 16)``)."""
@@ -248,7 +206,7 @@ def run_workers(config, make_router, serve, *, ready=None, names=None,
     names = list(names or config.decode_ids or (f"decode-{i}" for i in range(k)))
     capacity = default_capacity(k) if capacity is None else capacity
     table = SharedLoads(n, capacity)
-    guards = guard_buffers(config, n)
+    guards = GuardBuffers.allocate(config, n)
     journal = PoolJournal(names, config.decode_urls, capacity, config.artifact, table)
     holder, port = reserve_port(config.host, config.port)
     wake_r, wake_w = os.pipe()
@@ -287,9 +245,9 @@ def run_workers(config, make_router, serve, *, ready=None, names=None,
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve handles it
-                status = _worker_main(make_router, serve, cfg, table, row,
-                                      list(base["slots"]), list(journal.entries), port,
-                                      theirs, guards)
+                share = WorkerShare(table, row, tuple(base["slots"]), guards)
+                status = _worker_main(make_router, serve, cfg, share,
+                                      list(journal.entries), port, theirs)
             except BaseException:  # a worker must never return into the parent's loop
                 log.exception("worker %d failed", row)
             finally:
@@ -381,9 +339,8 @@ def _signal_all(children: dict[int, _Child], sig: int) -> None:
                 raise
 
 
-def _worker_main(make_router, serve, config, table: SharedLoads, row: int,
-                 slots: list[int], entries: list[dict], port: int, sock,
-                 guards: tuple | None = None) -> int:
+def _worker_main(make_router, serve, config, share: WorkerShare, entries: list[dict],
+                 port: int, sock) -> int:
     """One worker: its router (from the journal's base, then its entries replayed), its
     own listening socket, its link to the parent."""
     import asyncio
@@ -391,11 +348,8 @@ def _worker_main(make_router, serve, config, table: SharedLoads, row: int,
     from eldr.proxy.control.learning import attach_link
     from eldr.proxy.workers.poollink import PoolLink
 
-    global _current, _guards
-    _current = (table, row, slots)
-    _guards = guards
-    router = make_router(config, row)  # its pool's tracker is the shared one (make_tracker)
-    link = PoolLink(router, sock, row, router.reload)
+    router = make_router(config, share)  # its pool's tracker is the shared one
+    link = PoolLink(router, sock, share.row, router.reload)
     link.replay(entries)
     attach_link(router, link)  # --learn: worker 0 learns, the others forward to it
     router.reload = link.reload  # what the admin API and a learner's swap call
