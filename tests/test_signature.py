@@ -148,3 +148,53 @@ def test_state_round_trip(toy_trace):
     bad["idf"] = bad["idf"][:, :3]
     with pytest.raises(ValueError, match="idf has shape"):
         SignatureEncoder.from_state(bad)
+
+
+@pytest.mark.parametrize("representation", ["count", "count_idf", "sqrt_count", "binary"])
+def test_transform_one_equals_transform_bit_for_bit(representation):
+    """The router's per-request path: random counts (int32, int64, uint16, zeros, a
+    zero-IDF expert) against the batch transform, on random layer masks."""
+    rng = np.random.default_rng(7)
+    trace = make_trace(60, 6, 16, 2, seed=3)
+    for trial in range(20):
+        layers = sorted(rng.choice(6, size=int(rng.integers(1, 7)), replace=False).tolist())
+        enc = SignatureEncoder(representation=representation, layers=layers).fit(trace)
+        for dtype in (np.int32, np.int64, np.uint16):
+            counts = rng.integers(0, 9, size=(6, 16)).astype(dtype)
+            counts[:, rng.integers(16)] = 0
+            if trial % 5 == 0:
+                counts[layers] = 0  # nothing selected on the mask: the zero row
+            got, want = enc.transform_one(counts), enc.transform(counts)
+            assert got.dtype == np.float32 and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+
+
+def test_transform_one_falls_back_and_fails_like_transform():
+    trace = make_trace(40, 4, 16, 2, seed=1)
+    enc = SignatureEncoder(layers=[1, 3]).fit(trace)
+    floats = np.random.default_rng(0).random((4, 16))
+    np.testing.assert_array_equal(enc.transform_one(floats), enc.transform(floats))
+    with pytest.raises(ValueError, match="negative"):
+        enc.transform_one(np.full((4, 16), -1, dtype=np.int32))  # also outside the mask
+    bad = np.zeros((4, 16), dtype=np.int32)
+    bad[0, 0] = -1  # layer 0 is not in the mask: refused all the same, as transform does
+    with pytest.raises(ValueError, match="negative"):
+        enc.transform_one(bad)
+    with pytest.raises(ValueError, match=r"fitted for \(L, E\) = \(4, 16\)"):
+        enc.transform_one(np.zeros((5, 16), dtype=np.int32))
+    with pytest.raises(ValueError, match="not fitted"):
+        SignatureEncoder().transform_one(np.zeros((4, 16), dtype=np.int32))
+    gate = SignatureEncoder(representation="gate_prob", layers=[0, 2]).fit(make_trace(40, 4, 16, 2))
+    raw = np.random.default_rng(1).random((4, 16))
+    np.testing.assert_array_equal(gate.transform_one(raw), gate.transform(raw))
+
+
+def test_transform_one_follows_a_refit_and_a_restored_state():
+    enc = SignatureEncoder(layers=[0, 1]).fit(make_trace(40, 4, 16, 2, seed=1))
+    counts = np.random.default_rng(2).integers(0, 5, size=(4, 16)).astype(np.int32)
+    enc.transform_one(counts)  # builds the direct path for the first fit
+    enc.layers = [2, 3]
+    enc.fit(make_trace(40, 4, 16, 2, seed=2))
+    np.testing.assert_array_equal(enc.transform_one(counts), enc.transform(counts))
+    back = SignatureEncoder.from_state(enc.state())
+    np.testing.assert_array_equal(back.transform_one(counts), enc.transform(counts))

@@ -284,6 +284,59 @@ class SignatureEncoder:
         out = self._normalise(self._features(raw, self.idf_))
         return out[0] if single else out
 
+    def transform_one(self, counts: np.ndarray) -> np.ndarray:
+        """(|S|·E,) float32 signature of one request's (L, E) counts: ``transform(counts)``,
+        bit for bit, at a fifth of its cost — the router encodes every prompt with it.
+
+        Integer counts of a count representation take a direct path: only the mask's
+        layers are transformed (the representations are elementwise, the norm is taken
+        over the mask), in the same float64 arithmetic as :meth:`transform` (the same
+        einsum for the norm), without its generic checks and copies; about 8 µs instead
+        of 40 µs for a 48 × 128 model and a 16-layer mask. Anything else (float input, the
+        gate representations, a wrong shape) goes through :meth:`transform`, and so do its
+        errors: negative counts anywhere raise ``ValueError`` either way.
+        """
+        direct = self._direct_path()
+        if type(counts) is not np.ndarray or counts.dtype.kind not in "iu" \
+                or direct is None or counts.shape != direct[2]:
+            return self.transform(counts)
+        layers, idf, _, _ = direct
+        if counts.dtype.kind == "i" and counts.min() < 0:
+            raise ValueError("signature input contains negative counts")
+        x = counts[layers]
+        rep = self.representation
+        if rep == "count_idf":
+            feats = x * idf
+        elif rep == "sqrt_count":
+            feats = np.sqrt(x, dtype=np.float64)
+        elif rep == "binary":
+            feats = (x > 0).astype(np.float64)
+        else:
+            feats = x.astype(np.float64)
+        flat = feats.reshape(1, -1)
+        norm = np.sqrt(np.einsum("ij,ij->i", flat, flat))[0]
+        if not norm > 0:
+            return np.zeros(flat.shape[1], dtype=np.float32)
+        return (flat[0] / norm).astype(np.float32)
+
+    def _direct_path(self) -> tuple | None:
+        """(layers (|S|,) intp, idf[layers] (|S|, E) float64, (L, E), the state it was made
+        from) for :meth:`transform_one`, or None for a gate representation. Made once per
+        fitted state: a refit or :meth:`from_state` replaces ``idf_`` and ``layers_``, and
+        the identity check below notices it."""
+        cached = self.__dict__.get("_direct")
+        if cached is not None and cached[3][0] is self.idf_ and cached[3][1] is self.layers_ \
+                and cached[3][2] == self.representation:
+            return cached
+        self._check_fitted()
+        if self.representation in _GATE_INPUT:
+            return None
+        layers = np.asarray(self.layers_, dtype=np.intp)
+        idf = np.asarray(self.idf_, dtype=np.float64)[layers]
+        self._direct = (layers, idf, (int(self.num_layers_), int(self.num_experts_)),
+                        (self.idf_, self.layers_, self.representation))
+        return self._direct
+
     def fit_transform(self, trace: Trace, y=None) -> np.ndarray:
         return self.fit(trace).transform(trace)
 
