@@ -38,3 +38,32 @@ def test_predictor_validates(trace):
     p = ProfilePredictor().fit(trace)
     with pytest.raises(ValueError, match="shape"):
         p.predict(np.zeros((2, 2)), 3)
+
+
+def test_shrink_is_the_one_formula_with_the_prefill_profile_clipped_at_one():
+    from eldr.fit.predictor import shrink
+
+    mean = np.full((2, 3), 0.25, dtype=np.float32)
+    pre = np.array([[0.0, 0.5, 1.0], [1.5, 3.0, 0.2]], dtype=np.float32)
+    got = shrink(pre, 0.2, mean)
+    want = np.float32(0.8) * np.minimum(pre, np.float32(1)) + np.float32(0.2) * mean
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.float32 and got.max() <= 1.0  # a mix of two probabilities
+    np.testing.assert_array_equal(shrink(pre, 0.0, mean), np.minimum(pre, 1))  # α = 0
+    np.testing.assert_array_equal(shrink(pre, 0.3, None), np.minimum(pre, 1))  # no mean
+    many = np.stack([pre, pre / 2])
+    np.testing.assert_array_equal(shrink(many, 0.2, mean)[0], got)  # (R, L, E) alike
+
+
+def test_the_clip_only_acts_on_counts_the_tokens_cannot_hold(trace):
+    p = ProfilePredictor().fit(trace)
+    counts = trace.prefill_counts[0]
+    n = int(trace.prompt_lens[0])
+    assert (counts <= n).all()  # a consistent request: nothing to clip
+    raw = (1 - p.alpha_) * (counts.astype(np.float32) / n) + p.alpha_ * p.mean_
+    np.testing.assert_allclose(p.predict(counts, n), raw, rtol=1e-6)
+    over = p.predict(counts, 1)  # one token reported for the whole prompt's counts
+    assert over.max() <= 1.0
+    np.testing.assert_array_equal(over[counts > 0],
+                                  (np.float32(1 - p.alpha_) + np.float32(p.alpha_)
+                                   * p.mean_)[counts > 0])

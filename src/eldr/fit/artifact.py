@@ -45,6 +45,7 @@ from eldr.fit._artifact_io import (  # noqa: F401  (re-exported: the reader move
     _get,
     _read_arrays,
 )
+from eldr.fit.predictor import shrink
 from eldr.fit.signature import SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
 
@@ -78,11 +79,8 @@ class RoutingArtifact:
         """(L, E) float32 per-token profile of prefill ``counts`` (L, E) for the cost
         policy: the fitted shrinkage, or ``counts / prompt_len`` without one."""
         c = np.asarray(counts, dtype=np.float32)
-        pre = np.minimum(c / np.float32(max(int(prompt_len), 1)), np.float32(1.0))
-        if self.profile_alpha is None or self.profile_mean is None or not self.profile_alpha:
-            return pre
-        a = np.float32(self.profile_alpha)
-        return (1 - a) * pre + a * self.profile_mean
+        return shrink(c / np.float32(max(int(prompt_len), 1)), self.profile_alpha or 0.0,
+                      self.profile_mean)
 
     @property
     def num_workers(self) -> int:
@@ -175,12 +173,10 @@ def fit_artifact(
                         random_state=random_state).fit(X)
     if on_stage:
         on_stage("profile predictor and cluster profiles (cost policy)")
-    from eldr.fit.predictor import ProfilePredictor, decoder_profiles, prefill_profiles
+    from eldr.fit.predictor import ProfilePredictor, decoder_profiles
 
     predictor = ProfilePredictor(random_state=random_state).fit(trace)
-    a = np.float32(predictor.alpha_)
-    profiles = (1 - a) * prefill_profiles(trace) + a * predictor.mean_
-    cluster_profiles = decoder_profiles(profiles, km.labels_, len(ids))
+    cluster_profiles = decoder_profiles(predictor.predict_trace(trace), km.labels_, len(ids))
     t2 = time.perf_counter()
     sizes = np.bincount(km.labels_, minlength=len(ids))
     stats = {

@@ -6,13 +6,21 @@ decode token is to select each expert. With no calibration at all the prefill pr
 counts) :class:`ProfilePredictor` may shrink it toward the calibration's mean decode
 profile,
 
-    p̂ = (1 − α) · counts / prompt_len + α · mean_decode_profile,
+    p̂ = (1 − α) · min(counts / prompt_len, 1) + α · mean_decode_profile,
 
 which keeps every layer's row summing to ``k`` and helps when prompts are short (their
 profile is noisy) or when decode routing drifts from prefill routing. α is chosen on a
 held-out part of the calibration split by the mean squared error against the true
 per-token decode profile ``decode_counts / (output_len − 1)`` (α = 0 is the calibration-
 free predictor, so the fit can only choose shrinkage when it predicts better).
+
+:func:`shrink` is that formula, the one place it is written: the fit, the predictor, the
+artifact's ``predict_profile`` and the cluster profiles all call it. The prefill profile is
+clipped at 1 first because ``p`` is a probability: an expert is selected at most once per
+token, so ``counts ≤ prompt_len`` on every consistent trace and the clip changes nothing
+there; where the token count under-reports what the counts cover (a router dividing by
+the tokens a prefill reported) it keeps p̂ a mix of two probabilities, in [0, 1], as the
+calibration-free :func:`eldr.routing.prefill_profile` does.
 """
 
 from __future__ import annotations
@@ -21,7 +29,23 @@ import numpy as np
 
 from eldr.traces.trace import Trace
 
-__all__ = ["ProfilePredictor", "decode_profiles", "decoder_profiles", "prefill_profiles"]
+__all__ = ["ProfilePredictor", "decode_profiles", "decoder_profiles", "prefill_profiles",
+           "shrink"]
+
+
+def shrink(prefill: np.ndarray, alpha: float, mean: np.ndarray | None) -> np.ndarray:
+    """(..., L, E) float32 ``(1 − α) · min(prefill, 1) + α · mean`` (module docstring).
+
+    ``prefill``: per-token prefill profiles ``counts / tokens``, one (L, E) or many
+    (R, L, E); ``mean`` (L, E) the mean decode profile. α = 0 (or no ``mean``) returns the
+    clipped prefill profile itself. The arithmetic is float32 with α rounded to float32
+    once, so every caller gets the same bits for the same inputs.
+    """
+    pre = np.minimum(np.asarray(prefill, dtype=np.float32), np.float32(1.0))
+    if not alpha or mean is None:
+        return pre
+    a = np.float32(alpha)
+    return (1 - a) * pre + a * mean
 
 
 def prefill_profiles(trace: Trace) -> np.ndarray:
@@ -69,10 +93,11 @@ class ProfilePredictor:
         base = float(((dec[val] - mean) ** 2).sum(axis=(1, 2)).mean())
         self.errors_ = {}
         for a in self.alphas:
-            pred = (1 - a) * pre[val] + a * mean
+            pred = shrink(pre[val], a, mean)
             self.errors_[a] = float(((pred - dec[val]) ** 2).sum(axis=(1, 2)).mean())
         self.alpha_ = min(self.alphas, key=lambda a: (self.errors_[a], a))
-        err0 = self.errors_.get(0.0, float(((pre[val] - dec[val]) ** 2).sum(axis=(1, 2)).mean()))
+        err0 = self.errors_.get(
+            0.0, float(((shrink(pre[val], 0.0, None) - dec[val]) ** 2).sum(axis=(1, 2)).mean()))
         self.r2_ = 1.0 - self.errors_[self.alpha_] / base if base > 0 else 0.0
         self.r2_prefill_ = 1.0 - err0 / base if base > 0 else 0.0
         self.mean_ = dec.mean(axis=0).astype(np.float32)
@@ -85,10 +110,13 @@ class ProfilePredictor:
         c = np.asarray(counts, dtype=np.float32)
         if c.shape != self.mean_.shape:
             raise ValueError(f"counts have shape {c.shape}, expected {self.mean_.shape}")
-        pre = c / np.float32(max(int(prompt_len), 1))
-        if self.alpha_ == 0.0:
-            return pre
-        return (1 - self.alpha_) * pre + self.alpha_ * self.mean_
+        return shrink(c / np.float32(max(int(prompt_len), 1)), self.alpha_, self.mean_)
+
+    def predict_trace(self, trace: Trace) -> np.ndarray:
+        """(R, L, E) float32 predicted profiles of every request of ``trace``."""
+        if not hasattr(self, "alpha_"):
+            raise RuntimeError("ProfilePredictor is not fitted; call fit(trace) first")
+        return shrink(prefill_profiles(trace), self.alpha_, self.mean_)
 
     def summary(self) -> dict:
         """JSON-able: chosen α, held-out R² (chosen and prefill-only), errors per α."""

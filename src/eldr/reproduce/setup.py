@@ -113,13 +113,12 @@ class RoutingSetup:
         (p from the fitted predictor): the cost policy's picture of each decoder's usual
         requests, as :func:`eldr.fit.artifact.fit_artifact` stores it."""
         if K not in self._decoder_profiles:
-            from eldr.fit.predictor import decoder_profiles, prefill_profiles
+            from eldr.fit.predictor import decoder_profiles, prefill_profiles, shrink
 
             self.centroids(K, "balanced")
             profiles = prefill_profiles(self.calib)
             if self.predictor is not None:
-                a = np.float32(self.predictor.alpha_)
-                profiles = (1 - a) * profiles + a * self.predictor.mean_
+                profiles = shrink(profiles, self.predictor.alpha_, self.predictor.mean_)
             self._decoder_profiles[K] = decoder_profiles(profiles, self._labels[(K, "balanced")],
                                                          K)
         return self._decoder_profiles[K]
