@@ -214,6 +214,17 @@ def test_vanilla_and_fixed_layers(tmp_path):
     assert not back.balanced and isinstance(back.encoder, SignatureEncoder)
 
 
+def test_the_reader_does_not_import_the_artifact_module_back():
+    import ast
+    import inspect
+
+    from eldr.fit import _artifact_io
+
+    tree = ast.parse(inspect.getsource(_artifact_io))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "eldr.fit.artifact" not in imported and "eldr.fit" not in imported
+
+
 def test_fit_command_writes_a_loadable_artifact(tmp_path, capsys):
     path = tmp_path / "t.npz"
     save_trace(_trace(), path)

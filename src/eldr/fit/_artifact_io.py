@@ -1,30 +1,32 @@
 """Validating reader of routing artifacts, behind :func:`eldr.fit.artifact.load`.
 
-Split out of :mod:`eldr.fit.artifact` (which keeps the public API): the field getter,
-size caps, the worker-id and τ checks (shared with fitting), the array reader that
-checks each header before decompressing, and the document-to-artifact conversion with
-all its checks.
+Kept apart from :mod:`eldr.fit.artifact` (the record, the fit, save and load): the file
+names and size caps, the worker-id and τ checks (shared with fitting), the array reader
+that checks each header before decompressing, and the document's conversion, with all
+its checks, into the fields of a :class:`~eldr.fit.artifact.RoutingArtifact`. It knows
+nothing of that record: :func:`artifact_fields` returns its keyword arguments, and
+``load`` builds it, so the two modules import one way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from eldr.fileio import NpzReader, open_regular
 from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
 
-if TYPE_CHECKING:
-    from eldr.fit.artifact import RoutingArtifact
+__all__ = ["ARRAYS_FILE", "JSON_FILE", "MAX_ARRAYS_BYTES", "MAX_JSON_BYTES",
+           "artifact_fields", "check_tau", "check_worker_ids", "read_arrays"]
 
-_JSON = "artifact.json"
-_ARRAYS = "arrays.npz"
+JSON_FILE = "artifact.json"
+ARRAYS_FILE = "arrays.npz"
 _UNIT_TOL = 1e-3  # centroid norms must be 1 within this (float32 storage)
 
 
-def _check_worker_ids(ids: tuple[str, ...]) -> None:
+def check_worker_ids(ids: tuple[str, ...]) -> None:
     if not ids:
         raise ValueError("at least one decode worker id is needed")
     if any(not w or w != w.strip() for w in ids):
@@ -34,7 +36,7 @@ def _check_worker_ids(ids: tuple[str, ...]) -> None:
         raise ValueError(f"decode worker ids are not unique: {list(ids)}")
 
 
-def _check_tau(tau) -> float:
+def check_tau(tau) -> float:
     try:
         value = float(tau)
     except (TypeError, ValueError):
@@ -63,20 +65,20 @@ MAX_JSON_BYTES = 16 << 20  # artifact.json larger than this is refused unread
 MAX_ARRAYS_BYTES = 1 << 30  # arrays.npz: the file, and what its arrays declare in all
 
 
-def _read_arrays(path: Path, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
-                 ) -> dict[str, np.ndarray]:
+def read_arrays(path: Path, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
+                ) -> dict[str, np.ndarray]:
     """The arrays named in ``shapes`` (name → (shape, dtype)), each checked on its header."""
     try:
-        fh = open_regular(path, max_bytes=MAX_ARRAYS_BYTES, what=_ARRAYS)
+        fh = open_regular(path, max_bytes=MAX_ARRAYS_BYTES, what=ARRAYS_FILE)
     except FileNotFoundError:
-        raise ValueError(f"missing {_ARRAYS}") from None
+        raise ValueError(f"missing {ARRAYS_FILE}") from None
     with fh:
         if fh.read(2) != b"PK":
-            raise ValueError(f"{_ARRAYS} is not a readable array file (not a zip archive)")
+            raise ValueError(f"{ARRAYS_FILE} is not a readable array file (not a zip archive)")
         fh.seek(0)
-        with NpzReader(fh, max_bytes=MAX_ARRAYS_BYTES, where=_ARRAYS) as npz:
+        with NpzReader(fh, max_bytes=MAX_ARRAYS_BYTES, where=ARRAYS_FILE) as npz:
             if set(npz.names) != set(shapes):
-                raise ValueError(f"{_ARRAYS} holds {sorted(npz.names)}, expected "
+                raise ValueError(f"{ARRAYS_FILE} holds {sorted(npz.names)}, expected "
                                  f"{sorted(shapes)}")
             return {name: npz.read(name, _exactly(name, *shapes[name])) for name in shapes}
 
@@ -89,11 +91,10 @@ def _exactly(name: str, shape: tuple[int, ...], dtype: np.dtype):
     return check
 
 
-def _from_document(doc: dict, read_arrays) -> RoutingArtifact:
-    """The artifact from its validated document; ``read_arrays(shapes)`` reads the arrays
-    once the document says what their shapes must be."""
-    from eldr.fit.artifact import RoutingArtifact  # imports this module at its top
-
+def artifact_fields(doc: dict, read: Callable[[dict], dict[str, np.ndarray]]) -> dict:
+    """The keyword arguments of a ``RoutingArtifact`` from its validated document;
+    ``read(shapes)`` reads the arrays once the document says what their shapes must be
+    (``shapes``: name → (shape, dtype), as :func:`read_arrays` takes them)."""
     name = _get(doc, "model.name", str)
     L, E, k = (_get(doc, f"model.{f}", int) for f in ("num_layers", "num_experts", "top_k"))
     if min(L, E, k) <= 0 or k > E:
@@ -107,8 +108,8 @@ def _from_document(doc: dict, read_arrays) -> RoutingArtifact:
     ids = _get(doc, "routing.worker_ids", list)
     if not all(isinstance(w, str) for w in ids):
         raise ValueError(f"routing.worker_ids must be strings, got {ids!r}")
-    _check_worker_ids(tuple(ids))
-    tau = _check_tau(_get(doc, "routing.tau", float))
+    check_worker_ids(tuple(ids))
+    tau = check_tau(_get(doc, "routing.tau", float))
     balanced = _get(doc, "routing.balanced", bool)
     fit_stats = doc.get("fit", {})
     if not isinstance(fit_stats, dict):
@@ -134,7 +135,7 @@ def _from_document(doc: dict, read_arrays) -> RoutingArtifact:
             raise ValueError(f"cost.alpha must be in [0, 1], got {alpha}")
         shapes["profile_mean"] = ((L, E), np.dtype("<f4"))
         shapes["decoder_profiles"] = ((K, L, E), np.dtype("<f4"))
-    arrays = read_arrays(shapes)
+    arrays = read(shapes)
     idf, centroids = arrays["idf"], arrays["centroids"]  # shapes and dtypes checked
     if not np.isfinite(centroids).all():
         raise ValueError("centroids contain NaN or Inf")
@@ -153,7 +154,7 @@ def _from_document(doc: dict, read_arrays) -> RoutingArtifact:
             raise ValueError("profile_mean must hold probabilities in [0, 1]")
         if not np.isfinite(profiles).all() or (profiles > 0).any():
             raise ValueError("decoder_profiles must be finite log-probabilities (<= 0)")
-    return RoutingArtifact(model=name, num_layers=L, num_experts=E, top_k=k, encoder=encoder,
-                           centroids=centroids, worker_ids=tuple(ids), tau=tau,
-                           balanced=balanced, fit_stats=fit_stats, profile_alpha=alpha,
-                           profile_mean=mean, decoder_profiles=profiles)
+    return {"model": name, "num_layers": L, "num_experts": E, "top_k": k, "encoder": encoder,
+            "centroids": centroids, "worker_ids": tuple(ids), "tau": tau,
+            "balanced": balanced, "fit_stats": fit_stats, "profile_alpha": alpha,
+            "profile_mean": mean, "decoder_profiles": profiles}

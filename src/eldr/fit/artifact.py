@@ -32,18 +32,15 @@ from pathlib import Path
 import numpy as np
 
 from eldr.fileio import atomic_directory, open_regular
-from eldr.fit._artifact_io import (  # noqa: F401  (re-exported: the reader moved there)
-    _ARRAYS,
-    _JSON,
-    _UNIT_TOL,
+from eldr.fit._artifact_io import (
+    ARRAYS_FILE,
+    JSON_FILE,
     MAX_ARRAYS_BYTES,
     MAX_JSON_BYTES,
-    _check_tau,
-    _check_worker_ids,
-    _exactly,
-    _from_document,
-    _get,
-    _read_arrays,
+    artifact_fields,
+    check_tau,
+    check_worker_ids,
+    read_arrays,
 )
 from eldr.fit.predictor import shrink
 from eldr.fit.signature import SignatureEncoder
@@ -154,8 +151,8 @@ def fit_artifact(
     from eldr.fit.cluster import BalancedKMeans
 
     ids = tuple(str(w) for w in worker_ids)
-    _check_worker_ids(ids)
-    tau = _check_tau(tau)
+    check_worker_ids(ids)
+    tau = check_tau(tau)
     if len(ids) > trace.num_requests:
         raise ValueError(f"{len(ids)} decode workers but only {trace.num_requests} "
                          "calibration requests")
@@ -233,20 +230,21 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
     if target.exists():
         if not target.is_dir():
             raise ValueError(f"{target}: exists and is not a directory")
-        foreign = sorted(p.name for p in target.iterdir() if p.name not in (_JSON, _ARRAYS))
+        foreign = sorted(p.name for p in target.iterdir()
+                         if p.name not in (JSON_FILE, ARRAYS_FILE))
         if foreign:
             raise ValueError(f"{target}: not an artifact directory (holds {foreign[:3]}); "
                              "refusing to replace it")
     doc = _document(artifact)
     with atomic_directory(target) as tmp:
-        (tmp / _JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        (tmp / JSON_FILE).write_text(json.dumps(doc, indent=2) + "\n")
         arrays = {"idf": np.asarray(artifact.encoder.idf_, dtype=np.float64),
                   "centroids": np.asarray(artifact.centroids, dtype=np.float32)}
         if artifact.profile_alpha is not None:
             arrays["profile_mean"] = np.asarray(artifact.profile_mean, dtype=np.float32)
             arrays["decoder_profiles"] = np.asarray(artifact.decoder_profiles,
                                                     dtype=np.float32)
-        with open(tmp / _ARRAYS, "wb") as fh:
+        with open(tmp / ARRAYS_FILE, "wb") as fh:
             np.savez(fh, **arrays)
     return target
 
@@ -266,23 +264,24 @@ def load(directory: str | os.PathLike, *,
     if not d.is_dir():
         raise ValueError(f"{d}: no such artifact directory")
     try:
-        with open_regular(d / _JSON, max_bytes=MAX_JSON_BYTES, what=_JSON) as fh:
+        with open_regular(d / JSON_FILE, max_bytes=MAX_JSON_BYTES, what=JSON_FILE) as fh:
             text = fh.read()
         doc = json.loads(text.decode("utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{d}: not an artifact (no {_JSON})") from None
+        raise ValueError(f"{d}: not an artifact (no {JSON_FILE})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{d / _JSON}: not valid JSON ({exc})") from None
+        raise ValueError(f"{d / JSON_FILE}: not valid JSON ({exc})") from None
     except RecursionError:
-        raise ValueError(f"{d / _JSON}: not valid JSON (nested too deeply)") from None
+        raise ValueError(f"{d / JSON_FILE}: not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise ValueError(f"{d / _JSON}: not an eldr routing artifact")
+        raise ValueError(f"{d / JSON_FILE}: not an eldr routing artifact")
     version = doc.get("version")
     if isinstance(version, bool) or version not in _READABLE_VERSIONS:
         raise ValueError(f"{d}: artifact format version {version!r} is not supported "
                          f"(this eldr reads versions {list(_READABLE_VERSIONS)})")
     try:
-        art = _from_document(doc, lambda shapes: _read_arrays(d / _ARRAYS, shapes))
+        art = RoutingArtifact(**artifact_fields(
+            doc, lambda shapes: read_arrays(d / ARRAYS_FILE, shapes)))
     except ValueError as exc:
         raise ValueError(f"{d}: {exc}") from exc
     if expect_model is not None:
