@@ -214,6 +214,40 @@ def test_vanilla_and_fixed_layers(tmp_path):
     assert not back.balanced and isinstance(back.encoder, SignatureEncoder)
 
 
+def test_without_decode_counts_the_fit_keeps_alpha_zero_and_the_prefill_profiles():
+    """The learner's fit on a buffer without decode counts: the same recipe, every layer
+    and no predictor."""
+    from eldr.fit.predictor import decoder_profiles, prefill_profiles
+
+    trace = _trace()
+    art = fit_artifact(trace, worker_ids=["a", "b"], layers=range(L),
+                       profile_predictor=False, n_init=1)
+    assert art.profile_alpha == 0.0 and art.layers.tolist() == list(range(L))
+    assert art.fit_stats["profile_predictor"]["alpha"] == 0.0
+    pre = prefill_profiles(trace)
+    np.testing.assert_array_equal(art.profile_mean, pre.mean(axis=0).astype(np.float32))
+    labels = (art.encoder.transform(trace) @ art.centroids.T).argmax(axis=1)
+    np.testing.assert_array_equal(art.decoder_profiles, decoder_profiles(pre, labels, 2))
+    np.testing.assert_array_equal(art.predict_profile(trace.prefill_counts[3],
+                                                      int(trace.prompt_lens[3])), pre[3])
+
+
+def test_reproduce_and_eldr_fit_run_the_same_recipe():
+    """``eldr reproduce``'s set-up and ``fit_artifact`` given the same settings fit the
+    same encoder, centroids and cluster profiles."""
+    from eldr.reproduce.setup import fit_split
+
+    calib, ev = _trace(seed=0), _trace(seed=1)
+    art = fit_artifact(calib, worker_ids=["a", "b"], selection_max_pairs=500, max_pairs=800,
+                       random_state=3)
+    st = fit_split(calib, ev, "toy", seed=3, selection_max_pairs=500, max_pairs=800)
+    np.testing.assert_array_equal(st.encoder.layers_, art.layers)
+    assert st.encoder.rho_ == art.rho
+    np.testing.assert_array_equal(st.centroids(2), art.centroids)
+    np.testing.assert_array_equal(st.decoder_profiles(2), art.decoder_profiles)
+    assert st.predictor.alpha_ == art.profile_alpha
+
+
 def test_the_reader_does_not_import_the_artifact_module_back():
     import ast
     import inspect

@@ -55,6 +55,23 @@ def test_shrink_is_the_one_formula_with_the_prefill_profile_clipped_at_one():
     np.testing.assert_array_equal(shrink(many, 0.2, mean)[0], got)  # (R, L, E) alike
 
 
+def test_every_caller_of_the_shrinkage_gets_the_same_bits(trace):
+    """The predictor, the fitted artifact and the recipe's profiles: one formula."""
+    from eldr.fit.artifact import fit_artifact
+    from eldr.fit.calibration import FitSettings, calibrate
+
+    art = fit_artifact(trace, worker_ids=["a", "b"], layers=[0, 1], n_init=1)
+    cal = calibrate(trace, FitSettings(layers=(0, 1), n_init=1))
+    p = cal.predictor
+    assert art.profile_alpha == cal.profile_alpha == p.alpha_
+    profiles = cal.profiles()
+    np.testing.assert_array_equal(profiles, p.predict_trace(trace))
+    for r in (0, 7, 42):
+        counts, n = trace.prefill_counts[r], int(trace.prompt_lens[r])
+        np.testing.assert_array_equal(p.predict(counts, n), profiles[r])
+        np.testing.assert_array_equal(art.predict_profile(counts, n), profiles[r])
+
+
 def test_the_clip_only_acts_on_counts_the_tokens_cannot_hold(trace):
     p = ProfilePredictor().fit(trace)
     counts = trace.prefill_counts[0]

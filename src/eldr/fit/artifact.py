@@ -42,6 +42,8 @@ from eldr.fit._artifact_io import (
     check_worker_ids,
     read_arrays,
 )
+from eldr.fit.calibration import Calibration, FitSettings, calibrate
+from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.predictor import shrink
 from eldr.fit.signature import SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
@@ -136,69 +138,77 @@ def fit_artifact(
     balanced: bool = True,
     n_init: int = 4,
     selection_max_pairs: int | None = 20_000,
+    max_pairs: int | None = None,
+    profile_predictor: bool = True,
     random_state: int | None = 0,
     on_stage=None,
 ) -> RoutingArtifact:
-    """Fit encoder (IDF, greedy layer mask by ρ) then K-means with K = len(worker_ids).
+    """The routing artifact of ``trace``: the fit recipe (:mod:`eldr.fit.calibration`:
+    encoder, profile predictor, K-means with K = len(worker_ids), cluster profiles).
 
     ``selection_max_pairs``: request pairs ranked per candidate layer in the greedy mask
     search (``None``: all). The search ranks ~|S|·L candidate masks, so this sets most of
     the fit time; 20,000 pairs (the encoder's own default is 100,000) keeps a 1,000-request
     48-layer fit within the paper's 10 s budget, and every candidate is ranked on the
-    same pairs, so the comparisons between layers are paired. The reported ρ uses all
-    pairs. ``on_stage(name)`` (optional) is called when a stage starts, for progress.
+    same pairs, so the comparisons between layers are paired. The reported ρ uses
+    ``max_pairs`` pairs (``None``: all). ``profile_predictor=False`` (a trace without
+    decode counts): α = 0, the prefill profile. ``on_stage(name)`` (optional) is called
+    when a stage starts, for progress.
     """
-    from eldr.fit.cluster import BalancedKMeans
-
     ids = tuple(str(w) for w in worker_ids)
     check_worker_ids(ids)
     tau = check_tau(tau)
     if len(ids) > trace.num_requests:
         raise ValueError(f"{len(ids)} decode workers but only {trace.num_requests} "
                          "calibration requests")
+    settings = FitSettings(representation=representation,
+                           layers=None if layers is None else tuple(layers),
+                           selection_max_pairs=selection_max_pairs, max_pairs=max_pairs,
+                           n_init=n_init, profile_predictor=profile_predictor,
+                           random_state=random_state)
     t0 = time.perf_counter()
-    if on_stage:
-        on_stage("signature encoder (IDF, layer mask by rho)")
-    encoder = SignatureEncoder(representation=representation, layers=layers,
-                               selection_max_pairs=selection_max_pairs,
-                               random_state=random_state).fit(trace)
-    X = encoder.transform(trace)
+    cal = calibrate(trace, settings, on_stage=on_stage)
     t1 = time.perf_counter()
     if on_stage:
         on_stage(f"{'balanced' if balanced else 'vanilla'} K-means, K={len(ids)}")
-    km = BalancedKMeans(len(ids), balanced=balanced, n_init=n_init,
-                        random_state=random_state).fit(X)
+    km = cal.clusters(len(ids), balanced=balanced)
     if on_stage:
-        on_stage("profile predictor and cluster profiles (cost policy)")
-    from eldr.fit.predictor import ProfilePredictor, decoder_profiles
-
-    predictor = ProfilePredictor(random_state=random_state).fit(trace)
-    cluster_profiles = decoder_profiles(predictor.predict_trace(trace), km.labels_, len(ids))
+        on_stage("cluster profiles (cost policy)")
+    cluster_profiles = cal.cluster_profiles(km.labels_, len(ids))
     t2 = time.perf_counter()
-    sizes = np.bincount(km.labels_, minlength=len(ids))
-    stats = {
-        "num_requests": trace.num_requests,
-        "trace_source": trace.meta.source,
-        "cluster_sizes": [int(s) for s in sizes],
-        "capacity": int(km.capacity_),
-        "inertia": float(km.inertia_),
-        "n_iter": int(km.n_iter_),
-        "n_init": int(n_init),
-        "selection_max_pairs": selection_max_pairs,
-        "random_state": random_state,
-        "encoder_seconds": round(t1 - t0, 4),
-        "kmeans_seconds": round(t2 - t1, 4),
-        "fit_seconds": round(t2 - t0, 4),
-        "profile_predictor": predictor.summary(),
-    }
     m = trace.meta
     return RoutingArtifact(
         model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
-        encoder=encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
-        worker_ids=ids, tau=tau, balanced=balanced, fit_stats=stats,
-        profile_alpha=float(predictor.alpha_), profile_mean=predictor.mean_,
-        decoder_profiles=cluster_profiles,
+        encoder=cal.encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
+        worker_ids=ids, tau=tau, balanced=balanced,
+        fit_stats=_fit_stats(cal, km, (t0, t1, t2)), profile_alpha=cal.profile_alpha,
+        profile_mean=cal.profile_mean, decoder_profiles=cluster_profiles,
     )
+
+
+def _fit_stats(cal: Calibration, km: BalancedKMeans, times: tuple[float, float, float]
+               ) -> dict:
+    """The artifact's JSON-able ``fit`` statistics; ``times``: the fit's start, the
+    calibration's end (encoder and predictor), the clusters' end."""
+    t0, t1, t2 = times
+    s, trace = cal.settings, cal.trace
+    sizes = np.bincount(km.labels_, minlength=km.n_clusters)
+    return {
+        "num_requests": trace.num_requests,
+        "trace_source": trace.meta.source,
+        "cluster_sizes": [int(x) for x in sizes],
+        "capacity": int(km.capacity_),
+        "inertia": float(km.inertia_),
+        "n_iter": int(km.n_iter_),
+        "n_init": int(s.n_init),
+        "selection_max_pairs": s.selection_max_pairs,
+        "random_state": s.random_state,
+        "encoder_seconds": round(cal.encoder_seconds, 4),
+        "predictor_seconds": round(cal.predictor_seconds, 4),
+        "kmeans_seconds": round(t2 - t1, 4),
+        "fit_seconds": round(t2 - t0, 4),
+        "profile_predictor": cal.predictor_summary(),
+    }
 
 
 # -- save -----------------------------------------------------------------------------------

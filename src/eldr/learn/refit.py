@@ -4,12 +4,12 @@ Runs in a separate process (:func:`run_fit_job`, the target of the learner's
 ``ProcessPoolExecutor``): the parent hands over the buffered records (immutable, pickled
 by the executor off the event loop) and gets back a small :class:`FitOutcome`.
 
-**Fit.** With decode counts on at least half the requests, the project's own fit
-(:func:`eldr.fit.artifact.fit_artifact`) runs on those: IDF, greedy layer mask by ρ,
-balanced K-means, the profile predictor. Without them ρ is undefined, so the fit keeps
-every layer (no mask search), fits IDF and balanced K-means on the prefill signatures,
-and the cost policy's predictor keeps α = 0 (the calibration-free prefill profile), with
-each cluster's prefill profile as its decoder profile.
+**Fit.** The project's one fit (:func:`eldr.fit.artifact.fit_artifact`, the recipe of
+:mod:`eldr.fit.calibration`). With decode counts on at least half the requests it runs on
+those: IDF, greedy layer mask by ρ, balanced K-means, the profile predictor. Without them
+ρ is undefined, so it runs on every request with two of its settings changed: every layer
+(no mask search) and no profile predictor, i.e. α = 0 (the calibration-free prefill
+profile), with each cluster's prefill profile as its decoder profile.
 
 **Score.** The validation score is what ELDR exists to lower: the expected distinct
 experts per layer of one decode step of a ``batch_size``-request batch on a decoder,
@@ -38,7 +38,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eldr.fit.artifact import RoutingArtifact
+from eldr.fit import artifact as artifact_io
+from eldr.fit.artifact import RoutingArtifact, fit_artifact
+from eldr.fit.cluster import balanced_assign
+from eldr.fit.predictor import decode_profiles, prefill_profiles
+from eldr.fit.signature import rho
 from eldr.learn.buffer import Record, records_to_trace
 from eldr.learn.drift import DriftDetector
 from eldr.traces.trace import Trace
@@ -49,42 +53,24 @@ __all__ = ["Evaluation", "FitJob", "FitOutcome", "evaluate", "fit_candidate", "j
 
 def fit_candidate(trace: Trace, decode_known: np.ndarray, *, worker_ids, tau: float = 0.1,
                   random_state: int | None = 0) -> RoutingArtifact:
-    """A routing artifact from a learned trace (module docstring: with and without decode
-    counts)."""
-    from eldr.fit.artifact import fit_artifact
-    from eldr.fit.cluster import BalancedKMeans
-    from eldr.fit.predictor import decoder_profiles, prefill_profiles
-    from eldr.fit.signature import SignatureEncoder
-
+    """A routing artifact from a learned trace: the project's one fit
+    (:func:`eldr.fit.artifact.fit_artifact`), on the requests with decode counts when at
+    least half have them, else on all with every layer and no predictor (module
+    docstring). ``fit_stats["decode_counts"]`` says which."""
     known = np.asarray(decode_known, dtype=bool)
     K = len(worker_ids)
     if trace.num_requests < max(2 * K, 8):
         raise ValueError(f"{trace.num_requests} requests are too few to fit {K} decoders")
-    if known.sum() >= max(20, trace.num_requests // 2):
+    with_decode = bool(known.sum() >= max(20, trace.num_requests // 2))
+    if with_decode:
         art = fit_artifact(trace.subset(known), worker_ids=worker_ids, tau=tau,
                            random_state=random_state)
-        art.fit_stats["decode_counts"] = True
-        return art
-    t0 = time.perf_counter()
-    encoder = SignatureEncoder(layers=range(trace.meta.num_layers),
-                               random_state=random_state).fit(trace)
-    X = encoder.transform(trace)
-    km = BalancedKMeans(K, n_init=4, random_state=random_state).fit(X)
-    profiles = prefill_profiles(trace)
-    sizes = np.bincount(km.labels_, minlength=K)
-    stats = {"num_requests": trace.num_requests, "trace_source": trace.meta.source,
-             "decode_counts": False, "cluster_sizes": [int(s) for s in sizes],
-             "capacity": int(km.capacity_), "inertia": float(km.inertia_),
-             "n_iter": int(km.n_iter_), "random_state": random_state,
-             "fit_seconds": round(time.perf_counter() - t0, 4),
-             "profile_predictor": {"alpha": 0.0, "note": "no decode counts: prefill profile"}}
-    m = trace.meta
-    return RoutingArtifact(
-        model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
-        encoder=encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
-        worker_ids=tuple(worker_ids), tau=tau, fit_stats=stats, profile_alpha=0.0,
-        profile_mean=profiles.mean(axis=0).astype(np.float32),
-        decoder_profiles=decoder_profiles(profiles, km.labels_, K))
+    else:  # no ρ without decode counts: keep every layer; α = 0, the prefill profile
+        art = fit_artifact(trace, worker_ids=worker_ids, tau=tau,
+                           layers=range(trace.meta.num_layers), profile_predictor=False,
+                           random_state=random_state)
+    art.fit_stats["decode_counts"] = with_decode
+    return art
 
 
 @dataclass(frozen=True)
@@ -107,8 +93,6 @@ class Evaluation:
 
 def _profiles(trace: Trace, known: np.ndarray) -> np.ndarray:
     """(R, L, E) per-token decode profiles; the prefill profile where decode is unknown."""
-    from eldr.fit.predictor import decode_profiles, prefill_profiles
-
     p = prefill_profiles(trace)
     if known.any():
         p[known] = decode_profiles(trace)[known]
@@ -125,9 +109,6 @@ def _expected_distinct(logs: np.ndarray, batch: int) -> float:
 def evaluate(artifact: RoutingArtifact | None, trace: Trace, decode_known: np.ndarray, *,
              batch_size: int = 16) -> Evaluation:
     """Score ``artifact`` on the held-out ``trace`` (module docstring); None scores 1."""
-    from eldr.fit.cluster import balanced_assign
-    from eldr.fit.signature import rho
-
     known = np.asarray(decode_known, dtype=bool)
     logs = np.log1p(-_profiles(trace, known))
     base = _expected_distinct(logs, batch_size)
@@ -300,8 +281,6 @@ def _pooled(evs: list[Evaluation], sizes: list[int]) -> Evaluation:
 def run_fit_job(job: FitJob) -> FitOutcome:
     """Fit, validate and (if accepted) write a candidate; calibrate drift for whatever
     runs afterwards. Runs in the learner's worker process."""
-    from eldr.fit import artifact as artifact_io
-
     t0 = time.perf_counter()
     trace, known = records_to_trace(job.records, model=job.model, top_k=job.top_k)
     notes: list[str] = []

@@ -2,19 +2,20 @@
 
 For one workload: generate (or take) a trace, split it into a calibration part (the
 offline fit sees only this) and a held-out evaluation part (the simulator replays only
-this), fit the :class:`~eldr.fit.signature.SignatureEncoder` (IDF, greedy layer mask by ρ)
-and, per decode-pool size K, balanced (and vanilla) spherical K-means centroids
-(:class:`eldr.fit.cluster.BalancedKMeans`). The ``oracle_signature`` bound gets centroids of
-the calibration requests' TRUE decode patterns, clustered the same way.
+this), and run the project's fit recipe (:mod:`eldr.fit.calibration`, the same as
+``eldr fit``'s) on the calibration part: the encoder (IDF, greedy layer mask by ρ) and
+the profile predictor once, then, per decode-pool size K, balanced (and vanilla)
+spherical K-means centroids and the cluster profiles. The ``oracle_signature`` bound gets
+centroids of the calibration requests' TRUE decode patterns, clustered the same way.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from eldr.fit.calibration import Calibration, FitSettings, calibrate
 from eldr.fit.placement import greedy_placement
 from eldr.routing import POLICIES, decode_patterns, make_policy, prefill_profile
 from eldr.sim import TokenBank
@@ -30,13 +31,11 @@ class RoutingSetup:
     workload: str  # workload name
     calib: Trace  # calibration split (fit only)
     eval: Trace  # held-out split (simulated)
-    encoder: object  # fitted SignatureEncoder
+    calibration: Calibration  # the fit recipe run on ``calib``: encoder, predictor
     signatures: np.ndarray  # (R_eval, d) float32 unit rows of the eval requests
     domain_shares: np.ndarray | None  # (D,) calibration share of each domain
     tokens: TokenBank  # per-request decode bitsets of the eval split, shared by runs
     seed: int  # seed of the K-means fits
-    fit_seconds: float = 0.0  # encoder fit time
-    predictor: object | None = None  # fitted ProfilePredictor (eldr_cost), or None
     # a real trace's replayed arrivals: (R_eval,) float64 seconds in file time of eval
     # request i, and the whole file's mean rate (req/s) that scaling to a rate divides by
     arrival_times: np.ndarray | None = None
@@ -46,6 +45,21 @@ class RoutingSetup:
     _labels: dict = field(default_factory=dict)  # (K, kind) -> calibration labels
     _placements: dict = field(default_factory=dict)  # (K, ep, layout) -> placement
     _patterns: np.ndarray | None = None  # see ``patterns``
+
+    @property
+    def encoder(self):
+        """The fitted :class:`~eldr.fit.signature.SignatureEncoder`."""
+        return self.calibration.encoder
+
+    @property
+    def predictor(self):
+        """The fitted :class:`~eldr.fit.predictor.ProfilePredictor` (eldr_cost), or None."""
+        return self.calibration.predictor
+
+    @property
+    def fit_seconds(self) -> float:
+        """Wall time of the encoder fit."""
+        return self.calibration.encoder_seconds
 
     @property
     def patterns(self) -> np.ndarray:
@@ -60,13 +74,8 @@ class RoutingSetup:
         balanced)."""
         key = (K, kind)
         if key not in self._centroids:
-            from eldr.fit.cluster import BalancedKMeans
-
-            if kind == "oracle":
-                X = decode_patterns(self.calib.decode_counts)
-            else:
-                X = self.encoder.transform(self.calib)
-            km = BalancedKMeans(K, balanced=kind != "vanilla", random_state=self.seed).fit(X)
+            rows = decode_patterns(self.calib.decode_counts) if kind == "oracle" else None
+            km = self.calibration.clusters(K, balanced=kind != "vanilla", rows=rows)
             self._centroids[key] = np.asarray(km.cluster_centers_, dtype=np.float32)
             self._labels[key] = np.asarray(km.labels_, dtype=np.int64)
         return self._centroids[key]
@@ -113,14 +122,9 @@ class RoutingSetup:
         (p from the fitted predictor): the cost policy's picture of each decoder's usual
         requests, as :func:`eldr.fit.artifact.fit_artifact` stores it."""
         if K not in self._decoder_profiles:
-            from eldr.fit.predictor import decoder_profiles, prefill_profiles, shrink
-
             self.centroids(K, "balanced")
-            profiles = prefill_profiles(self.calib)
-            if self.predictor is not None:
-                profiles = shrink(profiles, self.predictor.alpha_, self.predictor.mean_)
-            self._decoder_profiles[K] = decoder_profiles(profiles, self._labels[(K, "balanced")],
-                                                         K)
+            self._decoder_profiles[K] = self.calibration.cluster_profiles(
+                self._labels[(K, "balanced")], K)
         return self._decoder_profiles[K]
 
     def arrivals(self, qps: float, horizon_s: float) -> tuple[np.ndarray, np.ndarray] | None:
@@ -202,16 +206,12 @@ def fit_split(calib: Trace, ev: Trace, workload: str, *, seed: int = 0,
               representation: str = "count_idf") -> RoutingSetup:
     """The set-up of an explicit (calibration, held-out) pair, e.g. a real trace's
     calibration draw and its replayed arrivals (:func:`eldr.traces.arrivals.
-    calibration_and_replay`): the encoder, the domain shares and the profile predictor are
-    fitted on ``calib`` only."""
-    from eldr.fit.predictor import ProfilePredictor
-    from eldr.fit.signature import SignatureEncoder
-
-    t0 = time.perf_counter()
-    enc = SignatureEncoder(representation=representation, random_state=seed,
-                           selection_max_pairs=selection_max_pairs, max_pairs=max_pairs)
-    enc.fit(calib)
-    fit_s = time.perf_counter() - t0
+    calibration_and_replay`): the fit recipe (encoder, profile predictor; K-means and the
+    cluster profiles later, per pool size) and the domain shares see ``calib`` only.
+    K-means keeps its 4 restarts, as ``eldr fit`` does."""
+    cal = calibrate(calib, FitSettings(representation=representation,
+                                       selection_max_pairs=selection_max_pairs,
+                                       max_pairs=max_pairs, random_state=seed))
     shares = None
     if calib.domains is not None:
         shares = np.bincount(calib.domains, minlength=len(calib.domain_names)).astype(float)
@@ -219,10 +219,9 @@ def fit_split(calib: Trace, ev: Trace, workload: str, *, seed: int = 0,
         if (shares == 0).any():  # a domain absent from calibration still needs a worker
             shares = (shares + 1e-6) / (shares + 1e-6).sum()
     return RoutingSetup(
-        workload=workload, calib=calib, eval=ev, encoder=enc,
-        signatures=_signatures(enc, ev),
+        workload=workload, calib=calib, eval=ev, calibration=cal,
+        signatures=_signatures(cal.encoder, ev),
         domain_shares=shares, tokens=TokenBank(ev, seed=seed), seed=seed,
-        fit_seconds=fit_s, predictor=ProfilePredictor(random_state=seed).fit(calib),
     )
 
 
