@@ -6,3 +6,5 @@
 :mod:`~eldr.learn.controller` decides when to fit and hands accepted artifacts to the
 router's reload. Imports traces, fit and routing only; the proxy imports this package.
 """
+
+__all__: list[str] = []
