@@ -228,6 +228,16 @@ def test_registry_says_what_each_policy_is_for_and_needs_fitted():
         policies_with_role("other")
 
 
+def test_the_registry_names_each_policys_variants():
+    assert POLICIES["eldr"].variant(tau=0.1) == "eldr[tau=0.1,balanced]"
+    assert POLICIES["oracle_signature"].variant(tau=0.05, kind="vanilla") == \
+        "oracle_signature[tau=0.05,vanilla]"
+    assert POLICIES["eldr_top1"].variant(tau=0.0) == "eldr_top1[tau=0,balanced]"
+    assert POLICIES["eldr_cost"].variant(tau=0.1) == "eldr_cost"
+    assert POLICIES["eldr_cost"].variant(tau=0.1, kind="online") == "eldr_cost[online]"
+    assert POLICIES["jsq"].variant(tau=0.1, kind="online") == "jsq"
+
+
 def test_an_unbound_policy_balances_load_until_it_learns_the_shape():
     from eldr.routing import LazyShapePolicy, make_unbound_policy
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from eldr.reproduce.plan import LOAD_BALANCERS
 from eldr.reproduce.sweeps import Results
+from eldr.routing.registry import POLICIES
 
 __all__ = ["Analysis"]
 
@@ -35,10 +36,10 @@ class Analysis:
         return self.index.get((wl, float(qps), int(K), variant))
 
     def eldr(self, tau: float | None = None, kind: str = "balanced") -> str:
-        return f"eldr[tau={self.plan.tau if tau is None else tau:g},{kind}]"
+        return POLICIES["eldr"].variant(tau=self.plan.tau if tau is None else tau, kind=kind)
 
     def oracle(self) -> str:
-        return f"oracle_signature[tau={self.plan.tau:g},balanced]"
+        return POLICIES["oracle_signature"].variant(tau=self.plan.tau)
 
     def best_lb(self, wl: str, qps: float, K: int) -> dict | None:
         rows = [self.get(wl, qps, K, p) for p in LOAD_BALANCERS]
@@ -88,7 +89,9 @@ class Analysis:
     def _cost_cells(self, wl: str, q: float, K: int, b: dict) -> dict:
         """eldr_cost (fitted) and eldr_cost[online] (no calibration) vs the best LB."""
         out = {}
-        for key, variant in (("cost", "eldr_cost"), ("online", "eldr_cost[online]")):
+        cost = POLICIES["eldr_cost"]
+        for key, variant in (("cost", cost.variant(tau=self.plan.tau)),
+                             ("online", cost.variant(tau=self.plan.tau, kind="online"))):
             c = self.get(wl, q, K, variant)
             out[f"{key}_tpot_p50"] = c["tpot_median_ms"] if c else float("nan")
             out[f"{key}_tpot_p99"] = c["tpot_p99_ms"] if c else float("nan")

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from eldr.routing.registry import POLICIES, policies_with_role
+
 __all__ = ["FULL", "GRID_BALANCERS", "GRID_POLICIES", "LOAD_BALANCERS", "QUICK", "TINY_SETUP",
            "Plan", "Task", "grid_duration", "plan_tasks", "with_overrides"]
 
-LOAD_BALANCERS = ("random", "round_robin", "jsq", "p2c")
-GRID_BALANCERS = ("round_robin", "jsq", "p2c")  # random never wins a grid cell: left out
+LOAD_BALANCERS = policies_with_role("balancer")  # random, round_robin, jsq, p2c
+# random never wins a grid cell: left out
+GRID_BALANCERS = tuple(p for p in LOAD_BALANCERS if p != "random")
 GRID_POLICIES = ("eldr", "eldr_cost")  # the locality policies the grid holds to them
 TINY_SETUP = "tiny_moe"  # set-up key of the shipped tiny-MoE trace
 
@@ -131,11 +134,8 @@ class Task:
 
     @property
     def variant(self) -> str:
-        v = self.policy
-        if self.policy in ("eldr", "oracle_signature", "eldr_top1"):
-            v = f"{self.policy}[tau={self.tau:g},{self.kind}]"
-        elif self.policy == "eldr_cost" and self.kind != "balanced":
-            v = f"eldr_cost[{self.kind}]"  # "online": no fitted cluster profiles
+        # the registry names the policy's variant ("online": no fitted cluster profiles)
+        v = POLICIES[self.policy].variant(tau=self.tau, kind=self.kind)
         if self.signature_source is not None:
             v += f"+prefix[{self.signature_source}]"
         if self.ep > 1:

@@ -128,6 +128,17 @@ class PolicySpec:
         """Resources that come from a fit (an artifact), not from the model alone."""
         return self.needs - SHAPE_RESOURCES
 
+    def variant(self, *, tau: float, kind: str = "balanced") -> str:
+        """The name of one evaluated variant of the policy (rows of the reproduction):
+        a policy on centroids carries its τ and centroid kind (``eldr[tau=0.1,balanced]``);
+        one whose fitted cluster profiles are optional names a kind other than
+        ``balanced`` (``eldr_cost[online]``: none fitted); others are their name."""
+        if self.needs & {"centroids", "decode_centroids"}:
+            return f"{self.name}[tau={tau:g},{kind}]"
+        if "decoder_profiles" in self.options and kind != "balanced":
+            return f"{self.name}[{kind}]"
+        return self.name
+
     @property
     def needs_only_shape(self) -> bool:
         """Needs the model's (L, E) and nothing fitted: it can run before the shape is
