@@ -58,19 +58,6 @@ def test_no_flat_modules_left_but_the_entry_points():
 
 
 # -- the whole package's run-time import graph -------------------------------------------------
-# Findings the checks below tolerate while fit/ and the packages whose __init__ has no
-# __all__ yet are changed by their owners. Each entry is written the way the checks
-# report it. This set must shrink to EMPTY: remove an entry as soon as its cause is gone,
-# and never add one.
-KNOWN_EXCEPTIONS = {
-    "circle: eldr.fit._artifact_io <-> eldr.fit.artifact",
-    "no __all__: eldr.cache",
-    "no __all__: eldr.commands",
-    "no __all__: eldr.fit",
-    "no __all__: eldr.learn",
-}
-
-
 def _module_name(path: Path) -> str:
     parts = ["eldr", *path.relative_to(SRC).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -188,7 +175,7 @@ def test_no_import_circles_at_run_time():
     (function-level) imports included: a circle closed by a deferred import is a cut in the
     wrong place. Put the shared names where both sides can import them one way."""
     found = {"circle: " + " <-> ".join(sorted(c)) for c in _circles(_import_graph())}
-    assert not found - KNOWN_EXCEPTIONS, "\n".join(sorted(found - KNOWN_EXCEPTIONS))
+    assert not found, "\n".join(sorted(found))
 
 
 def test_no_private_name_imported_from_another_package():
@@ -202,7 +189,7 @@ def test_no_private_name_imported_from_another_package():
             if name.startswith("_") and not name.startswith("__") \
                     and _package(target) != _package(m):
                 found.add(f"private: {m} imports {name} from {target}")
-    assert not found - KNOWN_EXCEPTIONS, "\n".join(sorted(found - KNOWN_EXCEPTIONS))
+    assert not found, "\n".join(sorted(found))
 
 
 # -- each package's public API ------------------------------------------------------------------
@@ -276,9 +263,7 @@ def test_every_package_is_pinned():
 @pytest.mark.parametrize("package", sorted(PUBLIC_API))
 def test_package_exports_a_sorted_pinned_all(package):
     exported = _dunder_all(package)
-    if exported is None:
-        assert f"no __all__: {package}" in KNOWN_EXCEPTIONS, f"{package} has no __all__"
-        exported = []
+    assert exported is not None, f"{package} has no __all__"
     assert exported == sorted(exported, key=_isort_key), f"{package}.__all__ is not sorted"
     assert len(set(exported)) == len(exported)
     assert set(exported) == PUBLIC_API[package]
