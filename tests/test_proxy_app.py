@@ -5,7 +5,7 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, fake_centroids, run
-from eldr.proxy.app import parse_body
+from eldr.proxy.bodies import parse_body
 from eldr.proxy.control import admin as admin_mod
 from eldr.proxy.errors import ProxyError
 from eldr.routing import make_policy
@@ -317,7 +317,7 @@ def test_wrong_admin_tokens_are_rate_limited_per_address(monkeypatch):
                         for _ in range(6)]
             right = await client.post("/admin/reload",
                                       headers={"Authorization": f"Bearer {TOKEN}"})
-            router._failed_tokens.window = 0.0  # the minute has passed
+            router.token.failed.window = 0.0  # the minute has passed
             again = await client.post("/admin/reload",
                                       headers={"Authorization": f"Bearer {TOKEN}"})
             return statuses, right.status, (await right.json())["error"]["code"], again.status

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from _proxy_fakes import FakeEngine, cluster, run
+from eldr.proxy.config import read_decoders_file
 from eldr.proxy.control import admin as admin_mod
-from eldr.proxy.control.elastic import read_decoders_file
 from eldr.proxy.request.decision import WorkerMismatch
 
 TOKEN = "s3cret-token"
@@ -292,7 +292,7 @@ def test_the_learner_hears_of_every_change():
 
     async def go():
         async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, _d):
-            router.learner = Learner()
+            router.attach_learner(Learner())
             extra = await FakeEngine("d2").start()
             await client.post("/admin/decoders", json={"url": extra.url}, headers=AUTH)
             await client.delete("/admin/decoders/w-code?wait=1", headers=AUTH)
@@ -335,13 +335,15 @@ def test_sighup_syncs_the_pool_to_the_decoders_file(tmp_path):
         async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, decoders):
             router_ref.append(router)
             extra = await FakeEngine("d2").start()
-            router.config = dataclasses.replace(router.config, decoders_file=str(path))
+            router.swap(router.state, dataclasses.replace(router.config,
+                                                          decoders_file=str(path)))
+            router.reload = reload  # a spy: what SIGHUP reloads
             path.write_text(f"w-other={decoders[1].url}\nw-new={extra.url}\n")
-            await _hangup(router, reload)
+            await _hangup(router)
             after_add = router.state.worker_names
             await _gone(client, "w-code")
             path.write_text("garbage\n")  # a bad file changes nothing, and is logged
-            await _hangup(router, reload)
+            await _hangup(router)
             status = (await client.post("/v1/completions", json={"model": "tiny",
                                                                   "prompt": "x"})).status
             names = router.state.worker_names

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, make_state, run
-from eldr.proxy.request.flow import RequestFlow, prompt_key
+from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -24,8 +24,7 @@ def test_prompt_key():
 def test_prefill_body():
     body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True},
             "min_tokens": 4, "max_tokens": 50, "temperature": 0}
-    flow = RequestFlow.__new__(RequestFlow)
-    pre = json.loads(flow._prefill_body(body, "chat"))
+    pre = json.loads(prefill_body(body, "chat", PREFILL_KV_PARAMS))
     assert pre["max_tokens"] == 1 and pre["max_completion_tokens"] == 1
     assert pre["stream"] is False and "stream_options" not in pre and "min_tokens" not in pre
     assert pre["kv_transfer_params"] == {
@@ -417,7 +416,7 @@ def test_releases_go_to_the_policy_that_got_the_dispatch_across_a_reload():
             r = await client.post("/v1/completions", json={**CODE, "stream": True})
             await r.content.readany()
             held = len(old.footprint)
-            router.state = make_state(router.config)  # what a reload does
+            router.swap(make_state(router.config))  # what a reload does
             await r.text()
             return old, router.state.policy, held
 
@@ -750,7 +749,7 @@ def test_a_learning_router_asks_for_every_layer_even_for_the_band():
     mask is not requested (masked payloads were dropped as another model's)."""
     async def go():
         async with cluster() as (router, client, prefills, _d):
-            router.learner = _CountingLearner()
+            router.attach_learner(_CountingLearner())
             r = await client.post("/v1/completions", json=CODE)
             return r.status, prefills[0].requests[0]["kv_transfer_params"], router.learner
 

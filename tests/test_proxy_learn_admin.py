@@ -17,7 +17,6 @@ def test_status_and_trace_of_a_learning_router(tmp_path):
     from eldr.learn.config import LearnConfig
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
-    from eldr.proxy.control import learning
 
     async def go():
         prefill = await TwoDomainEngine("p0").start()
@@ -28,8 +27,7 @@ def test_status_and_trace_of_a_learning_router(tmp_path):
                              health_interval=0.05, health_timeout=1.0, unhealthy_after=1,
                              short_prompt_tokens=0)  # short test prompts: PD flow
         router = Router(config)
-        learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
-                                            min_requests=40))
+        router.learn(LearnConfig(directory=str(tmp_path / "learn"), min_requests=40))
         client = TestClient(TestServer(router.make_app(), port=0))
         await client.start_server()
         try:

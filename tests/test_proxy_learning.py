@@ -10,10 +10,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from _learn_data import E, L, token_counts
 from _proxy_fakes import FakeEngine
 from eldr.capture.payload import encode_counts
+from eldr.commands.serve import configure, start_artifact
 from eldr.learn.config import LearnConfig
 from eldr.proxy.app import Router
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.control import learning
 from eldr.proxy.metrics import parse_samples
 
 
@@ -54,8 +54,8 @@ async def _cluster(tmp_path, policy="eldr_cost", **learn_kw):
                          policy=policy, stand_in=policy != "eldr_cost",
                          short_prompt_tokens=0)  # short test prompts: through the PD flow
     router = Router(config)  # eldr_cost, no artifact
-    learning.attach(router, LearnConfig(directory=str(tmp_path / "learn"),
-                                        **{"min_requests": 40, **learn_kw}))
+    router.learn(LearnConfig(directory=str(tmp_path / "learn"),
+                             **{"min_requests": 40, **learn_kw}))
     client = TestClient(TestServer(router.make_app(), port=0))
     await client.start_server()
     return router, client, [prefill, *decoders]
@@ -106,7 +106,7 @@ def test_starts_without_an_artifact_collects_fits_and_swaps(tmp_path):
     assert "eldr_learn_artifact_score " in page
     # the buffer was written at shutdown, and a restart starts with the learned artifact
     assert (tmp_path / "learn" / "buffer" / "trace.npz").is_file()
-    assert learning.start_artifact(LearnConfig(directory=str(tmp_path / "learn"))) == art
+    assert start_artifact(LearnConfig(directory=str(tmp_path / "learn"))) == art
 
 
 def test_a_domain_mix_shift_is_detected_and_a_refit_swaps_in(tmp_path):
@@ -148,12 +148,12 @@ def test_serve_arguments_and_restart_artifact(tmp_path):
     args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
                                       "http://d:1", "--learn", str(tmp_path),
                                       "--learn-min-requests", "60"])
-    config, learn = learning.configure(config_from_args(args), args)
+    config, learn = configure(config_from_args(args), args)
     assert learn.min_requests == 60 and learn.directory == str(tmp_path)
     assert config.artifact is None  # nothing learned yet: start without one
     args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
                                       "http://d:1"])
-    assert learning.configure(config_from_args(args), args)[1] is None
+    assert configure(config_from_args(args), args)[1] is None
 
 
 def test_a_decoder_added_after_the_first_fit_gets_its_own_cluster_at_the_refit(tmp_path):
@@ -322,5 +322,5 @@ def test_without_learning_the_band_policy_still_needs_an_artifact(tmp_path):
     args = build_parser().parse_args(["serve", "--prefill", "http://p:1", "--decode",
                                       "http://d:1", "--policy", "eldr", "--learn",
                                       str(tmp_path)])
-    config, _ = learning.configure(config_from_args(args), args)
+    config, _ = configure(config_from_args(args), args)
     assert config.stand_in and build_state(config).policy.name == "eldr_cost"

@@ -31,8 +31,8 @@ class _FakeParent:
         self.journal = PoolJournal(names, [i.url for i in router.pool.decode], 4, table=table)
         self.child = workers._Child(0, mine)
         self.parent = workers._Parent(self.journal, {0: self.child})
-        self.link = PoolLink(router, theirs, 0, router.reload)
-        router.reload = self.link.reload
+        self.link = PoolLink(theirs, 0, elastic=router.elastic, reloader=router.reloader)
+        router.attach_link(self.link)
         self._mine = mine
 
     async def start(self) -> None:
@@ -155,7 +155,8 @@ def test_replay_rebuilds_the_pool_of_a_restarted_worker():
     async def go():
         async with cluster(policy="round_robin", admin_token=TOKEN, share=share) as (
                 router, _client, _p, _d):
-            link = PoolLink(router, socket.socketpair()[1], 0, router.reload)
+            link = PoolLink(socket.socketpair()[1], 0, elastic=router.elastic,
+                            reloader=router.reloader)
             link.replay([
                 {"seq": 1, "op": "add", "name": "x", "url": "http://127.0.0.1:9", "slot": 3,
                  "like": None},

@@ -76,7 +76,7 @@ def test_check_and_scrape_against_an_engine(healthy):
                           unhealthy_after=1)
         pool = UpstreamPool(cfg, ["w"])
         async with aiohttp.ClientSession() as session:
-            pool._session = session
+            pool.session = session
             ok = await pool.check(pool.decode[0])
             await pool.scrape(pool.decode[0])
         await eng.close()
@@ -95,7 +95,7 @@ def test_check_of_a_dead_instance():
                           policy="jsq", health_timeout=1.0)
         pool = UpstreamPool(cfg, ["w"])
         async with aiohttp.ClientSession() as session:
-            pool._session = session
+            pool.session = session
             return await pool.check(pool.prefill[0]), pool
 
     ok, pool = run(go())
@@ -167,7 +167,7 @@ def _scrape_with(replies, *, policy, **cfg):
         seen = []
         pool.footprints.on_result = seen.append
         async with aiohttp.ClientSession() as session:
-            pool._session = session
+            pool.session = session
             for reply in replies:
                 eng.reply = reply
                 await pool.scrape(pool.decode[0])

@@ -17,10 +17,16 @@ _MAX_TOKEN_FILE_BYTES = 4096
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from eldr.proxy.config import EVALUATION_ONLY_POLICIES
-    from eldr.routing import POLICIES
+    _add_engines(p)
+    _add_routing(p)
+    _add_server(p)
+    _add_dependability(p)
+    _add_processes(p)
+    _add_learning(p)
 
-    policies = sorted(n for n in POLICIES if n not in EVALUATION_ONLY_POLICIES)
+
+def _add_engines(p: argparse.ArgumentParser) -> None:
+    """The engines behind the router."""
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill instance, e.g. http://10.0.0.1:8100 (repeatable)")
     p.add_argument("--decode", action="append", default=None, metavar="[ID=]URL",
@@ -30,6 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode instances, one [ID=]URL a line (# comments), instead of "
                         "--decode; SIGHUP re-reads it and adds or drains decoders to match "
                         "(docs/serve.md, the elastic decoder pool)")
+
+
+def _add_routing(p: argparse.ArgumentParser) -> None:
+    """The decode routing policy and its artifact."""
+    from eldr.proxy.config import EVALUATION_ONLY_POLICIES
+    from eldr.routing import POLICIES
+
+    policies = sorted(n for n in POLICIES if n not in EVALUATION_ONLY_POLICIES)
     p.add_argument("--artifact", metavar="DIR", help="routing artifact written by eldr fit "
                    "(required by eldr and eldr_top1; eldr_cost uses its predictor and "
                    "cluster profiles when given, and runs without one)")
@@ -42,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eldr_cost only: no decoder may hold more than (1 + S) x the mean "
                         "load + 1, at all times (default: S = 0.1 only near expert "
                         "saturation)")
+
+
+def _add_server(p: argparse.ArgumentParser) -> None:
+    """Where the router listens, who may use it, what it accepts."""
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
@@ -55,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="accepted model name (repeatable; default: what the engines list)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+
+
+def _add_dependability(p: argparse.ArgumentParser) -> None:
+    """Timeouts, bounds, health, retries and containment (docs/failures.md)."""
     p.add_argument("--connect-timeout", type=float, default=3.0, metavar="S")
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     p.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
@@ -97,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-backoff", type=float, default=5.0, metavar="S",
                    help="seconds an open breaker holds a decoder off before one probe; "
                         "doubled after each failed probe (up to 120 s)")
+
+
+def _add_processes(p: argparse.ArgumentParser) -> None:
+    """Router processes and logging."""
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="router processes on the port (SO_REUSEPORT), sharing each "
                         "decoder's load; for machines with more cores than one (default 1)")
@@ -105,9 +131,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the start-up ones and those added later (default max(2K, K + 16))")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
-    from eldr.proxy.control import learning
 
-    learning.add_arguments(p)  # --learn DIR and its settings (docs/learn.md)
+
+def _add_learning(p: argparse.ArgumentParser) -> None:
+    """``--learn DIR`` and its settings (docs/learn.md)."""
+    g = p.add_argument_group("learning from live traffic (docs/learn.md)")
+    g.add_argument("--learn", metavar="DIR", default=None,
+                   help="collect completed requests into a calibration trace in DIR, fit an "
+                        "artifact when enough are in, validate it and swap it in; refit on "
+                        "drift. Survives restarts (DIR is reloaded)")
+    g.add_argument("--learn-min-requests", type=int, default=500, metavar="N",
+                   help="requests before the first fit, and new ones per refit (default 500)")
+    g.add_argument("--learn-max-requests", type=int, default=4000, metavar="N",
+                   help="requests kept in the buffer, oldest dropped (default 4000)")
+    g.add_argument("--learn-holdout", type=float, default=0.25, metavar="F",
+                   help="fraction of a fit's requests held out to validate it (default 0.25)")
+    g.add_argument("--learn-drift-window", type=int, default=100, metavar="N",
+                   help="requests per drift test (default 100)")
+    g.add_argument("--learn-drift-alpha", type=float, default=0.01, metavar="A",
+                   help="false-alarm level of one drift test (default 0.01)")
+    g.add_argument("--learn-no-drift", dest="learn_drift", action="store_false",
+                   help="never refit on drift (fit once)")
+    g.add_argument("--learn-persist-interval", type=float, default=30.0, metavar="S",
+                   help="seconds between writes of the buffer to DIR (default 30)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -118,7 +164,7 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("give the decode instances with --decode [ID=]URL (repeatable) or "
                          "with --decoders-file PATH, one of the two")
     if decoders_file is not None:
-        from eldr.proxy.control.elastic import read_decoders_file
+        from eldr.proxy.config import read_decoders_file
 
         specs = read_decoders_file(decoders_file)
     else:
@@ -179,13 +225,13 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 
 async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool = False,
-                reload=None, http_limits=None) -> None:
+                http_limits=None) -> None:
     """Run the router until SIGINT/SIGTERM; SIGHUP re-reads the decoders file (if serve has
-    one: decoders are added or drained to match it) and reloads the artifact.
+    one: decoders are added or drained to match it) and reloads the artifact (with
+    ``--workers N``, both through the pool journal).
 
     ``port`` overrides the config's (a worker of ``--workers N`` binds the port its parent
-    reserved, with ``reuse_port``); ``reload`` is what SIGHUP calls (default
-    ``router.reload``). The HTTP server refuses malformed requests with JSON errors and
+    reserved, with ``reuse_port``). The HTTP server refuses malformed requests with JSON errors and
     closes connections whose request head is late or that stay idle
     (:mod:`eldr.proxy.httpserver`; ``http_limits``, an ``HttpLimits``, overrides its
     defaults).
@@ -205,9 +251,7 @@ async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    reload = router.reload if reload is None else reload
-    loop.add_signal_handler(signal.SIGHUP,
-                            lambda: loop.create_task(_hangup(router, reload)))
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_hangup(router)))
     host, port = site._server.sockets[0].getsockname()[:2]  # the real port when port=0
     state = router.state
     print(f"eldr serve: listening on http://{host}:{port} (policy {state.policy.name}, "
@@ -221,14 +265,7 @@ async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool
         await runner.cleanup()
 
 
-async def _reload(reload) -> None:
-    try:
-        await reload()
-    except Exception:  # logged and counted by reload(); the running artifact stays
-        pass
-
-
-async def _hangup(router, reload) -> None:
+async def _hangup(router) -> None:
     """SIGHUP: the decoders file first (so an artifact for the new set fits), then the
     artifact. Each step logs its own outcome; neither stops the router."""
     if router.config.decoders_file is not None:
@@ -236,7 +273,46 @@ async def _hangup(router, reload) -> None:
             await router.elastic.sync_file()
         except Exception as exc:  # a bad file or a fixed pool: logged, nothing changed
             logging.getLogger("eldr.serve").error("decoders file not applied: %s", exc)
-    await _reload(reload)
+    try:
+        await router.reload()
+    except Exception:  # logged and counted by the reload; the running artifact stays
+        pass
+
+
+def learn_config_from_args(args: argparse.Namespace):
+    """The :class:`~eldr.learn.config.LearnConfig` of ``--learn DIR`` (None without it)."""
+    if getattr(args, "learn", None) is None:
+        return None
+    from eldr.learn.config import LearnConfig
+
+    return LearnConfig(directory=args.learn, min_requests=args.learn_min_requests,
+                       max_requests=args.learn_max_requests, holdout=args.learn_holdout,
+                       drift=args.learn_drift, drift_window=args.learn_drift_window,
+                       drift_alpha=args.learn_drift_alpha,
+                       persist_interval=args.learn_persist_interval)
+
+
+def start_artifact(learn) -> str | None:
+    """The learned artifact a restarted router starts with (None: none saved, or no
+    ``--learn``)."""
+    if learn is None:
+        return None
+    from eldr.learn.controller import learned_artifact
+
+    return learned_artifact(learn.directory)
+
+
+def configure(config, args: argparse.Namespace):
+    """(serve config, learn config or None) from ``eldr serve``'s arguments: with
+    ``--learn DIR`` and no ``--artifact``, the router starts with the artifact it learned
+    last in DIR (none: it starts without one, a policy that needs one, such as ``eldr``,
+    running ``eldr_cost`` until the first learned artifact is swapped in)."""
+    import dataclasses
+
+    learn = learn_config_from_args(args)
+    if learn is not None and config.artifact is None:
+        config = dataclasses.replace(config, artifact=start_artifact(learn), stand_in=True)
+    return config, learn
 
 
 def run(args: argparse.Namespace) -> int:
@@ -247,11 +323,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"eldr serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
                          f"from the source tree")
     from eldr.proxy.app import Router
-    from eldr.proxy.control import learning
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config, learn = learning.configure(config_from_args(args), args)
+    config, learn = configure(config_from_args(args), args)
     router = Router(config)  # a bad artifact fails here, before any socket or worker
     if config.workers > 1:
         from eldr.proxy.workers.supervisor import run_workers
@@ -265,11 +340,13 @@ def run(args: argparse.Namespace) -> int:
 
         def make_router(cfg, share):
             worker = Router(cfg, share=share)  # the shared loads and guards of its row
-            learning.attach(worker, learn, share.row)  # worker 0 learns, the others forward
+            if learn is not None:  # worker 0 learns, the others forward to it
+                worker.learn(learn, forward=share.row != 0)
             return worker
 
         return run_workers(config, make_router, serve, names=names, capacity=slots)
-    learning.attach(router, learn)
+    if learn is not None:
+        router.learn(learn)
     try:
         import uvloop  # optional: a faster event loop when installed
     except ModuleNotFoundError:

@@ -32,20 +32,17 @@ from typing import TYPE_CHECKING
 
 from eldr.proxy.bodies import parse_body
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.control.admin import AdminRoutes, FailedAttempts
+from eldr.proxy.control.admin import AdminToken, JournalLink, Reloader
 from eldr.proxy.control.elastic import ElasticPool
 from eldr.proxy.control.learn_admin import LearnAdmin
-from eldr.proxy.engines.upstream import UpstreamPool, make_session
-from eldr.proxy.request.containment import make_guards
-from eldr.routing.loads import LoadTracker
-
-if TYPE_CHECKING:
-    from eldr.proxy.workers.sharedpool import WorkerShare
+from eldr.proxy.control.learning import ForwardLearning, LiveLearning
+from eldr.proxy.engines.upstream import Instance, UpstreamPool, make_session
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.request.affinity import PrefixAffinity
-from eldr.proxy.request.decision import RoutingState, build_state
-from eldr.proxy.request.flow import RequestFlow
+from eldr.proxy.request.containment import RequestGuards, make_guards
+from eldr.proxy.request.decision import LiveRouting, RoutingState, build_state
+from eldr.proxy.request.flow import LearnerHook, RequestFlow
 from eldr.proxy.request.forward import (
     KNOWN_ROUTES,
     OWN_ROUTES,
@@ -54,6 +51,11 @@ from eldr.proxy.request.forward import (
     method_not_allowed,
 )
 from eldr.proxy.request.relay import is_stream_done
+from eldr.routing.loads import LoadTracker
+
+if TYPE_CHECKING:
+    from eldr.learn.config import LearnConfig
+    from eldr.proxy.workers.sharedpool import WorkerShare
 
 __all__ = ["Router"]
 
@@ -64,21 +66,26 @@ _OTHER_ROUTES = ("/v1/models", "/health", "/metrics", "/admin/reload", "/admin/d
                  "/admin/learn", "/admin/learn/trace")
 
 
-class Router(AdminRoutes):
-    """The router's long-lived state: config, engines, routing snapshot, metrics, session.
+class Router:
+    """The router: its parts wired together, and the HTTP routes that lead to them.
 
     ``Router(config)`` loads the artifact (raising ``ValueError`` for a bad one, before any
-    socket is opened); ``make_app()`` returns the aiohttp application; the HTTP client
-    session and the health checks start with the app and stop with it. ``share``: what a
-    worker of ``--workers N`` shares with the others (its pool's loads, its guards' memory);
-    None: a router of its own.
+    socket is opened) and builds the parts, each given what it uses: the engines' pool,
+    the request flow, the forwarder of vLLM's other routes, and the control side (admin
+    token, reloads, the elastic pool, the learner). ``make_app()`` returns the aiohttp
+    application; the HTTP client session and the health checks start with the app and
+    stop with it. ``share``: what a worker of ``--workers N`` shares with the others (its
+    pool's loads, its guards' memory); None: a router of its own.
+
+    The routing snapshot and the config it was built from live in ``live``, which every
+    part reads; only :meth:`swap` replaces them.
     """
 
     def __init__(self, config: ServeConfig, state: RoutingState | None = None, *,
                  share: WorkerShare | None = None) -> None:
-        self.config = config
-        self.state: RoutingState = state if state is not None else build_state(config)
-        names = list(self.state.worker_names)
+        state = state if state is not None else build_state(config)
+        self.live = LiveRouting(state, config)
+        names = list(state.worker_names)
         tracker = LoadTracker(len(names)) if share is None else share.tracker(len(names))
         self.pool = UpstreamPool(config, names, tracker=tracker)
         self.affinity = PrefixAffinity(
@@ -86,21 +93,76 @@ class Router(AdminRoutes):
             max_blocks=config.affinity_max_blocks, capacity=config.affinity_capacity,
             spill=config.affinity_spill)
         self.pool.on_recover = self._on_recover
-        self.pool.footprints.policy_of = lambda: self.state.policy  # reloads replace it
+        self.pool.footprints.policy_of = lambda: self.live.state.policy  # swaps replace it
         self.metrics = RouterMetrics(self.pool)
-        guards = make_guards(config) if share is None else \
+        poison, budget = make_guards(config) if share is None else \
             make_guards(config, share.guards, share.row)
-        self.flow = RequestFlow(self, *guards)
-        self.forwarder = Forwarder(self)
-        self.session = None
-        self._reload_lock = asyncio.Lock()
-        self._failed_tokens = FailedAttempts()  # wrong admin tokens per client address
-        # (L, E) the engines' prefill payloads declared last: the served model's fingerprint
-        self.engine_shape: tuple[int, int] | None = None
-        self.learner = None  # eldr.proxy.control.learning.LiveLearning with eldr serve --learn
-        self.elastic = ElasticPool(self)  # decoders added/removed at run time
+        guards = RequestGuards(poison, budget, pool=self.pool, metrics=self.metrics,
+                               poison_ttl=config.poison_ttl)
+        self.flow = RequestFlow(config, self.live, self.pool, self.affinity, self.metrics,
+                                guards)
+        self.forwarder = Forwarder(config, self.pool, self.metrics, self.flow.new_id)
+        self.token = AdminToken(config.admin_token)
+        changes = asyncio.Lock()  # reloads and pool changes: one at a time
+        self.reloader = Reloader(self.live, self.swap, self.pool, self.metrics, self.token,
+                                 changes)
+        self.elastic = ElasticPool(self.live, self.swap, self.pool, self.metrics, self.token,
+                                   changes, on_change=self._pool_changed)
+        self.learn_admin = LearnAdmin(self.live, self.token)
+        self.learner = None  # LiveLearning / ForwardLearning with eldr serve --learn
+        self.session = None  # the HTTP client to the engines, while the app runs
 
-    def _on_recover(self, inst) -> None:
+    @property
+    def state(self) -> RoutingState:
+        """The routing snapshot new requests start with."""
+        return self.live.state
+
+    @property
+    def config(self) -> ServeConfig:
+        """The config the routing snapshot was built from (its artifact, its decoders)."""
+        return self.live.config
+
+    def swap(self, state: RoutingState, config: ServeConfig | None = None) -> None:
+        """Replace the routing snapshot (and the config it was built from): an artifact
+        reload, a decoder added or removed. Requests in flight keep the one they started
+        with; the next ones take this."""
+        self.live.state = state
+        if config is not None:
+            self.live.config = config
+
+    async def reload(self, artifact: str | None = None) -> RoutingState:
+        """Reload the artifact (``POST /admin/reload`` and SIGHUP call this; with
+        ``--workers N`` it goes through the pool journal to every worker)."""
+        return await self.reloader.reload(artifact)
+
+    # -- wiring after construction ---------------------------------------------------------
+    def attach_learner(self, learner: LearnerHook) -> None:
+        """Give the router its learner: the flow reports completed requests to it, the
+        ``/admin/learn`` routes show it, pool changes are told to it."""
+        self.learner = self.flow.learner = self.learn_admin.learner = learner
+
+    def learn(self, config: LearnConfig, *, forward: bool = False) -> None:
+        """``eldr serve --learn``: learn from the completed requests here, or, with
+        ``forward`` (workers of ``--workers N`` but the first), send them to the worker
+        that learns."""
+        registry = self.metrics.registry
+        self.attach_learner(ForwardLearning(self.live, registry) if forward else LiveLearning(
+            config, live=self.live, pool=self.pool, registry=registry, reload=self.reload))
+
+    def attach_link(self, link: JournalLink) -> None:
+        """``--workers N``: pool changes and reloads go through the worker's link to the
+        pool journal, and so do the learner's records."""
+        self.elastic.link = self.reloader.link = link
+        connect = getattr(self.learner, "connect", None)
+        if connect is not None:
+            connect(link)
+
+    def _pool_changed(self, names: tuple[str, ...]) -> None:
+        tell = getattr(self.learner, "on_pool_change", None)
+        if tell is not None:
+            tell(tuple(names))
+
+    def _on_recover(self, inst: Instance) -> None:
         if inst.role == "prefill":  # a restarted engine has an empty prefix cache
             self.affinity.forget(inst.index)
 
@@ -112,19 +174,18 @@ class Router(AdminRoutes):
         async def errors(request, handler):
             return await self._errors(request, handler)
 
-        app = web.Application(client_max_size=self.config.max_body_bytes,
+        app = web.Application(client_max_size=self.live.config.max_body_bytes,
                               middlewares=[errors])
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
-        app.router.add_post("/admin/reload", self.admin_reload)
+        app.router.add_post("/admin/reload", self.reloader.route)
         app.router.add_route("*", "/admin/decoders", self.elastic.collection)
         app.router.add_route("*", "/admin/decoders/{name}", self.elastic.item)
-        learn = LearnAdmin(self)
-        app.router.add_route("*", "/admin/learn", learn.status)
-        app.router.add_route("*", "/admin/learn/trace", learn.trace)
+        app.router.add_route("*", "/admin/learn", self.learn_admin.status)
+        app.router.add_route("*", "/admin/learn/trace", self.learn_admin.trace)
         app.router.add_route("*", "/{tail:.*}", self.other_route)  # last: ours win
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -205,10 +266,10 @@ class Router(AdminRoutes):
     # -- handlers --------------------------------------------------------------------------
     async def generate(self, request):
         kind = _ENDPOINTS[request.path]
-        if request.content_length is not None and \
-                request.content_length > self.config.max_body_bytes:
-            raise ProxyError(413, f"request body is larger than {self.config.max_body_bytes} "
-                                  f"bytes", code="body_too_large")
+        limit = self.live.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ProxyError(413, f"request body is larger than {limit} bytes",
+                             code="body_too_large")
         raw = await request.read()
         body = parse_body(raw, kind)
         self._check_model(body)
@@ -300,7 +361,7 @@ class Router(AdminRoutes):
         pool, state = self.pool, self.state
         ok = any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode)
         degraded = not all(i.healthy for i in (*pool.prefill, *pool.decode))
-        admin = "Authorization" in request.headers and self._is_admin(request)
+        admin = "Authorization" in request.headers and self.token.is_admin(request)
         public = ("name", "healthy", "in_flight", "engine_load", "breaker", "draining")
 
         def show(inst, **extra) -> dict:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["EVALUATION_ONLY_POLICIES", "ServeConfig", "check_url", "parse_decode_spec"]
+__all__ = ["DECODER_NAME", "EVALUATION_ONLY_POLICIES", "ServeConfig", "check_url",
+           "parse_decode_spec", "read_decoders_file"]
 
 # Policies that need information a live request does not carry (an oracle domain label, the
 # request's future decode pattern): usable in the simulator, refused by the router.
 EVALUATION_ONLY_POLICIES = ("domain", "oracle_signature")
+# a decoder's name (its artifact worker id): in metric labels, URLs and the decoders file
+DECODER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_MAX_FILE_BYTES = 1 << 20  # a decoders file larger than this is refused
 
 
 def check_url(url: str, what: str) -> str:
@@ -36,6 +41,41 @@ def parse_decode_spec(spec: str) -> tuple[str | None, str]:
             raise ValueError(f"decode spec {spec!r}: the worker id before '=' is empty")
         return head, check_url(tail, "decode")
     return None, check_url(spec, "decode")
+
+
+def read_decoders_file(path: str) -> list[tuple[str | None, str]]:
+    """[(id or None, url)] of a decoders file: one ``[ID=]URL`` a line; blank lines and
+    ``#`` comments skipped. ``ValueError`` (with the line) for a bad line, a repeated URL
+    or id, ids on some lines only, or no decoder at all; ``OSError`` if unreadable."""
+    from eldr.fileio import open_regular
+
+    with open_regular(path, max_bytes=_MAX_FILE_BYTES, what="a decoders file") as fh:
+        try:
+            text = fh.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: the decoders file is not UTF-8 text") from None
+    specs: list[tuple[str | None, str]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            spec = parse_decode_spec(line)
+        except ValueError as exc:
+            raise ValueError(f"{path} line {n}: {exc}") from None
+        if spec[0] is not None and not DECODER_NAME.fullmatch(spec[0]):
+            raise ValueError(f"{path} line {n}: the id {spec[0]!r} must be 1-64 characters "
+                             f"of letters, digits and '._:-'")
+        specs.append(spec)
+    if not specs:
+        raise ValueError(f"{path}: the decoders file lists no decoder")
+    for what, values in (("URL", [u for _, u in specs]),
+                         ("id", [i for i, _ in specs if i is not None])):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{path}: a decoder {what} is listed twice")
+    if len({i is None for i, _ in specs}) > 1:
+        raise ValueError(f"{path}: give ids on every line (ID=URL) or on none")
+    return specs
 
 
 @dataclass(frozen=True)

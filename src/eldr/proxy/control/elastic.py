@@ -19,17 +19,18 @@ K + 1 centroids. Load-only policies just count one more decoder.
 
 **Removing.** The decoder drains: it takes no new request (``UpstreamPool.decode_available``
 masks it), its in-flight requests run to their end (no timeout beyond the decode's own),
-then, under the router's reload lock, it leaves the pool, the tracker and the policy
+then, under the lock reloads take too, it leaves the pool, the tracker and the policy
 (``Policy.remove_worker``: decoders above it move down one index) and its per-decoder
 gauges leave ``/metrics``. The last decoder that is not draining cannot be removed (409).
 
-**The routing snapshot.** Each change swaps ``router.state`` for a copy with the new decoder
-names (the policy object is the same, changed in place) and ``router.config`` for one
-whose ``decode_urls``/``decode_ids`` list the new set, so that an artifact reload — and a
-learned artifact, which ``--learn`` fits for the router's current decoders — is checked
-against the set being served. An artifact fitted for the old set is refused (409) after a
-change. A request whose snapshot names another decoder set takes the current one before it
-routes (``eldr.proxy.request.flow``); releases go to the policy object it dispatched to.
+**The routing snapshot.** Each change swaps the router's routing state for a copy with the
+new decoder names (the policy object is the same, changed in place) and its config for one
+whose ``decode_urls``/``decode_ids`` list the new set (``Router.swap``), so that an
+artifact reload — and a learned artifact, which ``--learn`` fits for the router's current
+decoders — is checked against the set being served. An artifact fitted for the old set is
+refused (409) after a change. A request whose snapshot names another decoder set takes the
+current one before it routes (``eldr.proxy.request.flow``); releases go to the policy object
+it dispatched to.
 
 **The decoders file.** ``eldr serve --decoders-file PATH`` (instead of ``--decode``) reads
 the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-reads it
@@ -38,8 +39,8 @@ the decoders from a file, one ``[ID=]URL`` a line; on ``SIGHUP`` the router re-r
 artifact is reloaded as before.
 
 **--workers N.** Each change goes through the workers' pool journal
-(:mod:`eldr.proxy.workers.poollink`, ``self.link``): the parent checks and orders it, every worker
-applies it (:meth:`ElasticPool.apply_add`, :meth:`ElasticPool.apply_drain`), and the
+(:mod:`eldr.proxy.workers.poollink`, ``self.link``): the parent checks and orders it, every
+worker applies it (:meth:`ElasticPool.apply_add`, :meth:`ElasticPool.apply_drain`), and the
 asking worker answers once it applied it itself; ``?wait=true`` answers once EVERY worker
 has removed the decoder.
 """
@@ -49,63 +50,42 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from eldr.proxy.config import check_url, parse_decode_spec
+from eldr.proxy.config import DECODER_NAME, ServeConfig, check_url, read_decoders_file
+from eldr.proxy.control.admin import AdminToken, JournalLink
 from eldr.proxy.errors import ProxyError
+from eldr.proxy.request.decision import LiveRouting, RoutingState
 from eldr.proxy.request.forward import method_not_allowed
 
-__all__ = ["ElasticPool", "read_decoders_file"]
+if TYPE_CHECKING:
+    from eldr.proxy.engines.upstream import Instance, UpstreamPool
+    from eldr.proxy.metrics import RouterMetrics
+
+__all__ = ["ElasticPool"]
 
 log = logging.getLogger("eldr.serve")
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _DRAIN_POLL = 0.02  # seconds between looks at a draining decoder's in-flight count
-_MAX_FILE_BYTES = 1 << 20
-
-
-def read_decoders_file(path: str) -> list[tuple[str | None, str]]:
-    """[(id or None, url)] of a decoders file: one ``[ID=]URL`` a line; blank lines and
-    ``#`` comments skipped. ``ValueError`` (with the line) for a bad line, a repeated URL
-    or id, ids on some lines only, or no decoder at all; ``OSError`` if unreadable."""
-    from eldr.fileio import open_regular
-
-    with open_regular(path, max_bytes=_MAX_FILE_BYTES, what="a decoders file") as fh:
-        try:
-            text = fh.read().decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}: the decoders file is not UTF-8 text") from None
-    specs: list[tuple[str | None, str]] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            spec = parse_decode_spec(line)
-        except ValueError as exc:
-            raise ValueError(f"{path} line {n}: {exc}") from None
-        if spec[0] is not None and not _NAME.fullmatch(spec[0]):
-            raise ValueError(f"{path} line {n}: the id {spec[0]!r} must be 1-64 characters "
-                             f"of letters, digits and '._:-'")
-        specs.append(spec)
-    if not specs:
-        raise ValueError(f"{path}: the decoders file lists no decoder")
-    for what, values in (("URL", [u for _, u in specs]),
-                         ("id", [i for i, _ in specs if i is not None])):
-        if len(set(values)) != len(values):
-            raise ValueError(f"{path}: a decoder {what} is listed twice")
-    if len({i is None for i, _ in specs}) > 1:
-        raise ValueError(f"{path}: give ids on every line (ID=URL) or on none")
-    return specs
 
 
 class ElasticPool:
-    """Adds and removes decoders of ``router`` (:class:`eldr.proxy.app.Router`)."""
+    """Adds and removes decoders of ``pool`` while the router serves.
 
-    def __init__(self, router) -> None:
-        self.router = router
+    ``live``/``swap``: the routing snapshot and the router's one way to replace it;
+    ``metrics``: the pool-change counters, the per-decoder series, the decisions (which
+    decoder a new one copies); ``lock``: shared with artifact reloads, one change at a
+    time; ``on_change(names)``: told the new decoder set after each change (the learner).
+    """
+
+    def __init__(self, live: LiveRouting, swap: Callable[[RoutingState, ServeConfig], None],
+                 pool: UpstreamPool, metrics: RouterMetrics, token: AdminToken,
+                 lock: asyncio.Lock, on_change: Callable[[tuple[str, ...]], None]) -> None:
+        self.live, self._swap, self.pool, self.metrics = live, swap, pool, metrics
+        self.token, self.lock, self._on_change = token, lock, on_change
         self._drains: dict[str, asyncio.Task] = {}  # name -> its drain-and-remove task
-        self.link = None  # eldr.proxy.workers.poollink.PoolLink in a worker of --workers N
+        self.link: JournalLink | None = None  # the pool journal, in a worker of --workers N
 
     # -- HTTP ------------------------------------------------------------------------------
     async def collection(self, request):
@@ -114,7 +94,7 @@ class ElasticPool:
 
         if request.method not in ("GET", "POST"):
             return method_not_allowed("GET, POST")
-        self.router._authorize(request)
+        self.token.authorize(request)
         if request.method == "GET":
             return web.json_response(self.describe())
         body = await _json_body(request)
@@ -130,7 +110,7 @@ class ElasticPool:
             url = check_url(url, "decode")
         except ValueError as exc:
             raise ProxyError(400, str(exc), param="url") from None
-        if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+        if name is not None and not (isinstance(name, str) and DECODER_NAME.fullmatch(name)):
             raise ProxyError(400, "'name' must be 1-64 characters of letters, digits and "
                                   "'._:-', starting with a letter or digit", param="name")
         inst = await self.add(url, name)
@@ -142,7 +122,7 @@ class ElasticPool:
 
         if request.method != "DELETE":
             return method_not_allowed("DELETE")
-        self.router._authorize(request)
+        self.token.authorize(request)
         name = request.match_info["name"]
         wait = request.query.get("wait", "false").lower()
         if wait not in ("true", "false", "1", "0"):
@@ -161,25 +141,28 @@ class ElasticPool:
                                   **self.describe()}, status=202)
 
     def describe(self) -> dict:
-        router = self.router
-        return {"policy": router.state.policy.name,
-                "decoders": [{**i.describe(), "load": float(router.pool.tracker.loads[i.index])}
-                             for i in router.pool.decode]}
+        pool = self.pool
+        return {"policy": self.live.state.policy.name,
+                "decoders": [{**i.describe(), "load": float(pool.tracker.loads[i.index])}
+                             for i in pool.decode]}
 
     # -- operations ------------------------------------------------------------------------
-    def _find(self, name: str):
-        return next((i for i in self.router.pool.decode if i.name == name), None)
+    def _find(self, name: str) -> Instance | None:
+        return next((i for i in self.pool.decode if i.name == name), None)
+
+    def drains(self) -> list[asyncio.Task]:
+        """The drains running now (a journal reload waits for them)."""
+        return list(self._drains.values())
 
     async def add(self, url: str, name: str | None = None):
         """Add a decoder (checked once for health first); returns its ``Instance``.
         ``ProxyError`` 409 for a URL or name already in the pool."""
-        router = self.router
+        pool = self.pool
         if self.link is not None:  # --workers: the parent checks and orders it
             like = self._largest_cluster()
             return await self.link.add(url, name, None if like is None else
-                                       router.pool.decode[like].name)
-        async with router._reload_lock:
-            pool = router.pool
+                                       pool.decode[like].name)
+        async with self.lock:
             if any(i.url == url for i in pool.decode):
                 raise ProxyError(409, f"a decoder with URL {url} is already in the pool",
                                  code="decoder_exists", param="url")
@@ -192,43 +175,55 @@ class ElasticPool:
                                  code="decoder_exists", param="name")
             like = self._largest_cluster()
             inst = self._add_now(url, name, like)
-            healthy = pool._session is not None and await pool.check(inst)
+            healthy = pool.session is not None and await pool.check(inst)
         self._log_added(inst, like, healthy)
         return inst
 
     async def apply_add(self, url: str, name: str, like: str | None, slot: int):
         """A journal entry (``--workers``): add ``name`` at shared load slot ``slot``,
         sharing the cluster of the decoder named ``like``."""
-        router = self.router
-        async with router._reload_lock:
+        async with self.lock:
             k = self._index_of(like)
             inst = self._add_now(url, name, k, slot)
-            healthy = router.pool._session is not None and await router.pool.check(inst)
+            healthy = self.pool.session is not None and await self.pool.check(inst)
         self._log_added(inst, k, healthy)
         return inst
 
-    def _add_now(self, url: str, name: str, like: int | None, slot: int | None = None):
-        router, pool = self.router, self.router.pool
+    def replay_add(self, url: str, name: str, like: str | None, slot: int) -> None:
+        """A journal entry replayed before a restarted worker serves (no health check:
+        the first round of checks does it)."""
+        self._add_now(url, name, self._index_of(like), slot)
+
+    def replay_drain(self, name: str) -> None:
+        """A drain replayed before a restarted worker serves: nothing runs there yet, so
+        the decoder is removed at once."""
+        inst = self._find(name)
+        if inst is not None:
+            self._remove_now(inst)
+
+    def _add_now(self, url: str, name: str, like: int | None,
+                 slot: int | None = None) -> Instance:
+        pool = self.pool
         if any(i.url == url or i.name == name for i in pool.decode):  # nothing changes
             raise ValueError(f"decoder {name} ({url}) is already in the pool")
-        state = router.state
+        state = self.live.state
         state.policy.add_worker(like=like)  # first: if it refuses, nothing else changed
         if slot is not None:
             pool.tracker.reserve(slot)  # the shared load table's column for it
         inst = pool.add_decoder(url, name)  # out of rotation until the check passes
-        self._swap(state, (*state.worker_names, name))
-        router.metrics.prime_instances(pool, (inst,))
-        router.metrics.pool_changes.inc(action="added")
+        self._rename(state, (*state.worker_names, name))
+        self.metrics.prime_instances(pool, (inst,))
+        self.metrics.pool_changes.inc(action="added")
         return inst
 
-    def _log_added(self, inst, like: int | None, healthy: bool) -> None:
-        state = self.router.state
+    def _log_added(self, inst: Instance, like: int | None, healthy: bool) -> None:
+        state = self.live.state
         log.info("decoder %s (%s) added at index %d%s%s", inst.name, inst.url, inst.index,
                  "" if like is None or "signature" not in state.policy.inputs else
                  f", sharing the cluster of {state.worker_names[like]} until a refit",
                  "" if healthy else f"; not healthy yet ({inst.last_error}), it takes "
                                     f"requests once a health check passes")
-        self._tell_learner()
+        self._on_change(state.worker_names)
 
     def _index_of(self, name: str | None) -> int | None:
         inst = None if name is None else self._find(name)
@@ -250,10 +245,10 @@ class ElasticPool:
             return running
         inst = self._find(name)
         if inst is None:
-            known = [i.name for i in self.router.pool.decode]
+            known = [i.name for i in self.pool.decode]
             raise ProxyError(404, f"no decoder named {name!r}; the decoders are {known}",
                              code="decoder_not_found")
-        if not any(not i.draining for i in self.router.pool.decode if i is not inst):
+        if not any(not i.draining for i in self.pool.decode if i is not inst):
             raise ProxyError(409, f"{name} is the last decoder taking requests; add another "
                                   f"before removing it", code="last_decoder")
         return self._start_drain(inst)
@@ -265,10 +260,10 @@ class ElasticPool:
             return None
         return self._drains.get(name) or self._start_drain(inst)
 
-    def _start_drain(self, inst) -> asyncio.Task:
+    def _start_drain(self, inst: Instance) -> asyncio.Task:
         name = inst.name
         inst.draining = True
-        self.router.metrics.pool_changes.inc(action="draining")
+        self.metrics.pool_changes.inc(action="draining")
         log.info("decoder %s (%s) draining: no new requests, %d in flight", name, inst.url,
                  inst.in_flight)
         task = asyncio.ensure_future(self._drain(inst))
@@ -276,7 +271,7 @@ class ElasticPool:
         task.add_done_callback(lambda _: self._drains.pop(name, None))
         return task
 
-    async def _drain(self, inst) -> None:
+    async def _drain(self, inst: Instance) -> None:
         try:
             await self._drain_and_remove(inst)
         except asyncio.CancelledError:
@@ -286,38 +281,36 @@ class ElasticPool:
             if self.link is not None:  # ?wait=true answers 500 in whichever worker
                 self.link.send({"op": "remove_failed", "name": inst.name})
 
-    async def _drain_and_remove(self, inst) -> None:
+    async def _drain_and_remove(self, inst: Instance) -> None:
         while inst.in_flight > 0:
             await asyncio.sleep(_DRAIN_POLL)
-        router = self.router
-        async with router._reload_lock:
+        async with self.lock:
             self._remove_now(inst)
         log.info("decoder %s (%s) drained and removed; %d decoders left", inst.name, inst.url,
-                 len(router.pool.decode))
+                 len(self.pool.decode))
         if self.link is not None:
             self.link.removed(inst.name)
-        self._tell_learner()
+        self._on_change(self.live.state.worker_names)
 
-    def _remove_now(self, inst) -> None:
-        router = self.router
-        state = router.state
+    def _remove_now(self, inst: Instance) -> None:
+        state = self.live.state
         k = inst.index
         state.policy.remove_worker(k)  # first: if it refuses, nothing else changed
-        router.pool.remove_decoder(inst)
-        self._swap(state, state.worker_names[:k] + state.worker_names[k + 1:])
-        router.metrics.pool_changes.inc(action="removed")
+        self.pool.remove_decoder(inst)
+        self._rename(state, state.worker_names[:k] + state.worker_names[k + 1:])
+        self.metrics.pool_changes.inc(action="removed")
 
     async def sync_file(self) -> dict:
         """Re-read ``config.decoders_file`` and make the pool match it: its new URLs are
         added, decoders whose URL it no longer lists drain. Returns
         ``{"added": [names], "draining": [names]}``; raises ``ValueError``/``OSError`` for a
         bad file (nothing changes)."""
-        path = self.router.config.decoders_file
+        path = self.live.config.decoders_file
         specs = await asyncio.to_thread(read_decoders_file, path)
         listed = {u for _, u in specs}
         added, draining = [], []
         for name, url in specs:
-            inst = next((i for i in self.router.pool.decode if i.url == url), None)
+            inst = next((i for i in self.pool.decode if i.url == url), None)
             if inst is not None:
                 if inst.draining:
                     log.warning("decoders file: %s (%s) is still draining; it is not taken "
@@ -327,7 +320,7 @@ class ElasticPool:
                 added.append((await self.add(url, name)).name)
             except ProxyError as exc:  # e.g. an id already naming another decoder
                 log.error("decoders file: %s not added: %s", url, exc.message)
-        for inst in list(self.router.pool.decode):
+        for inst in list(self.pool.decode):
             if inst.url not in listed and not inst.draining:
                 try:
                     await self.start_removal(inst.name)
@@ -347,28 +340,20 @@ class ElasticPool:
     def _largest_cluster(self) -> int | None:
         """The index of the decoder with the most routing decisions so far (None before any
         decision): the cluster a new decoder splits, for the policies that have clusters."""
-        router = self.router
-        if "signature" not in router.state.policy.inputs and \
-                getattr(router.state.policy, "footprint", None) is None:
+        policy = self.live.state.policy
+        if "signature" not in policy.inputs and getattr(policy, "footprint", None) is None:
             return None
-        taken = router.metrics.decisions.values
-        policy = router.state.policy.name
-        counts = [(taken.get((policy, i.name), 0.0), -i.index, i.index)
-                  for i in router.pool.decode if not i.draining]
+        taken = self.metrics.decisions.values
+        counts = [(taken.get((policy.name, i.name), 0.0), -i.index, i.index)
+                  for i in self.pool.decode if not i.draining]
         best = max(counts, default=None)
         return None if best is None or best[0] == 0 else best[2]
 
-    def _swap(self, state, names: tuple[str, ...]) -> None:
-        router = self.router
-        router.state = dataclasses.replace(state, worker_names=names)
-        router.config = dataclasses.replace(
-            router.config, decode_urls=tuple(i.url for i in router.pool.decode),
-            decode_ids=names)
-
-    def _tell_learner(self) -> None:
-        learner = self.router.learner
-        if learner is not None and hasattr(learner, "on_pool_change"):
-            learner.on_pool_change(tuple(self.router.state.worker_names))
+    def _rename(self, state: RoutingState, names: tuple[str, ...]) -> None:
+        """The router's snapshot and config for the pool as it is now (``names``)."""
+        self._swap(dataclasses.replace(state, worker_names=names), dataclasses.replace(
+            self.live.config, decode_urls=tuple(i.url for i in self.pool.decode),
+            decode_ids=names))
 
 
 async def _json_body(request) -> dict:

@@ -16,21 +16,25 @@ import asyncio
 import os
 import tempfile
 
+from eldr.proxy.control.admin import AdminToken
 from eldr.proxy.errors import ProxyError
+from eldr.proxy.request.decision import LiveRouting
 from eldr.proxy.request.forward import method_not_allowed
 
 __all__ = ["LearnAdmin"]
 
 
 class LearnAdmin:
-    """The ``/admin/learn`` routes of ``router`` (:class:`eldr.proxy.app.Router`)."""
+    """The ``/admin/learn`` routes: ``learner`` is the router's (set when it attaches one;
+    None: the router does not learn), ``live`` its routing snapshot."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(self, live: LiveRouting, token: AdminToken) -> None:
+        self.live, self.token = live, token
+        self.learner = None  # the router's LiveLearning or ForwardLearning, with --learn
 
     def _learner(self, request):
-        self.router._authorize(request)
-        live = self.router.learner
+        self.token.authorize(request)
+        live = self.learner
         if live is None:
             raise ProxyError(404, "this router does not learn: start eldr serve with "
                                   "--learn DIR", code="not_learning")
@@ -53,7 +57,7 @@ class LearnAdmin:
             **learner.state,
             "requests": len(buf), "with_decode": buf.num_with_decode, "seen": buf.num_seen,
             "dropped": buf.num_dropped, "model": buf.model, "fit_running": fitting,
-            "artifact": self.router.state.artifact, "policy": self.router.state.policy.name,
+            "artifact": self.live.state.artifact, "policy": self.live.state.policy.name,
             "drift": {} if det is None else {s: r.score for s, r in det.last_.items()}})
 
     async def trace(self, request):

@@ -5,8 +5,9 @@ one hook, :meth:`on_request_done`, called by the flow when a decode completes: i
 the prompt's expert counts from the prefill response (the payload, or vLLM's
 ``routed_experts``), the decode counts when the engines sent them (optional), and gives
 the learner a record and the request's signature under the running artifact (for drift).
-An accepted artifact is swapped in with the router's own reload (``Router.reload(path)``),
-so it is checked exactly like ``POST /admin/reload``. Learning metrics (``eldr_learn_*``)
+An accepted artifact is swapped in with the router's own reload (``reload(path)``: the
+router's :meth:`~eldr.proxy.control.admin.Reloader.reload`), so it is checked exactly like
+``POST /admin/reload``. Learning metrics (``eldr_learn_*``)
 are registered on the router's registry and every stage is logged under ``eldr.learn``.
 
 With ``--workers N`` worker 0 has the :class:`LiveLearning`; the others have a
@@ -18,62 +19,30 @@ journal (:mod:`eldr.proxy.workers.poollink`) with the learned artifact's path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from eldr.learn.buffer import make_record
 from eldr.learn.config import LearnConfig
-from eldr.learn.controller import Learner, learned_artifact
+from eldr.learn.controller import Learner
+from eldr.proxy.control.admin import JournalLink
+from eldr.proxy.request.decision import LiveRouting, RoutingState
 from eldr.proxy.request.signatures import read_counts, split_kv_params
 
-__all__ = ["ForwardLearning", "LiveLearning", "add_arguments", "config_from_args",
-           "start_artifact"]
+if TYPE_CHECKING:
+    from eldr.proxy.engines.upstream import UpstreamPool
+    from eldr.proxy.metrics import Registry
+
+__all__ = ["ForwardLearning", "LiveLearning", "read_parts"]
 
 log = logging.getLogger("eldr.learn")
 
 _SMALL_ANSWER = 32 * 1024  # answers whose usage is read back (bigger: length unknown)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``--learn DIR`` and its settings (a group of ``eldr serve``'s options)."""
-    g = p.add_argument_group("learning from live traffic (docs/learn.md)")
-    g.add_argument("--learn", metavar="DIR", default=None,
-                   help="collect completed requests into a calibration trace in DIR, fit an "
-                        "artifact when enough are in, validate it and swap it in; refit on "
-                        "drift. Survives restarts (DIR is reloaded)")
-    g.add_argument("--learn-min-requests", type=int, default=500, metavar="N",
-                   help="requests before the first fit, and new ones per refit (default 500)")
-    g.add_argument("--learn-max-requests", type=int, default=4000, metavar="N",
-                   help="requests kept in the buffer, oldest dropped (default 4000)")
-    g.add_argument("--learn-holdout", type=float, default=0.25, metavar="F",
-                   help="fraction of a fit's requests held out to validate it (default 0.25)")
-    g.add_argument("--learn-drift-window", type=int, default=100, metavar="N",
-                   help="requests per drift test (default 100)")
-    g.add_argument("--learn-drift-alpha", type=float, default=0.01, metavar="A",
-                   help="false-alarm level of one drift test (default 0.01)")
-    g.add_argument("--learn-no-drift", dest="learn_drift", action="store_false",
-                   help="never refit on drift (fit once)")
-    g.add_argument("--learn-persist-interval", type=float, default=30.0, metavar="S",
-                   help="seconds between writes of the buffer to DIR (default 30)")
-
-
-def config_from_args(args: argparse.Namespace) -> LearnConfig | None:
-    if getattr(args, "learn", None) is None:
-        return None
-    return LearnConfig(directory=args.learn, min_requests=args.learn_min_requests,
-                       max_requests=args.learn_max_requests, holdout=args.learn_holdout,
-                       drift=args.learn_drift, drift_window=args.learn_drift_window,
-                       drift_alpha=args.learn_drift_alpha,
-                       persist_interval=args.learn_persist_interval)
-
-
-def start_artifact(config: LearnConfig | None) -> str | None:
-    """The learned artifact a restarted router should start with (None: none saved)."""
-    return None if config is None else learned_artifact(config.directory)
 
 
 def _answer_tokens(resp) -> int | None:
@@ -91,14 +60,18 @@ def _answer_tokens(resp) -> int | None:
 
 
 class LiveLearning:
-    """A learner attached to ``router`` (``router.learner = LiveLearning(router, config)``)."""
+    """The learner of one router (``Router.learn``): ``live`` is its routing snapshot (the
+    decoders fits are for, the artifact running), ``pool`` its engines (the model's name),
+    ``registry`` its metrics, ``reload(path)`` how an accepted artifact is swapped in."""
 
-    def __init__(self, router, config: LearnConfig, *, executor=None) -> None:
-        self.router = router
-        self.learner = Learner(config, worker_ids=lambda: tuple(router.state.worker_names),
-                               current_artifact=lambda: router.config.artifact,
+    def __init__(self, config: LearnConfig, *, live: LiveRouting, pool: UpstreamPool,
+                 registry: Registry, reload: Callable[[str], Awaitable[RoutingState]],
+                 executor=None) -> None:
+        self.live, self.pool, self._reload = live, pool, reload
+        self.learner = Learner(config, worker_ids=lambda: tuple(live.state.worker_names),
+                               current_artifact=lambda: live.config.artifact,
                                swap=self._swap, on_event=self._event, executor=executor)
-        self._register(router.metrics.registry)
+        self._register(registry)
 
     def _register(self, reg) -> None:
         learner = self.learner
@@ -144,7 +117,12 @@ class LiveLearning:
         await self.learner.stop()
 
     async def _swap(self, path: str) -> None:
-        await self.router.reload(path)
+        await self._reload(path)
+
+    def connect(self, link: JournalLink) -> None:
+        """``--workers N``: the requests other workers forward reach this learner."""
+        link.on_message = lambda msg: self.on_forwarded(msg["parts"]) \
+            if msg.get("op") == "learn" else None
 
     def on_pool_change(self, names: tuple[str, ...]) -> None:
         """A decoder was added or removed (:mod:`eldr.proxy.control.elastic`). Fits read the
@@ -154,7 +132,7 @@ class LiveLearning:
         finishes for the old set, and the refit for ``names`` follows it."""
         learner = self.learner
         learner.pool_changed()
-        if self.router.config.artifact is None:
+        if self.live.config.artifact is None:
             log.info("learn: decoders are now %s; the first fit will be for them",
                      list(names))
             return
@@ -176,7 +154,7 @@ class LiveLearning:
         self.requests.inc(result=result)
 
     def _collect(self, doc: dict, decoder: str, resp, decode) -> str:
-        parts = read_parts(self.router, doc, decoder, resp, decode,
+        parts = read_parts(self.live.state, doc, decoder, resp, decode,
                            self.learner.buffer.shape)
         return parts if isinstance(parts, str) else self._record(parts)
 
@@ -193,7 +171,7 @@ class LiveLearning:
         self.requests.inc(result=result)
 
     def _record(self, p: dict) -> str:
-        router, buf = self.router, self.learner.buffer
+        buf = self.learner.buffer
         counts, k, tokens = p["counts"], p["top_k"] or buf.top_k, p["tokens"]
         if k is None and tokens:
             total = int(counts[0].sum())
@@ -214,11 +192,11 @@ class LiveLearning:
                 return "inconsistent"
         if buf.top_k is None:
             buf.top_k = int(k)
-            known = router.pool.models()
+            known = self.pool.models()
             buf.model = known[0] if known else "unknown"
         elif buf.top_k != k or (buf.shape is not None and buf.shape != counts.shape):
             return "other_model"
-        state = router.state
+        state = self.live.state
         signature = None
         if state.encoder is not None and counts.shape == state.shape:
             signature = np.asarray(state.encode(counts), dtype=np.float64)
@@ -263,19 +241,20 @@ class LiveLearning:
             log.debug("learn: %s %s", name, info)
 
 
-def read_parts(router, doc: dict, decoder: str, resp, decode, shape=None) -> dict | str:
+def read_parts(state: RoutingState, doc: dict, decoder: str, resp, decode,
+               shape=None) -> dict | str:
     """What a completed request gives the learner (``counts`` (L, E), ``top_k`` or None,
     ``tokens``, ``decoder``, ``output_tokens``, ``decode_counts`` (L, E) or None,
     ``steps``, ``mean_distinct``, ``time``), or why nothing (``"no_counts"``). ``shape``:
     the (L, E) expected when the routing state has none (vLLM's ``routed_experts``)."""
     _, payload = split_kv_params(doc)
-    want = None if payload is not None else (router.state.shape or shape)
+    want = None if payload is not None else (state.shape or shape)
     counts = read_counts(doc, payload, want)
     if counts.counts is None:
         return "no_counts"
     decoded = getattr(decode, "tokens", None)  # forward passes: generated tokens - 1
     steps = getattr(decode, "steps", 0) or 0
-    return {"counts": counts.counts, "top_k": counts.top_k or router.state.top_k,
+    return {"counts": counts.counts, "top_k": counts.top_k or state.top_k,
             "tokens": counts.tokens, "decoder": decoder,
             "output_tokens": _answer_tokens(resp) or
             (decoded + 1 if isinstance(decoded, int) else None),
@@ -285,14 +264,15 @@ def read_parts(router, doc: dict, decoder: str, resp, decode, shape=None) -> dic
 
 
 class ForwardLearning:
-    """``router.learner`` of a worker that does not learn (``--workers N``, rows > 0): it
-    reads each completed request like :class:`LiveLearning` and sends it to the learning
-    worker through the parent (``send(msg)``: the worker's link, buffered, never waiting;
-    the parent drops records when the learner falls behind)."""
+    """The learner of a worker that does not learn (``--workers N``, rows > 0): it reads
+    each completed request like :class:`LiveLearning` and sends it to the learning worker
+    through the parent (the worker's link once :meth:`connect` gave it one: buffered, never
+    waiting; the parent drops records when the learner falls behind)."""
 
-    def __init__(self, router, send) -> None:
-        self.router, self._send = router, send
-        self.forwarded = router.metrics.registry.counter(
+    def __init__(self, live: LiveRouting, registry: Registry) -> None:
+        self.live = live
+        self._send: Callable[[dict], bool] = lambda msg: False  # no link yet: dropped
+        self.forwarded = registry.counter(
             "eldr_learn_forwarded_total", "Completed requests this worker sent to the "
             "learning worker (--workers N), by result (sent; dropped: the link to the "
             "parent was full or closed; or why the request was not collected).", ("result",))
@@ -304,9 +284,13 @@ class ForwardLearning:
     async def stop(self) -> None:
         pass
 
+    def connect(self, link: JournalLink) -> None:
+        """``--workers N``: records leave through the worker's link to the parent."""
+        self._send = lambda msg: link.send(msg, droppable=True)
+
     def on_request_done(self, doc: dict, decoder: str, resp=None, decode=None) -> None:
         try:
-            parts = read_parts(self.router, doc, decoder, resp, decode)
+            parts = read_parts(self.live.state, doc, decoder, resp, decode)
             if isinstance(parts, str):
                 self.forwarded.inc(result=parts)
                 return
@@ -317,38 +301,3 @@ class ForwardLearning:
             self.forwarded.inc(result="dropped" if sent is False else "sent")
         except Exception:  # learning must not fail a request
             log.exception("learn: forwarding a completed request failed")
-
-
-def configure(config, args: argparse.Namespace):
-    """(serve config, learn config or None) from ``eldr serve``'s arguments: with
-    ``--learn DIR`` and no ``--artifact``, the router starts with the artifact it learned
-    last in DIR (none: it starts without one, a policy that needs one, such as ``eldr``,
-    running ``eldr_cost`` until the first learned artifact is swapped in)."""
-    import dataclasses
-
-    learn = config_from_args(args)
-    if learn is not None and config.artifact is None:
-        config = dataclasses.replace(config, artifact=start_artifact(learn), stand_in=True)
-    return config, learn
-
-
-def attach(router, learn: LearnConfig | None, row: int | None = None) -> None:
-    """Give ``router`` a learner (nothing without ``--learn``). ``row``: the worker's row
-    with ``--workers N``: worker 0 learns, the others forward to it (their link's
-    ``send``, set up by :func:`attach_link`)."""
-    if learn is None:
-        return
-    if row is None or row == 0:
-        router.learner = LiveLearning(router, learn)
-    else:
-        router.learner = ForwardLearning(router, lambda msg: None)
-
-
-def attach_link(router, link) -> None:
-    """Connect a worker's learner to its pool link (``--workers N``): forwarded records
-    reach worker 0's learner, the others' records leave through the link."""
-    if isinstance(router.learner, LiveLearning):
-        link.on_message = lambda msg: router.learner.on_forwarded(msg["parts"]) \
-            if msg.get("op") == "learn" else None
-    elif isinstance(router.learner, ForwardLearning):
-        router.learner._send = lambda msg: link.send(msg, droppable=True)

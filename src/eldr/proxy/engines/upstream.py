@@ -141,7 +141,10 @@ class UpstreamPool:
         self.on_recover = None  # callback(instance) when an instance comes back
         # engine footprints for the policy; the router sets footprints.policy_of
         self.footprints = FootprintReader(config.scrape_interval, config.engine_footprint)
-        self._session = None
+        self.session = None  # the HTTP client to the engines, from start() on
+        # (L, E) the engines' prefill payloads declared last: the served model's
+        # fingerprint (the request flow records it; an artifact reload must match it)
+        self.engine_shape: tuple[int, int] | None = None
         self._tasks: list[asyncio.Task] = []
         self._probes: dict[Instance, asyncio.Future] = {}  # death checks in flight
 
@@ -263,7 +266,7 @@ class UpstreamPool:
 
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
-            async with self._session.get(f"{inst.url}/health", timeout=timeout,
+            async with self.session.get(f"{inst.url}/health", timeout=timeout,
                                          headers=self.auth_headers()) as resp:
                 await read_upto(resp, _HEALTH_BODY_LIMIT)
                 if resp.status == 200:
@@ -305,7 +308,7 @@ class UpstreamPool:
     # -- background loops ----------------------------------------------------------------
     async def start(self, session) -> None:
         """Run one health round now, then keep checking (and scraping) in the background."""
-        self._session = session
+        self.session = session
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._loop(self.check_all,
                                                           self.config.health_interval)))
@@ -340,13 +343,13 @@ class UpstreamPool:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         headers = self.auth_headers()
         try:
-            async with self._session.get(f"{inst.url}/health", timeout=timeout,
+            async with self.session.get(f"{inst.url}/health", timeout=timeout,
                                          headers=headers) as resp:
                 await read_upto(resp, _HEALTH_BODY_LIMIT)
                 if resp.status != 200:
                     raise ValueError(f"/health answered {resp.status}")
             if not inst.models:
-                async with self._session.get(f"{inst.url}/v1/models", timeout=timeout,
+                async with self.session.get(f"{inst.url}/v1/models", timeout=timeout,
                                              headers=headers) as resp:
                     raw, whole = await read_upto(resp, _MODELS_BODY_LIMIT)
                     doc = json_object(raw) if resp.status == 200 and whole else None
@@ -365,7 +368,7 @@ class UpstreamPool:
         ``vllm:cache_config_info`` info gauge), 0 when it reports none (asked once), None
         when the page could not be read (asked again at the next check)."""
         try:
-            async with self._session.get(f"{inst.url}/metrics", timeout=timeout,
+            async with self.session.get(f"{inst.url}/metrics", timeout=timeout,
                                          headers=headers) as resp:
                 raw, _ = await read_upto(resp, _METRICS_BODY_LIMIT)
                 if resp.status != 200:
@@ -397,12 +400,12 @@ class UpstreamPool:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         await self._scrape_metrics(inst, timeout)
         if not inst.removed:
-            await self.footprints.read(self._session, inst, timeout=timeout,
+            await self.footprints.read(self.session, inst, timeout=timeout,
                                        headers=self.auth_headers())
 
     async def _scrape_metrics(self, inst: Instance, timeout) -> None:
         try:
-            async with self._session.get(f"{inst.url}/metrics", timeout=timeout,
+            async with self.session.get(f"{inst.url}/metrics", timeout=timeout,
                                          headers=self.auth_headers()) as resp:
                 if resp.status != 200:
                     return

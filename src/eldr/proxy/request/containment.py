@@ -18,14 +18,17 @@ failing engine, take more engines down. Two mechanisms, both free of I/O:
   per-second buckets (one writer per cell, no lock); every worker reads the sum of all
   rows, so the budget is shared by ``--workers N``.
 
-:class:`Strikes` is what went wrong for one request; the request flow
-(:mod:`eldr.proxy.request.flow`) decides what a death is (a 5xx or a lost connection followed by
-the engine failing a health probe).
+:class:`Strikes` is what went wrong for one request; :class:`RequestGuards` applies both
+mechanisms to the requests of one router: what a death is (a 5xx or a lost connection
+followed by the engine failing a health probe), when a body becomes poison, whether a
+retry may go.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import logging
 import mmap
 import time
 from collections.abc import Callable
@@ -34,16 +37,25 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from eldr.proxy.errors import ProxyError
+
 if TYPE_CHECKING:
     from eldr.proxy.config import ServeConfig
+    from eldr.proxy.engines.upstream import Instance, UpstreamPool
+    from eldr.proxy.metrics import RouterMetrics
 
-__all__ = ["POISON_BODY_DEATHS", "POISON_DEATHS", "GuardBuffers", "PoisonList", "RetryBudget",
-           "Strikes", "body_digest", "make_guards", "shared_buffer"]
+log = logging.getLogger("eldr.serve")
+
+__all__ = ["DEATH_KINDS", "POISON_BODY_DEATHS", "POISON_DEATHS", "GuardBuffers", "PoisonList",
+           "RequestGuards", "RetryBudget", "Strikes", "body_digest", "make_guards",
+           "shared_buffer"]
 
 POISON_DEATHS = 2  # engines one request may see die: at the second it is poison
 # deaths a body may see over several requests (resends) before it is refused: one more than
 # a request's own, since identical bodies in flight at two unrelated deaths are not poison
 POISON_BODY_DEATHS = 3
+# failures after which the engine may have died: probed, and a death is a strike
+DEATH_KINDS = ("http_5xx", "disconnect")
 
 
 def body_digest(raw: bytes) -> int:
@@ -240,3 +252,78 @@ def make_guards(config: ServeConfig, shared: GuardBuffers | None = None,
                          row=0 if shared is None else row,
                          buffer=None if shared is None else shared.budget)
     return poison, budget
+
+
+class RequestGuards:
+    """The poison list and the retry budget, applied to one router's requests.
+
+    The request flow asks it at three points: :meth:`admit` before any engine sees a
+    request, :meth:`may_retry` before each retry, :meth:`check_death` after a failure that
+    may have killed an engine (also mid-stream, from the relay). ``pool`` probes an engine
+    that failed; ``metrics`` counts deaths, poison requests and refused retries.
+    """
+
+    def __init__(self, poison: PoisonList, budget: RetryBudget, *, pool: UpstreamPool,
+                 metrics: RouterMetrics, poison_ttl: float) -> None:
+        self.poison = poison  # bodies that killed engines (shared by --workers N)
+        self.budget = budget  # retries of all requests (shared by --workers N)
+        self._pool, self._metrics, self._poison_ttl = pool, metrics, poison_ttl
+        # death events already counted (an engine death found by several requests)
+        self._deaths_seen: collections.deque = collections.deque(maxlen=64)
+
+    def admit(self, faults: Strikes) -> None:
+        """Count a new request toward the retry budget; first, 422 for a body that killed
+        two engines not long ago (before any engine sees it)."""
+        left = self.poison.seconds_left(faults.digest)
+        if left is not None:
+            self._metrics.poison.inc(event="refused")
+            raise ProxyError(422, f"this request is refused for another {left:.0f} s: the "
+                                  f"same body made two engines die in a row (a poison "
+                                  f"request; change it, or ask the operator)",
+                             code="poison_request")
+        self.budget.on_request()
+
+    def is_refused(self, faults: Strikes) -> bool:
+        """Whether the request's body is on the poison list now."""
+        return self.poison.seconds_left(faults.digest) is not None
+
+    def may_retry(self, faults: Strikes, last: object) -> bool:
+        """One more try elsewhere, if the shared retry budget allows it (``last``: the
+        failure that asks, for the log)."""
+        if self.budget.try_retry():
+            return True
+        faults.budget_refused = True
+        self._metrics.retries_refused.inc()
+        log.warning("request %s: not retried, the retry budget is spent (%s)", faults.rid,
+                    last)
+        return False
+
+    async def check_death(self, inst: Instance, kind: str, faults: Strikes) -> None:
+        """After a 5xx or a lost connection at ``inst``: did the engine die? A death is a
+        strike against the request; the second makes it poison (ProxyError 502, the body
+        refused for ``poison_ttl`` s)."""
+        if kind not in DEATH_KINDS or await self._pool.confirm_alive(inst):
+            return
+        faults.deaths.append(f"{inst.role} {inst.name} ({kind})")
+        # one death event per engine death, whichever of its requests found it
+        event = body_digest(f"{inst.url}#{inst.deaths}".encode())
+        if event not in self._deaths_seen:
+            self._deaths_seen.append(event)
+            self._metrics.engine_deaths.inc(role=inst.role, instance=inst.name)
+        total = self.poison.record_death(faults.digest, event)
+        if len(faults.deaths) >= POISON_DEATHS or total >= POISON_BODY_DEATHS:
+            raise self._poisoned(faults, total)
+
+    def _poisoned(self, faults: Strikes, total: int) -> ProxyError:
+        self.poison.add(faults.digest)
+        self._metrics.poison.inc(event="detected")
+        deaths = ", then ".join(faults.deaths)
+        if total > len(faults.deaths):  # the body killed engines in earlier requests too
+            deaths = (f"{total - len(faults.deaths)} engine(s) in earlier requests with this "
+                      f"body, then {deaths}")
+        log.error("request %s is poison: engines died while serving it (%s); not retried, "
+                  "its body refused for %.0f s", faults.rid, deaths, self._poison_ttl)
+        return ProxyError(502, f"request {faults.rid} was not served: engines died in a row "
+                               f"serving this body ({deaths}); it is not retried, and the "
+                               f"same body is refused for {self._poison_ttl:.0f} s",
+                          code="poison_request")

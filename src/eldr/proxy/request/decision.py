@@ -29,7 +29,7 @@ from eldr.routing import (
     make_policy,
 )
 
-__all__ = ["LazyCostPolicy", "RoutingState", "WorkerMismatch", "build_state"]
+__all__ = ["LazyCostPolicy", "LiveRouting", "RoutingState", "WorkerMismatch", "build_state"]
 
 _SHAPE_RESOURCES = frozenset({"num_layers", "num_experts"})
 
@@ -184,6 +184,23 @@ class RoutingState:
         if self.num_layers is not None and self.num_experts is not None:
             return self.num_layers, self.num_experts
         return getattr(self.policy, "shape", None)
+
+
+class LiveRouting:
+    """The routing snapshot new requests start with, and the config it was built from.
+
+    One object shared by the router's parts (the flow reads ``state`` once per request and
+    attempt; control reads both). Its two fields are replaced whole, together, and only by
+    :meth:`eldr.proxy.app.Router.swap` (an artifact reload, a decoder added or removed):
+    a holder rather than the router itself, so that each part gets what it reads and no
+    more, at the cost of the one attribute lookup the router's own field would take.
+    """
+
+    __slots__ = ("config", "state")
+
+    def __init__(self, state: RoutingState, config: ServeConfig) -> None:
+        self.state = state  # the current routing snapshot
+        self.config = config  # the config it was built from (its artifact and decoders)
 
 
 def _masked_encoder(encoder):

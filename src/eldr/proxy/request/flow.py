@@ -33,29 +33,34 @@ footprint.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
 
 from eldr.capture.decode import REPORT_KEY
 from eldr.proxy.bodies import ByteBudget, json_object, prompt_token_bound, read_upto
-from eldr.proxy.engines.upstream import Instance, error_kind
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.engines.upstream import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply
-from eldr.proxy.request.containment import (
-    POISON_BODY_DEATHS,
-    POISON_DEATHS,
-    PoisonList,
-    RetryBudget,
-    Strikes,
-    body_digest,
-)
-from eldr.proxy.request.decision import RoutingState
+from eldr.proxy.metrics import RouterMetrics
+from eldr.proxy.request.affinity import PrefixAffinity
+from eldr.proxy.request.containment import RequestGuards, Strikes, body_digest
+from eldr.proxy.request.decision import LiveRouting, RoutingState
 from eldr.proxy.request.decodepayload import decode_report
-from eldr.proxy.request.relay import ERROR_BODY_LIMIT, DecodeRelay, RetryDecode, is_stream_done
+from eldr.proxy.request.relay import (
+    ERROR_BODY_LIMIT,
+    Decision,
+    DecodeAttempt,
+    DecodeRelay,
+    RetryDecode,
+    is_stream_done,
+    report_failure,
+)
 from eldr.proxy.request.signatures import (
     Reading,
     payload_request,
@@ -65,29 +70,21 @@ from eldr.proxy.request.signatures import (
 )
 from eldr.routing import NoHealthyWorkerError, Outcome, RouteRequest
 
-__all__ = ["RequestFlow", "prompt_key"]
+__all__ = ["PREFILL_KV_PARAMS", "LearnerHook", "RequestFlow", "prefill_body", "prompt_key"]
 
 log = logging.getLogger("eldr.serve")
 
 DEFAULT_SHORT_PROMPT_TOKENS = 16  # vLLM's default KV block on GPUs, when engines say none
-# failures after which the engine may have died: probed, and a death is a strike
-DEATH_KINDS = ("http_5xx", "disconnect")
 
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                      "remote_engine_id": None, "remote_block_ids": None,
                      "remote_host": None, "remote_port": None}
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """Where one attempt's decode goes, and why."""
+class LearnerHook(Protocol):
+    """What the flow tells a learner (``eldr serve --learn``): each completed request."""
 
-    worker: int  # decode worker index k
-    request: RouteRequest  # what the policy routed (dispatched to ``worker``)
-    reading: Reading  # what the prefill response carried
-    kv_params: dict | None  # kv_transfer_params to relay to the decoder
-    prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
-    faults: Strikes | None = None  # the request's deaths so far (a stream dying mid-way)
+    def on_request_done(self, doc: dict, decoder: str, resp=None, decode=None) -> None: ...
 
 
 def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
@@ -111,68 +108,82 @@ def prompt_key(body: dict, kind: str) -> bytes:
         "utf-8", "surrogatepass")
 
 
-class RequestFlow(DecodeRelay):
-    """Runs the PD flow for the router (``router`` gives config, pool, state, metrics)."""
+def prefill_body(body: dict, kind: str, kv_params: dict) -> bytes:
+    """The prefill leg's request: the client's body asking for one token, not streamed,
+    with the PD ``kv_transfer_params`` (the client's body is not changed)."""
+    pre = dict(body)
+    pre["kv_transfer_params"] = kv_params
+    pre["max_tokens"] = 1
+    if kind == "chat":
+        pre["max_completion_tokens"] = 1
+    pre["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        pre.pop(key, None)
+    return json.dumps(pre).encode()
 
-    def __init__(self, router, poison: PoisonList, retry_budget: RetryBudget) -> None:
-        self.router = router
-        self.config = router.config
-        self.pool = router.pool
-        self.metrics = router.metrics
+
+class RequestFlow:
+    """Runs the PD flow of each request (:meth:`run`).
+
+    ``live``: the routing snapshot requests start with; ``pool``: the engines (health,
+    load, the HTTP session); ``affinity``: the prefill choice; ``guards``: the poison list
+    and retry budget. The decode of each attempt is its :class:`DecodeRelay`'s; a learner
+    (``--learn``) is told of completed requests once the router attaches one.
+    """
+
+    def __init__(self, config: ServeConfig, live: LiveRouting, pool: UpstreamPool,
+                 affinity: PrefixAffinity, metrics: RouterMetrics,
+                 guards: RequestGuards) -> None:
+        self.config, self.live, self.pool, self.affinity = config, live, pool, affinity
+        self.metrics, self.guards = metrics, guards
+        self.learner: LearnerHook | None = None  # set by Router.attach_learner
+        self.budget = ByteBudget(config.max_buffered_bytes)  # of non-streaming answers
+        self._background: set[asyncio.Task] = set()  # KV releases, streams read to their end
+        self.relay = DecodeRelay(config, pool, metrics, guards, self.budget, self._background)
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
-        self.budget = ByteBudget(self.config.max_buffered_bytes)  # of non-streaming answers
-        self._background: set[asyncio.Task] = set()  # KV releases in flight
         self._id_count = itertools.count()
-        # bodies that killed engines, and retries of all requests (shared by --workers N)
-        self.poison, self.retry_budget = poison, retry_budget
-        self._deaths_seen: collections.deque = collections.deque(maxlen=64)  # death events
+        self._kv_params_for: tuple | None = None  # (state, learning, params) last computed
+        # the same for every prefill and KV release: built once (immutable)
+        self._prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
+                                                      sock_connect=config.connect_timeout)
+        self._release_timeout = aiohttp.ClientTimeout(total=config.decode_read_timeout,
+                                                      sock_connect=config.connect_timeout)
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
         """A fresh id: a per-process random prefix and a counter (unique across replicas).
 
         Every upstream attempt gets one, and so does a client that sent no id."""
         return f"{self._id_prefix}{next(self._id_count)}"
 
     async def run(self, request, body: dict, kind: str, raw: bytes | None = None):
-        from aiohttp import web
-
-        config = self.config
-        state: RoutingState = self.router.state  # this request's snapshot, reloads or not
-        rid = request.headers.get("X-Request-Id") or self._new_id()
+        """The client's answer to one generation (``kind``: "completions" or "chat"):
+        prefill, route and decode, retried on another decoder while attempts and the retry
+        budget last; ``ProxyError`` when none succeeds."""
+        config, metrics = self.config, self.metrics
+        state: RoutingState = self.live.state  # this request's snapshot, reloads or not
+        rid = request.headers.get("X-Request-Id") or self.new_id()
         stream = bool(body.get("stream", False))
         faults = Strikes(rid, body_digest(raw if raw is not None else
                                           json.dumps(body, sort_keys=True).encode()))
-        self._refuse_poison(faults)
-        self.retry_budget.on_request()
+        self.guards.admit(faults)
         whole = self._is_short(body, kind)
         if whole:
-            self.metrics.short_prompts.inc()
-        try:
-            # Affinity only matters with a choice of prefill instances.
-            hashes = (self.router.affinity.hashes(prompt_key(body, kind))
-                      if len(self.pool.prefill) > 1 and not whole else [])
-            prefill_data = None if whole else self._prefill_body(body, kind, state)
-        except RecursionError:  # parsed just under the limit, deeper to re-encode
-            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
-                             code="invalid_json") from None
-        headers = {"Content-Type": "application/json"}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        headers.update(self.pool.auth_headers())  # the engines' key replaces the client's
+            metrics.short_prompts.inc()
+        hashes, prefill_data = self._prefill_inputs(body, kind, state, whole)
+        headers = self._upstream_headers(request)
         excluded: list[Instance] = []  # decoders that failed this request
         last: RetryDecode | None = None
         unread = None  # (prefill, answer, id) of a prefill no decoder could have read
         for attempt in range(config.max_attempts):
             if attempt:
-                if not self._may_retry(faults, last):
+                if not self.guards.may_retry(faults, last):
                     break
-                self.metrics.retries.inc()
+                metrics.retries.inc()
             prefill, doc = None, None
             if unread is None:
                 # Engines key requests by this id: a client's id may be shared or replayed,
                 # so each attempt gets one of ours (the client's stays in answers and logs).
-                attempt_id = self._new_id()
-                headers["X-Request-Id"] = attempt_id
+                attempt_id = headers["X-Request-Id"] = self.new_id()
                 self._check_decoders()
                 if not whole:
                     prefill, doc = await self._prefill(prefill_data, kind, hashes, headers,
@@ -180,63 +191,104 @@ class RequestFlow(DecodeRelay):
             else:  # the last decoder was never reached: its KV is still there to read
                 (prefill, doc, attempt_id), unread = unread, None
                 headers["X-Request-Id"] = attempt_id
-            if state.worker_names != self.router.state.worker_names:
-                state = self.router.state  # the decoder set changed (eldr.proxy.control.elastic)
-            try:
-                decision = self._decide(state, attempt_id, doc, excluded, faults)
-            except ProxyError:
-                if not whole:
-                    self.metrics.abandoned.inc(reason="no_decoder")
-                raise
+            if state.worker_names != self.live.state.worker_names:
+                state = self.live.state  # the decoder set changed (eldr.proxy.control.elastic)
+            decision = self._route(state, attempt_id, doc, excluded, faults, whole)
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid,
                      "X-Eldr-Prefill": prefill.name if prefill is not None else "none",
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
             log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
                       attempt + 1, attempt_id, reply["X-Eldr-Prefill"], decoder.name)
-            state.policy.on_dispatch(decision.request, decision.worker)
-            decoder.breaker.on_dispatch()
-            outcome: Outcome = "failed"
             try:
-                resp, outcome = await self._decode(request, kind, body, raw, decoder,
-                                                   decision, headers, reply, stream, web)
-                if self.router.learner is not None and outcome == "completed" and not whole:
-                    self.router.learner.on_request_done(doc, decoder.name, resp,
-                                                        decode=decode_report(request))
-                return resp
-            except asyncio.CancelledError:  # the client left (handler cancellation)
-                # after [DONE] the client had its whole answer: the decode completed
-                outcome = "completed" if is_stream_done(request) else "cancelled"
-                raise
-            except UpstreamReply:
-                if not whole:
-                    self.metrics.abandoned.inc(reason="decoder_4xx")
-                if decision.kv_params is not None and config.release_kv:
-                    self._release_kv(body, kind, decoder, decision, dict(headers))
-                raise
+                return await self._dispatch(state, DecodeAttempt(
+                    request, kind, body, raw, decoder, decision, headers, reply, stream),
+                    doc, whole)
             except RetryDecode as exc:
                 last = exc
                 excluded.append(decoder)
                 if exc.kind == "connect" and not whole:  # no byte reached it: reuse the KV
                     unread = (prefill, doc, attempt_id)
                 elif not whole:
-                    self.metrics.abandoned.inc(reason="decode_failed")
+                    metrics.abandoned.inc(reason="decode_failed")
                 if exc.kind != "connect":
-                    await self._check_death(decoder, exc.kind, faults)  # poison: raises
+                    await self.guards.check_death(decoder, exc.kind, faults)  # poison: raises
                 log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", rid,
                             attempt_id, decoder.name, exc,
                             "retrying" if attempt + 1 < config.max_attempts else "giving up")
-            finally:
-                state.policy.on_release(attempt_id, outcome)
-                decoder.breaker.on_abandon()  # no-op unless a probe ended with no verdict
         if unread is not None:
-            self.metrics.abandoned.inc(reason="decode_failed")
+            metrics.abandoned.inc(reason="decode_failed")
         if faults.budget_refused:
             raise ProxyError(502, f"decode failed ({last}); not retried: the router's retry "
                                   f"budget is spent (too many failures at once)",
                              code="retry_budget")
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
+
+    def _prefill_inputs(self, body: dict, kind: str, state: RoutingState,
+                        whole: bool) -> tuple[list, bytes | None]:
+        """(prefix-block hashes for the prefill choice, the prefill's request body): none of
+        either for a short prompt served whole."""
+        try:
+            # Affinity only matters with a choice of prefill instances.
+            hashes = (self.affinity.hashes(prompt_key(body, kind))
+                      if len(self.pool.prefill) > 1 and not whole else [])
+            data = None if whole else prefill_body(body, kind, self._kv_params(state))
+        except RecursionError:  # parsed just under the limit, deeper to re-encode
+            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
+                             code="invalid_json") from None
+        return hashes, data
+
+    def _upstream_headers(self, request) -> dict:
+        """Headers to the engines: JSON, the client's ``Authorization`` unless the engines
+        have a key of their own (it replaces the client's)."""
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        headers.update(self.pool.auth_headers())
+        return headers
+
+    def _route(self, state: RoutingState, attempt_id: str, doc: dict | None,
+               excluded: list[Instance], faults: Strikes, whole: bool) -> Decision:
+        """:meth:`_decide`, counting a prefill no decoder will read as abandoned."""
+        try:
+            return self._decide(state, attempt_id, doc, excluded, faults)
+        except ProxyError:
+            if not whole:
+                self.metrics.abandoned.inc(reason="no_decoder")
+            raise
+
+    async def _dispatch(self, state: RoutingState, attempt: DecodeAttempt, doc: dict | None,
+                        whole: bool):
+        """Dispatch the attempt to its decoder and decode it: the client's response.
+
+        The dispatch is released exactly once, whatever the outcome, to the policy it was
+        dispatched to (``state``'s). A decoder's 4xx is relayed (after freeing the KV its
+        prefill holds); a failure before the first byte raises ``RetryDecode``."""
+        decision, decoder, request = attempt.decision, attempt.decoder, attempt.request
+        state.policy.on_dispatch(decision.request, decision.worker)
+        decoder.breaker.on_dispatch()
+        outcome: Outcome = "failed"
+        try:
+            resp, outcome = await self.relay.decode(attempt)
+            if self.learner is not None and outcome == "completed" and not whole:
+                self.learner.on_request_done(doc, decoder.name, resp,
+                                             decode=decode_report(request))
+            return resp
+        except asyncio.CancelledError:  # the client left (handler cancellation)
+            # after [DONE] the client had its whole answer: the decode completed
+            outcome = "completed" if is_stream_done(request) else "cancelled"
+            raise
+        except UpstreamReply:
+            if not whole:
+                self.metrics.abandoned.inc(reason="decoder_4xx")
+            if decision.kv_params is not None and self.config.release_kv:
+                self._release_kv(attempt.body, attempt.kind, decoder, decision,
+                                 dict(attempt.headers))
+            raise
+        finally:
+            state.policy.on_release(decision.request.request_id, outcome)
+            decoder.breaker.on_abandon()  # no-op unless a probe ended with no verdict
 
     # -- containment (docs/failures.md) ----------------------------------------------------
     def _is_short(self, body: dict, kind: str) -> bool:
@@ -249,56 +301,6 @@ class RequestFlow(DecodeRelay):
             return False
         bound = prompt_token_bound(body, kind, cap=limit)
         return bound is not None and bound < limit
-
-    def _refuse_poison(self, faults: Strikes) -> None:
-        """422 before any engine sees a body that killed two engines not long ago."""
-        left = self.poison.seconds_left(faults.digest)
-        if left is None:
-            return
-        self.metrics.poison.inc(event="refused")
-        raise ProxyError(422, f"this request is refused for another {left:.0f} s: the same "
-                              f"body made two engines die in a row (a poison request; "
-                              f"change it, or ask the operator)", code="poison_request")
-
-    def _may_retry(self, faults: Strikes, last) -> bool:
-        """One more try elsewhere, if the shared retry budget allows it."""
-        if self.retry_budget.try_retry():
-            return True
-        faults.budget_refused = True
-        self.metrics.retries_refused.inc()
-        log.warning("request %s: not retried, the retry budget is spent (%s)", faults.rid,
-                    last)
-        return False
-
-    async def _check_death(self, inst: Instance, kind: str, faults: Strikes) -> None:
-        """After a 5xx or a lost connection at ``inst``: did the engine die? A death is a
-        strike against the request; the second makes it poison (ProxyError 502, the body
-        refused for ``poison_ttl`` s)."""
-        if kind not in DEATH_KINDS or await self.pool.confirm_alive(inst):
-            return
-        faults.deaths.append(f"{inst.role} {inst.name} ({kind})")
-        # one death event per engine death, whichever of its requests found it
-        event = body_digest(f"{inst.url}#{inst.deaths}".encode())
-        if event not in self._deaths_seen:
-            self._deaths_seen.append(event)
-            self.metrics.engine_deaths.inc(role=inst.role, instance=inst.name)
-        total = self.poison.record_death(faults.digest, event)
-        if len(faults.deaths) >= POISON_DEATHS or total >= POISON_BODY_DEATHS:
-            raise self._poison(faults, total)
-
-    def _poison(self, faults: Strikes, total: int) -> ProxyError:
-        self.poison.add(faults.digest)
-        self.metrics.poison.inc(event="detected")
-        deaths = ", then ".join(faults.deaths)
-        if total > len(faults.deaths):  # the body killed engines in earlier requests too
-            deaths = (f"{total - len(faults.deaths)} engine(s) in earlier requests with this "
-                      f"body, then {deaths}")
-        log.error("request %s is poison: engines died while serving it (%s); not retried, "
-                  "its body refused for %.0f s", faults.rid, deaths, self.config.poison_ttl)
-        return ProxyError(502, f"request {faults.rid} was not served: engines died in a row "
-                               f"serving this body ({deaths}); it is not retried, and the "
-                               f"same body is refused for {self.config.poison_ttl:.0f} s",
-                          code="poison_request")
 
     def _check_decoders(self) -> None:
         """503 before the prefill when no decoder can take the request: a prefill whose KV
@@ -321,8 +323,7 @@ class RequestFlow(DecodeRelay):
         prompt itself was what the decoder refused, this is refused too, at no cost. A body
         on the poison list is never sent again, release or not.
         """
-        if decision.faults is not None and \
-                self.poison.seconds_left(decision.faults.digest) is not None:
+        if decision.faults is not None and self.guards.is_refused(decision.faults):
             return  # the poison rule wins: no engine sees that body again
         keep = ("model", "messages") if kind == "chat" else ("model", "prompt")
         release = {k: body[k] for k in keep if k in body}
@@ -335,14 +336,10 @@ class RequestFlow(DecodeRelay):
 
     async def _post_release(self, inst: Instance, kind: str, release: dict,
                             headers: dict) -> None:
-        import aiohttp
-
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        timeout = aiohttp.ClientTimeout(total=self.config.decode_read_timeout,
-                                        sock_connect=self.config.connect_timeout)
         try:
-            async with self.router.session.post(inst.url + path, json=release,
-                                                headers=headers, timeout=timeout) as resp:
+            async with self.pool.session.post(inst.url + path, json=release, headers=headers,
+                                              timeout=self._release_timeout) as resp:
                 await read_upto(resp, ERROR_BODY_LIMIT)
                 result = "ok" if resp.status < 400 else "refused"
         except Exception as exc:  # background work: logged, never raised
@@ -351,61 +348,47 @@ class RequestFlow(DecodeRelay):
         self.metrics.kv_releases.inc(result=result)
 
     async def stop(self) -> None:
-        """Cancel background work (KV releases) when the router stops."""
+        """Cancel background work (KV releases, streams read to their end) when the
+        router stops."""
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
 
     # -- prefill ---------------------------------------------------------------------------
-    def _prefill_body(self, body: dict, kind: str, state: RoutingState | None = None) -> bytes:
-        pre = dict(body)
-        pre["kv_transfer_params"] = self._kv_params(state)
-        pre["max_tokens"] = 1
-        if kind == "chat":
-            pre["max_completion_tokens"] = 1
-        pre["stream"] = False
-        for key in ("stream_options", "min_tokens"):
-            pre.pop(key, None)
-        return json.dumps(pre).encode()
-
-    def _kv_params(self, state: RoutingState | None) -> dict:
+    def _kv_params(self, state: RoutingState) -> dict:
         """The prefill leg's ``kv_transfer_params``: PD flags, plus the artifact's layer mask
         when the policy reads only those layers (the engine then sends only their rows) and
         no learner needs every layer (``--learn`` collects whole (L, E) counts: a masked
         payload was never collected). Computed once per routing state, not per request."""
-        cached = getattr(self, "_kv_params_for", None)
-        if cached is not None and cached[0] is state:
-            return cached[1]
-        learning = getattr(getattr(self, "router", None), "learner", None) is not None
-        extra = payload_request(state) if state is not None and not learning else None
+        learning = self.learner is not None
+        cached = self._kv_params_for
+        if cached is not None and cached[0] is state and cached[1] == learning:
+            return cached[2]
+        extra = None if learning else payload_request(state)
         params = {**PREFILL_KV_PARAMS, **extra} if extra else PREFILL_KV_PARAMS
-        self._kv_params_for = (state, params)
+        self._kv_params_for = (state, learning, params)
         return params
 
     async def _prefill(self, data: bytes, kind: str, hashes, headers,
                        faults: Strikes) -> tuple[Instance, dict]:
         """A prefill on the affine healthy instance, then on the others while they fail
         (each move costs the retry budget; an instance that dies is a strike)."""
-        import aiohttp
-
         pool, config = self.pool, self.config
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
-                                        sock_connect=config.connect_timeout)
         healthy = pool.prefill_healthy.copy()
         tried, failed = 0, None
         while True:
             try:
-                i = self.router.affinity.pick(hashes, pool.prefill_loads, healthy)
+                i = self.affinity.pick(hashes, pool.prefill_loads, healthy)
             except LookupError:
                 if tried:
-                    await self._check_death(*failed, faults)  # poison: raises
+                    await self.guards.check_death(*failed, faults)  # poison: raises
                     raise ProxyError(502, f"prefill failed on all {tried} healthy instance(s)",
                                      code="upstream_failed") from None
                 raise ProxyError(503, "no healthy prefill instance", code="no_prefill") from None
             if failed is not None:
-                await self._check_death(*failed, faults)  # poison: raises
-                if not self._may_retry(faults, f"prefill at {failed[0].name}: {failed[1]}"):
+                await self.guards.check_death(*failed, faults)  # poison: raises
+                if not self.guards.may_retry(faults, f"prefill at {failed[0].name}: {failed[1]}"):
                     raise ProxyError(502, f"prefill failed at {failed[0].name} ({failed[1]}); "
                                           f"not retried: the router's retry budget is spent",
                                      code="retry_budget")
@@ -414,37 +397,38 @@ class RequestFlow(DecodeRelay):
             inst = pool.prefill[i]
             pool.begin(inst)
             try:
-                async with self.router.session.post(inst.url + path, data=data,
-                                                    headers=headers, timeout=timeout) as resp:
+                async with pool.session.post(inst.url + path, data=data, headers=headers,
+                                             timeout=self._prefill_timeout) as resp:
                     status = resp.status
                     ctype = resp.content_type
                     raw, whole = await read_upto(
                         resp, ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
             except Exception as exc:  # every transport failure → next instance
-                failed = (inst, error_kind(exc))
-                self._upstream_error(inst, failed[1], exc)
+                failed = self._prefill_failed(inst, error_kind(exc), exc)
                 continue
             finally:
                 pool.end(inst)
             if status >= 500:
-                failed = (inst, "http_5xx")
-                self._upstream_error(inst, "http_5xx", f"status {status}")
+                failed = self._prefill_failed(inst, "http_5xx", f"status {status}")
                 continue
             if status >= 400:
                 raise UpstreamReply(status, raw, ctype)
             if not whole:
-                failed = (inst, "too_large")
-                self._upstream_error(inst, "too_large", f"prefill answer over "
-                                                        f"{config.max_prefill_bytes} bytes")
+                failed = self._prefill_failed(
+                    inst, "too_large", f"prefill answer over {config.max_prefill_bytes} bytes")
                 continue
             doc = json_object(raw)
             if doc is None:
-                failed = (inst, "protocol")
-                self._upstream_error(inst, "protocol", "prefill answer is not a JSON object")
+                failed = self._prefill_failed(inst, "protocol",
+                                              "prefill answer is not a JSON object")
                 continue
             pool.record_success(inst)
-            self.router.affinity.record(hashes, i)
+            self.affinity.record(hashes, i)
             return inst, doc
+
+    def _prefill_failed(self, inst: Instance, kind: str, detail: object) -> tuple[Instance, str]:
+        report_failure(self.pool, self.metrics, inst, kind, detail)
+        return inst, kind
 
     # -- route -----------------------------------------------------------------------------
     def _decide(self, state: RoutingState, request_id: str, doc: dict | None,
@@ -488,7 +472,7 @@ class RequestFlow(DecodeRelay):
         kv_params, payload = split_kv_params(doc)
         kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
         if payload is not None:
-            self.router.engine_shape = payload_shape(payload) or self.router.engine_shape
+            self.pool.engine_shape = payload_shape(payload) or self.pool.engine_shape
         usage = doc.get("usage")
         pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None

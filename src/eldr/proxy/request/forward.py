@@ -29,10 +29,17 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from eldr.proxy.bodies import json_object, read_upto
-from eldr.proxy.engines.upstream import Instance, error_kind
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.engines.upstream import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError
+from eldr.proxy.request.relay import report_failure
+
+if TYPE_CHECKING:
+    from eldr.proxy.metrics import RouterMetrics
 
 __all__ = ["FORWARD_ANSWER_LIMIT", "Forwarder", "classify", "vllm_detail"]
 
@@ -103,11 +110,12 @@ def method_not_allowed(allow: str):
 
 
 class Forwarder:
-    """Forwards one request to a healthy prefill instance (``router`` gives pool, config,
-    session, metrics and fresh request ids)."""
+    """Forwards one request to a healthy prefill instance of ``pool`` (``new_id``: a fresh
+    request id, for a client that sent none)."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(self, config: ServeConfig, pool: UpstreamPool, metrics: RouterMetrics,
+                 new_id: Callable[[], str]) -> None:
+        self.config, self.pool, self.metrics, self._new_id = config, pool, metrics, new_id
 
     async def forward(self, request):
         """The engine's answer to ``request`` (an aiohttp ``web.Response``)."""
@@ -116,8 +124,8 @@ class Forwarder:
         raw = await request.read() if request.method == "POST" else None  # max_body_bytes
         status, body, ctype, inst = await self.call(request.method, request.path_qs, raw,
                                                     request.headers)
-        headers = {"X-Request-Id": request.headers.get("X-Request-Id") or
-                   self.router.flow._new_id(), "X-Eldr-Prefill": inst.name}
+        headers = {"X-Request-Id": request.headers.get("X-Request-Id") or self._new_id(),
+                   "X-Eldr-Prefill": inst.name}
         resp = web.Response(status=status, body=bytes(body), headers=headers)
         resp.content_type = ctype or "application/octet-stream"
         return resp
@@ -131,8 +139,7 @@ class Forwarder:
         """
         import aiohttp
 
-        router = self.router
-        pool, config = router.pool, router.config
+        pool, config = self.pool, self.config
         headers = {h: client_headers[h] for h in _RELAYED
                    if client_headers is not None and h in client_headers}
         if client_headers is not None and "Authorization" in client_headers:
@@ -147,23 +154,23 @@ class Forwarder:
         for inst in order:
             pool.begin(inst)
             try:
-                async with router.session.request(method, inst.url + path_qs, data=raw,
-                                                  headers=headers, timeout=timeout) as resp:
+                async with pool.session.request(method, inst.url + path_qs, data=raw,
+                                                headers=headers, timeout=timeout) as resp:
                     status, ctype = resp.status, resp.headers.get("Content-Type")
                     body, whole = await read_upto(resp, FORWARD_ANSWER_LIMIT)
             except Exception as exc:  # unreachable, reset, timeout: the next instance
-                router.flow._upstream_error(inst, error_kind(exc), exc)
+                report_failure(pool, self.metrics, inst, error_kind(exc), exc)
                 last = f"{inst.name}: {error_kind(exc)}"
                 continue
             finally:
                 pool.end(inst)
             if status >= 500:
-                router.flow._upstream_error(inst, "http_5xx", f"status {status}")
+                report_failure(pool, self.metrics, inst, "http_5xx", f"status {status}")
                 last = f"{inst.name}: status {status}"
                 continue
             if not whole:
-                router.metrics.upstream_errors.inc(role=inst.role, instance=inst.name,
-                                                   kind="too_large")
+                self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name,
+                                                 kind="too_large")
                 raise ProxyError(502, f"the engine's answer to {path_qs.split('?')[0]} is "
                                       f"larger than {FORWARD_ANSWER_LIMIT} bytes",
                                  code="upstream_too_large")
@@ -182,7 +189,7 @@ class Forwarder:
         data = doc.get("data") if doc is not None else None
         if not isinstance(data, list):
             return None
-        accepted = self.router.config.models
+        accepted = self.config.models
         if accepted:
             doc["data"] = [m for m in data if isinstance(m, dict) and m.get("id") in accepted]
         return doc

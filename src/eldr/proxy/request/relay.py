@@ -1,9 +1,10 @@
-"""The decode step of the PD flow (:mod:`eldr.proxy.request.flow`): the decoder's request, and its
-answer relayed to the client, buffered whole (JSON) or streamed (SSE).
+"""The decode step of the PD flow (:mod:`eldr.proxy.request.flow`): the decoder's request,
+and its answer relayed to the client, buffered whole (JSON) or streamed (SSE).
 
-:class:`DecodeRelay` is a mixin of :class:`~eldr.proxy.request.flow.RequestFlow`, which gives it
-``config``, ``pool``, ``metrics``, ``router`` and ``budget``. A failure before the first
-byte reaches the client raises :class:`RetryDecode` (the flow tries another decoder).
+The flow hands each attempt to its :class:`DecodeRelay` as one :class:`DecodeAttempt`: the
+client's request, the decoder, the routing :class:`Decision` and the headers both ways. A
+failure before the first byte reaches the client raises :class:`RetryDecode` (the flow
+tries another decoder); a stream that breaks later ends with an SSE error event.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ import asyncio
 import functools
 import json
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
 
 from eldr.proxy.bodies import (
     SMALL_ANSWER,
     BadEvent,
+    ByteBudget,
     SSEUsage,
     decode_body,
     fix_usage,
@@ -24,16 +30,20 @@ from eldr.proxy.bodies import (
     read_upto,
     within,
 )
-from eldr.proxy.engines.upstream import Instance, error_kind
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.engines.upstream import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
+from eldr.proxy.request.containment import RequestGuards, Strikes
 from eldr.proxy.request.decodepayload import DecodeStripper, record_payload, strip_json
-from eldr.routing import Outcome
+from eldr.proxy.request.signatures import Reading
+from eldr.routing import Outcome, RouteRequest
 
 if TYPE_CHECKING:
-    from eldr.proxy.request.flow import Decision
+    from eldr.proxy.metrics import RouterMetrics
 
-__all__ = ["ERROR_BODY_LIMIT", "SSE_DONE", "SSE_HEADERS", "DecodeRelay", "RetryDecode",
-           "is_stream_done", "mark_stream_done", "reply_id"]
+__all__ = ["ERROR_BODY_LIMIT", "SSE_DONE", "SSE_HEADERS", "Decision", "DecodeAttempt",
+           "DecodeRelay", "RetryDecode", "is_stream_done", "mark_stream_done", "reply_id",
+           "report_failure"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -44,8 +54,6 @@ SSE_DONE = b"data: [DONE]"  # the last event of an OpenAI stream
 
 @functools.cache
 def _done_key():
-    from aiohttp import web
-
     return (web.RequestKey("eldr_stream_done", bool) if hasattr(web, "RequestKey")
             else "eldr_stream_done")
 
@@ -75,37 +83,84 @@ def reply_id(out) -> str:
     return out.headers.get("X-Request-Id", "?")
 
 
+def report_failure(pool: UpstreamPool, metrics: RouterMetrics, inst: Instance, kind: str,
+                   detail: object) -> None:
+    """A request to ``inst`` failed (``kind``: :func:`~eldr.proxy.engines.upstream.error_kind`):
+    counted, logged, and told to the pool (health, circuit breaker)."""
+    metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
+    text = str(detail) or type(detail).__name__
+    log.warning("%s %s: a request failed there (%s: %s)", inst.role, inst.name, kind, text)
+    pool.request_failed(inst, kind, text)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one attempt's decode goes, and why."""
+
+    worker: int  # decode worker index k
+    request: RouteRequest  # what the policy routed (dispatched to ``worker``)
+    reading: Reading  # what the prefill response carried
+    kv_params: dict | None  # kv_transfer_params to relay to the decoder
+    prompt_tokens: int | None  # the prefill's usage.prompt_tokens (the whole prompt)
+    faults: Strikes | None = None  # the request's deaths so far (a stream dying mid-way)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAttempt:
+    """One decode, as the flow hands it to :meth:`DecodeRelay.decode`."""
+
+    request: web.Request  # the client's request (its transport; its answer's state)
+    kind: str  # "completions" or "chat"
+    body: dict  # the client's parsed body
+    raw: bytes | None  # the client's bytes, relayed as they are when possible (or None)
+    decoder: Instance  # the decoder the decision picked
+    decision: Decision  # why there: the KV parameters and prompt tokens to pass on
+    headers: dict  # to the decoder: this attempt's X-Request-Id, the engines' key
+    reply: dict  # to the client: X-Request-Id, X-Eldr-Prefill/-Decoder/-Attempts
+    stream: bool  # the client asked for SSE
+
+
 class DecodeRelay:
-    """The decode step and the relay of its answer (methods of ``RequestFlow``)."""
+    """The decode of one attempt at its decoder, and the relay of the answer.
+
+    ``budget`` bounds the bytes of all buffered (non-streaming) answers; ``background``
+    holds the tasks that read a finished stream to its end (the flow cancels them when the
+    router stops); ``guards`` decide whether an engine that broke a stream died.
+    """
+
+    def __init__(self, config: ServeConfig, pool: UpstreamPool, metrics: RouterMetrics,
+                 guards: RequestGuards, budget: ByteBudget,
+                 background: set[asyncio.Task]) -> None:
+        self.config, self.pool, self.metrics, self.guards = config, pool, metrics, guards
+        self.budget = budget
+        self._background = background
+        # the same for every decode: built once (immutable)
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
+                                              sock_read=config.decode_read_timeout)
 
     # -- decode ----------------------------------------------------------------------------
-    async def _decode(self, request, kind: str, body: dict, raw: bytes | None, inst: Instance,
-                      decision: Decision, headers: dict, reply: dict, stream: bool, web):
+    async def decode(self, attempt: DecodeAttempt) -> tuple[web.StreamResponse, Outcome]:
         """(the client's response, the outcome to release the dispatch with)."""
-        import aiohttp
-
-        data = decode_body(body, raw, decision.kv_params)
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
-                                        sock_read=self.config.decode_read_timeout)
+        inst, request = attempt.decoder, attempt.request
+        data = decode_body(attempt.body, attempt.raw, attempt.decision.kv_params)
+        path = "/v1/chat/completions" if attempt.kind == "chat" else "/v1/completions"
         pool = self.pool
         pool.begin(inst)
         try:
             try:
-                resp = await self.router.session.post(
-                    inst.url + path, data=data, headers=headers,
-                    timeout=timeout)
+                resp = await pool.session.post(inst.url + path, data=data,
+                                               headers=attempt.headers, timeout=self._timeout)
             except Exception as exc:
-                raise self._decode_failure(inst, error_kind(exc), exc) from None
+                raise self._failure(inst, error_kind(exc), exc) from None
             try:
                 if resp.status >= 400:
                     raw, _ = await read_upto(resp, ERROR_BODY_LIMIT)
                     if resp.status >= 500:
-                        raise self._decode_failure(inst, "http_5xx", f"status {resp.status}")
+                        raise self._failure(inst, "http_5xx", f"status {resp.status}")
                     raise UpstreamReply(resp.status, raw, resp.content_type)
-                if not stream:
-                    return await self._whole(request, resp, inst, decision, reply, web)
-                return await self._relay(request, resp, inst, decision, reply, web)
+                if not attempt.stream:
+                    return await self._whole(attempt, resp)
+                return await self._relay(attempt, resp)
             finally:
                 if is_stream_done(request):  # the stream is over: let it end cleanly
                     self._finish_later(resp)
@@ -114,18 +169,11 @@ class DecodeRelay:
         finally:
             pool.end(inst)
 
-    def _decode_failure(self, inst: Instance, kind: str, detail) -> RetryDecode:
-        self._upstream_error(inst, kind, detail)
+    def _failure(self, inst: Instance, kind: str, detail) -> RetryDecode:
+        report_failure(self.pool, self.metrics, inst, kind, detail)
         return RetryDecode(kind, str(detail) or type(detail).__name__)
 
-    def _upstream_error(self, inst: Instance, kind: str, detail) -> None:
-        self.metrics.upstream_errors.inc(role=inst.role, instance=inst.name, kind=kind)
-        text = str(detail) or type(detail).__name__
-        log.warning("%s %s: a request failed there (%s: %s)", inst.role, inst.name, kind, text)
-        self.pool.request_failed(inst, kind, text)
-
-    async def _whole(self, request, resp, inst: Instance, decision: Decision, reply: dict,
-                     web):
+    async def _whole(self, attempt: DecodeAttempt, resp):
         """Buffer the decoder's JSON answer (retryable to its end), then send it whole.
 
         The answer's bytes are reserved in the router's buffer budget before it is read
@@ -136,7 +184,7 @@ class DecodeRelay:
         limit = self.config.max_response_bytes
         size = resp.content_length
         if size is not None and size > limit:
-            raise self._too_large(inst, limit)
+            raise self._too_large(attempt.decoder, limit)
         need = limit if size is None else size
         try:
             await within(self.budget.acquire(need), self.config.decode_read_timeout)
@@ -144,7 +192,7 @@ class DecodeRelay:
             raise ProxyError(503, "the router's answer buffer stayed full; retry later",
                              code="router_busy") from None
         try:
-            return await self._whole_within_budget(request, resp, inst, decision, reply, web)
+            return await self._whole_within_budget(attempt, resp)
         finally:
             self.budget.release(need)
 
@@ -155,13 +203,13 @@ class DecodeRelay:
                                f"(--max-response-bytes); stream it instead",
                           code="upstream_too_large")
 
-    async def _whole_within_budget(self, request, resp, inst: Instance, decision: Decision,
-                                   reply: dict, web):
+    async def _whole_within_budget(self, attempt: DecodeAttempt, resp):
+        request, inst, reply = attempt.request, attempt.decoder, attempt.reply
         limit = self.config.max_response_bytes
         try:
             raw, whole = await read_upto(resp, limit)
         except Exception as exc:  # nothing was sent yet: retryable
-            raise self._decode_failure(inst, error_kind(exc), exc) from None
+            raise self._failure(inst, error_kind(exc), exc) from None
         if not whole:
             raise self._too_large(inst, limit)
         raw, payload = strip_json(raw)  # the engines' decode counts: the router's alone
@@ -169,8 +217,8 @@ class DecodeRelay:
             record_payload(request, self.metrics, inst, payload)
         doc = json_object(raw)  # a 200 that is not JSON (a proxy's page...) is not an answer
         if doc is None:
-            raise self._decode_failure(inst, "protocol", "answer is not a JSON object")
-        if fix_usage(doc.get("usage"), decision.prompt_tokens):
+            raise self._failure(inst, "protocol", "answer is not a JSON object")
+        if fix_usage(doc.get("usage"), attempt.decision.prompt_tokens):
             raw = json.dumps(doc).encode()
         del doc  # only the bytes are sent: the parsed copy must not wait with them
         self.pool.request_succeeded(inst)
@@ -209,26 +257,25 @@ class DecodeRelay:
                 request.transport.abort()
             return False
 
-    async def _relay(self, request, resp, inst: Instance, decision: Decision, reply: dict,
-                     web):
+    async def _relay(self, attempt: DecodeAttempt, resp):
         """Stream the decoder's SSE to the client: (response, outcome)."""
+        request, inst, decision = attempt.request, attempt.decoder, attempt.decision
         if resp.content_type != "text/event-stream":  # not a stream: nothing sent, retry
-            raise self._decode_failure(inst, "protocol",
-                                       f"stream answered as {resp.content_type!r}")
+            raise self._failure(inst, "protocol", f"stream answered as {resp.content_type!r}")
         usage = SSEUsage(decision.prompt_tokens)
         strip = DecodeStripper()  # drops the engines' decode-payload event
         try:
             raw_first = await resp.content.readany()
         except Exception as exc:  # nothing was sent yet: retryable
-            raise self._decode_failure(inst, error_kind(exc), exc) from None
+            raise self._failure(inst, error_kind(exc), exc) from None
         if not raw_first:
-            raise self._decode_failure(inst, "disconnect", "stream ended before any byte")
+            raise self._failure(inst, "disconnect", "stream ended before any byte")
         try:
             first = strip.feed(usage.feed(raw_first))
         except BadEvent as exc:
-            raise self._decode_failure(inst, "protocol", exc) from None
+            raise self._failure(inst, "protocol", exc) from None
         self.pool.request_succeeded(inst)
-        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **reply})
+        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **attempt.reply})
         outcome: Outcome = "completed"
         tail = b""  # the last bytes sent: "data: [DONE]" may arrive split over two reads
         try:
@@ -251,11 +298,11 @@ class DecodeRelay:
                             else strip.feed(usage.flush()) + strip.flush())
                 except Exception as exc:  # too late to retry: tell the client
                     kind = "protocol" if isinstance(exc, BadEvent) else error_kind(exc)
-                    self._upstream_error(inst, kind, exc)
+                    report_failure(self.pool, self.metrics, inst, kind, exc)
                     msg = f"decoder {inst.name} failed mid-stream: {kind}"
                     if decision.faults is not None:
                         try:  # a death is a strike; the second one makes the body poison
-                            await self._check_death(inst, kind, decision.faults)
+                            await self.guards.check_death(inst, kind, decision.faults)
                         except ProxyError as poison:
                             msg = poison.message
                     outcome = "failed"

@@ -29,13 +29,15 @@ since (:meth:`PoolLink.replay`) before it serves. If the parent goes away the wo
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import logging
 import os
 import signal
+from collections.abc import Callable
 
+from eldr.proxy.control.admin import Reloader
+from eldr.proxy.control.elastic import ElasticPool
 from eldr.proxy.errors import ProxyError
 
 __all__ = ["PoolLink"]
@@ -50,20 +52,23 @@ _JOURNAL = ("add", "drain", "reload", "refused", "joined", "freed", "hangup")
 
 class PoolLink:
     """The channel of worker ``row`` to its parent (``sock``: its end of a socketpair).
-    ``reload(artifact)`` is the router's own
-    :meth:`~eldr.proxy.control.admin.AdminRoutes.reload`."""
 
-    def __init__(self, router, sock, row: int, reload) -> None:
-        self.router, self.row, self._sock, self._reload = router, row, sock, reload
+    It applies the journal's entries to the worker's ``elastic`` pool and ``reloader``
+    (their ``apply_*``/``apply`` and ``replay_*``/``replay`` methods); the router sets it
+    as their ``link`` (``Router.attach_link``), through which their own changes go.
+    """
+
+    def __init__(self, sock, row: int, *, elastic: ElasticPool, reloader: Reloader) -> None:
+        self.row, self._sock, self.elastic, self.reloader = row, sock, elastic, reloader
         self._writer = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._freed: dict[int, asyncio.Event] = {}  # drain seq -> set once freed everywhere
         self._queue: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
-        self.on_message = None  # callback(dict) for messages other than the journal's
+        # the parent's messages other than the journal's (learn records, for the learner)
+        self.on_message: Callable[[dict], None] | None = None
         self.dropped = 0  # learn records not sent (the parent fell behind)
-        router.elastic.link = self
 
     # -- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -188,7 +193,7 @@ class PoolLink:
                 _settle(fut, result=result)
 
     async def _apply(self, entry: dict):
-        elastic, op = self.router.elastic, entry["op"]
+        elastic, op = self.elastic, entry["op"]
         if op == "add":
             return await elastic.apply_add(entry["url"], entry["name"], entry["like"],
                                            entry["slot"])
@@ -197,12 +202,12 @@ class PoolLink:
                 self.removed(entry["name"])  # not in this worker's pool (a restart)
             return entry["seq"]
         if op == "reload":
-            drains = list(elastic._drains.values())
+            drains = elastic.drains()
             if drains:  # every worker checks the artifact against the same decoders
                 log.info("reload waits for %d decoder(s) to drain here", len(drains))
                 await asyncio.gather(*(asyncio.shield(t) for t in drains),
                                      return_exceptions=True)
-            state = await self._reload(entry["artifact"])
+            state = await self.reloader.apply(entry["artifact"])
             self.send({"op": "reloaded", "seq": entry["seq"], "artifact": state.artifact,
                        "names": list(state.worker_names)})
             return state
@@ -211,35 +216,23 @@ class PoolLink:
     def replay(self, entries: list[dict]) -> None:
         """Apply the entries since the journal's base before serving (a restarted worker;
         nothing runs yet: a draining decoder is removed at once)."""
-        from eldr.proxy.control.admin import ReloadRefused
-        from eldr.proxy.request.decision import build_state
-
-        router, elastic = self.router, self.router.elastic
+        elastic = self.elastic
         for entry in entries:
             op = entry["op"]
             try:
                 if op == "add":
-                    elastic._add_now(entry["url"], entry["name"],
-                                     elastic._index_of(entry["like"]), entry["slot"])
+                    elastic.replay_add(entry["url"], entry["name"], entry["like"],
+                                       entry["slot"])
                 elif op == "drain":
-                    inst = elastic._find(entry["name"])
-                    if inst is not None:
-                        elastic._remove_now(inst)
+                    elastic.replay_drain(entry["name"])
                 elif op == "reload":
-                    path = entry["artifact"] or router.config.artifact
-                    config = dataclasses.replace(router.config, artifact=path)
-                    state = build_state(config)
-                    if state.worker_names != router.state.worker_names:
-                        raise ReloadRefused(f"its decoders {list(state.worker_names)} are not "
-                                            f"{list(router.state.worker_names)}",
-                                            "artifact_workers")
-                    router.config, router.state = config, state
+                    self.reloader.replay(entry["artifact"])
             except Exception as exc:  # the running workers logged the same outcome
                 log.warning("worker %d: replaying journal entry %d (%s) failed: %s",
                             self.row, entry["seq"], op, exc)
         if entries:
             log.info("worker %d: replayed %d pool journal entries; decoders %s", self.row,
-                     len(entries), list(router.state.worker_names))
+                     len(entries), list(self.reloader.live.state.worker_names))
 
 
 def _settle(fut, *, result=None, exc: BaseException | None = None) -> None:

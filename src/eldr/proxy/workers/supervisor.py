@@ -47,6 +47,7 @@ sum, with ``--workers 1`` per port if exact per-router totals matter).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import json
@@ -59,6 +60,7 @@ import sys
 import time
 
 from eldr.proxy.request.containment import GuardBuffers
+from eldr.proxy.workers.poollink import PoolLink
 from eldr.proxy.workers.sharedpool import (
     PoolJournal,
     PoolRefused,
@@ -343,21 +345,15 @@ def _worker_main(make_router, serve, config, share: WorkerShare, entries: list[d
                  port: int, sock) -> int:
     """One worker: its router (from the journal's base, then its entries replayed), its
     own listening socket, its link to the parent."""
-    import asyncio
-
-    from eldr.proxy.control.learning import attach_link
-    from eldr.proxy.workers.poollink import PoolLink
-
     router = make_router(config, share)  # its pool's tracker is the shared one
-    link = PoolLink(router, sock, share.row, router.reload)
+    link = PoolLink(sock, share.row, elastic=router.elastic, reloader=router.reloader)
     link.replay(entries)
-    attach_link(router, link)  # --learn: worker 0 learns, the others forward to it
-    router.reload = link.reload  # what the admin API and a learner's swap call
+    router.attach_link(link)  # changes go through the journal; --learn records too
 
     async def main() -> None:
         await link.start()
         try:
-            await serve(router, port=port, reuse_port=True, reload=link.reload)
+            await serve(router, port=port, reuse_port=True)
         finally:
             await link.stop()
 
