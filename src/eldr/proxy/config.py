@@ -135,8 +135,13 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     decoders_file: str | None = None  # [ID=]URL per line; SIGHUP syncs the pool to it
 
     def __post_init__(self) -> None:
-        from eldr.routing import POLICIES
+        self._check_engines()
+        self._check_routing()
+        self._check_server()
+        self._check_bounds()
 
+    def _check_engines(self) -> None:
+        """URLs well-formed, none twice; decode ids one per decode URL, none twice."""
         object.__setattr__(self, "prefill_urls",
                            tuple(check_url(u, "prefill") for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls",
@@ -155,6 +160,11 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
             if len(set(ids)) != len(ids):
                 raise ValueError(f"a decode worker id is listed twice: {list(ids)}")
             object.__setattr__(self, "decode_ids", ids)
+
+    def _check_routing(self) -> None:
+        """A policy the router can run, and its settings."""
+        from eldr.routing import POLICIES
+
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
         if self.policy in EVALUATION_ONLY_POLICIES:
@@ -165,6 +175,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if self.load_slack is not None and not (math.isfinite(self.load_slack)
                                                 and self.load_slack >= 0):
             raise ValueError(f"load_slack must be finite and >= 0, got {self.load_slack}")
+
+    def _check_server(self) -> None:
+        """Port, secrets, models, processes."""
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -176,6 +189,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) \
                 or not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be an integer in [1, 256], got {self.workers!r}")
+
+    def _check_bounds(self) -> None:
+        """Timeouts, sizes, intervals, the breaker, containment, footprints, affinity."""
         positive = ("max_body_bytes", "connect_timeout", "prefill_timeout",
                     "decode_read_timeout", "write_timeout", "max_prefill_bytes",
                     "max_response_bytes", "max_buffered_bytes", "health_interval",

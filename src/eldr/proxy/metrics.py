@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 
-from eldr.proxy.engines.footprints import FOOTPRINT_RESULTS
-
-__all__ = ["Counter", "Gauge", "Histogram", "Registry", "RouterMetrics", "parse_samples"]
+__all__ = ["FOOTPRINT_RESULTS", "Counter", "Gauge", "Histogram", "Registry", "RouterMetrics",
+           "parse_samples"]
 
 LabelValues = tuple[str, ...]
 
@@ -253,6 +252,8 @@ DISTINCT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128
 POOL_ACTIONS = ("added", "draining", "removed")  # eldr.proxy.control.elastic
 UPSTREAM_ERROR_KINDS = ("timeout", "connect", "disconnect", "protocol", "http_5xx",
                         "too_large", "other")  # eldr.proxy.engines.upstream.error_kind and the flow
+# outcomes of reading an engine's footprint (eldr.proxy.engines.footprints)
+FOOTPRINT_RESULTS = ("read", "missing", "invalid", "stale", "refused")
 
 
 class RouterMetrics:
@@ -264,6 +265,15 @@ class RouterMetrics:
 
     def __init__(self, pool) -> None:
         reg = self.registry = Registry()
+        # registered in this order, and so rendered: the page's order is part of the contract
+        self._register_routing(reg)
+        self._register_failures(reg)
+        self._register_engines(reg, pool)
+        self._register_decode(reg, pool)
+        self._prime(pool)
+
+    def _register_routing(self, reg: Registry) -> None:
+        """Requests, routing decisions and what they were made from."""
         self.requests = reg.counter(
             "eldr_requests_total", "Client requests by endpoint and HTTP status.",
             ("endpoint", "status"))
@@ -287,6 +297,9 @@ class RouterMetrics:
         self.latency = reg.histogram(
             "eldr_routing_latency_seconds",
             "Signature decode + encode + policy decision, per request.")
+
+    def _register_failures(self, reg: Registry) -> None:
+        """Retries, abandoned prefills, containment, errors, clients, reloads, pool changes."""
         self.retries = reg.counter(
             "eldr_retries_total", "Fresh prefill + another decoder after a decode failure.")
         self.abandoned = reg.counter(
@@ -328,6 +341,9 @@ class RouterMetrics:
             "eldr_decoder_pool_changes_total",
             "Decoders added, put to drain, and removed at run time (POST/DELETE "
             "/admin/decoders).", ("action",))
+
+    def _register_engines(self, reg: Registry, pool) -> None:
+        """Per-engine gauges, read from the pool's instances at scrape time."""
         reg.gauge("eldr_decoder_draining", "1 while the decoder drains (no new request; "
                   "removed when its in-flight requests end), else 0.", ("decoder",),
                   collect=lambda: {(i.name,): float(i.draining) for i in pool.decode})
@@ -350,6 +366,9 @@ class RouterMetrics:
                   ("role", "instance"),
                   collect=lambda: {(i.role, i.name): float(i.healthy)
                                    for i in (*pool.prefill, *pool.decode)})
+
+    def _register_decode(self, reg: Registry, pool) -> None:
+        """What the decode engines measure: their decode payloads and footprints."""
         self.decode_payloads = reg.counter(
             "eldr_decode_payloads_total", "Decode answers by what their engine's decode "
             "payload was (read, invalid: stripped and ignored).", ("result",))
@@ -369,7 +388,6 @@ class RouterMetrics:
                   "over its last steps.", ("decoder",),
                   collect=lambda: {(i.name,): float(i.engine_distinct) for i in pool.decode
                                    if i.engine_distinct is not None})
-        self._prime(pool)
 
     def _prime(self, pool) -> None:
         """Zero-valued series for every label set known at start-up."""

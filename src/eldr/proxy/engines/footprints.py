@@ -21,13 +21,13 @@ from collections.abc import Callable
 
 from eldr.capture.decode import decode_engine_footprint
 from eldr.proxy.bodies import read_upto
+from eldr.proxy.metrics import FOOTPRINT_RESULTS
 
-__all__ = ["FOOTPRINT_PATH", "FOOTPRINT_RESULTS", "FootprintReader"]
+__all__ = ["FOOTPRINT_PATH", "FootprintReader"]
 
 log = logging.getLogger("eldr.serve")
 
 FOOTPRINT_PATH = "/eldr/footprint"
-FOOTPRINT_RESULTS = ("read", "missing", "invalid", "stale", "refused")
 _BODY_LIMIT = 1024 * 1024  # 48 x 128 cells take ~6 KiB; 3 digits for 4096 x 128 ~1.5 MiB
 
 

@@ -198,138 +198,180 @@ def run_workers(config, make_router, serve, *, ready=None, names=None,
     exit status when stopped (0 after SIGTERM/SIGINT, 1 when a worker could not start).
     ``make_router(config, share)`` builds one worker's :class:`~eldr.proxy.app.Router`
     (called in each worker, after ``fork``; ``share``: the worker's
-    :class:`~eldr.proxy.workers.sharedpool.WorkerShare`, its row and shared memory); ``serve`` is
-    :func:`eldr.commands.serve.serve`; ``ready(port)`` is called in the parent once the
-    port is known. ``names``: the decoders' names (default: ``config.decode_ids``, else
-    ``decode-K``); ``capacity``: decoder slots (default ``max(2K, K + 16)``)."""
+    :class:`~eldr.proxy.workers.sharedpool.WorkerShare`, its row and shared memory);
+    ``serve`` is :func:`eldr.commands.serve.serve`; ``ready(port)`` is called in the parent
+    once the port is known. ``names``: the decoders' names (default: ``config.decode_ids``,
+    else ``decode-K``); ``capacity``: decoder slots (default ``max(2K, K + 16)``)."""
     if not hasattr(socket, "SO_REUSEPORT") or not hasattr(os, "fork"):
         raise ValueError("--workers > 1 needs SO_REUSEPORT and fork (Linux, BSD, macOS)")
-    n, k = config.workers, len(config.decode_urls)
-    names = list(names or config.decode_ids or (f"decode-{i}" for i in range(k)))
-    capacity = default_capacity(k) if capacity is None else capacity
-    table = SharedLoads(n, capacity)
-    guards = GuardBuffers.allocate(config, n)
-    journal = PoolJournal(names, config.decode_urls, capacity, config.artifact, table)
-    holder, port = reserve_port(config.host, config.port)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    pending: list[int] = []
+    supervisor = _Supervisor(config, make_router, serve, names, capacity)
+    try:
+        for row in range(config.workers):
+            supervisor.spawn(row)
+        print(f"eldr serve: {config.workers} workers on http://{config.host}:"
+              f"{supervisor.port}", file=sys.stderr, flush=True)
+        if ready is not None:
+            ready(supervisor.port)
+        while supervisor.children:
+            supervisor.pump(0.5)
+            supervisor.handle_signals()
+            supervisor.reap()
+    finally:
+        supervisor.close()
+    if supervisor.parent.dropped:
+        log.info("%d learn records were not forwarded (the learner fell behind)",
+                 supervisor.parent.dropped)
+    return supervisor.exit_status
 
-    def on_signal(signum, frame) -> None:
-        pending.append(signum)
+
+class _Supervisor:
+    """The parent of ``--workers N``: its shared memory and journal (made before the first
+    ``fork``), the reserved port, the workers, and the signals it got.
+
+    Its life: :meth:`spawn` each worker, then rounds of :meth:`pump` (the workers' messages
+    in and out), :meth:`handle_signals` (SIGHUP to one worker; SIGTERM/SIGINT stop all) and
+    :meth:`reap` (a worker that ended is started again, unless it could not start or all
+    are stopping), until no worker is left; :meth:`close` in any case.
+    """
+
+    def __init__(self, config, make_router, serve, names, capacity: int | None) -> None:
+        n, k = config.workers, len(config.decode_urls)
+        names = list(names or config.decode_ids or (f"decode-{i}" for i in range(k)))
+        capacity = default_capacity(k) if capacity is None else capacity
+        self.config, self._make_router, self._serve = config, make_router, serve
+        self.table = SharedLoads(n, capacity)
+        self.guards = GuardBuffers.allocate(config, n)
+        self.journal = PoolJournal(names, config.decode_urls, capacity, config.artifact,
+                                   self.table)
+        self.children: dict[int, _Child] = {}
+        self.parent = _Parent(self.journal, self.children)
+        self.stopping, self.exit_status = False, 0
+        self._holder, self.port = reserve_port(config.host, config.port)
+        self._wake_r, self._wake_w = os.pipe()  # a signal wakes the select loop
+        os.set_blocking(self._wake_w, False)
+        self._signals: list[int] = []
+        self._previous = {sig: signal.signal(sig, self._on_signal)
+                          for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals.append(signum)
         try:
-            os.write(wake_w, b"s")
+            os.write(self._wake_w, b"s")
         except OSError:
             pass
 
-    previous = {sig: signal.signal(sig, on_signal)
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    children: dict[int, _Child] = {}
-    parent = _Parent(journal, children)
-
-    def spawn(row: int) -> None:
-        table.clear_row(row)
-        parent.forget(row)
+    def spawn(self, row: int) -> None:
+        """Start worker ``row`` (again): its row of the load table zeroed (its requests
+        died with it), its router built from the journal's base, the entries since
+        replayed."""
+        self.table.clear_row(row)
+        self.parent.forget(row)
         mine, theirs = socket.socketpair()
-        base = journal.base
-        cfg = dataclasses.replace(config, artifact=base["artifact"],
+        base = self.journal.base
+        cfg = dataclasses.replace(self.config, artifact=base["artifact"],
                                   decode_urls=tuple(base["urls"]),
                                   decode_ids=tuple(base["names"]))
+        share = WorkerShare(self.table, row, tuple(base["slots"]), self.guards)
+        entries = list(self.journal.entries)
         pid = os.fork()
-        if pid == 0:  # the worker
-            status = 1
-            try:
-                mine.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                for child in children.values():
-                    child.sock.close()
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve handles it
-                share = WorkerShare(table, row, tuple(base["slots"]), guards)
-                status = _worker_main(make_router, serve, cfg, share,
-                                      list(journal.entries), port, theirs)
-            except BaseException:  # a worker must never return into the parent's loop
-                log.exception("worker %d failed", row)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
+        if pid == 0:
+            mine.close()
+            self._be_worker(cfg, share, entries, theirs)  # never returns
         theirs.close()
         mine.setblocking(False)
-        children[row] = _Child(pid, mine)
+        self.children[row] = _Child(pid, mine)
 
-    for row in range(n):
-        spawn(row)
-    print(f"eldr serve: {n} workers on http://{config.host}:{port}", file=sys.stderr,
-          flush=True)
-    if ready is not None:
-        ready(port)
-    stopping, exit_status = False, 0
-    try:
-        while children:
-            reading = {c.sock: row for row, c in children.items() if not c.eof}
-            writing = {c.sock: c for c in children.values() if c.outbox and not c.eof}
+    def _be_worker(self, cfg, share: WorkerShare, entries: list[dict], sock) -> None:
+        """In the forked child: drop the parent's handles and signals, serve, exit."""
+        status = 1
+        try:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            for child in self.children.values():
+                child.sock.close()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve handles it
+            status = _worker_main(self._make_router, self._serve, cfg, share, entries,
+                                  self.port, sock)
+        except BaseException:  # a worker must never return into the parent's loop
+            log.exception("worker %d failed", share.row)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
+    def pump(self, timeout: float) -> None:
+        """One round of the workers' sockets: read what came (handled by the journal's
+        :class:`_Parent`), write what waits, for at most ``timeout`` seconds."""
+        children = self.children
+        reading = {c.sock: row for row, c in children.items() if not c.eof}
+        writing = {c.sock: c for c in children.values() if c.outbox and not c.eof}
+        try:
+            readable, writable, _ = select.select([self._wake_r, *reading], list(writing), [],
+                                                  timeout)
+        except InterruptedError:
+            readable, writable = [], []
+        if self._wake_r in readable:
+            os.read(self._wake_r, 4096)
+        for sock in readable:
+            if sock in reading:
+                self.parent.receive(reading[sock], children[reading[sock]])
+        for sock in writable:
+            child = writing[sock]
             try:
-                readable, writable, _ = select.select([wake_r, *reading], list(writing), [],
-                                                      0.5)
-            except InterruptedError:
-                readable, writable = [], []
-            if wake_r in readable:
-                os.read(wake_r, 4096)
-            for sock in readable:
-                if sock in reading:
-                    parent.receive(reading[sock], children[reading[sock]])
-            for sock in writable:
-                child = writing[sock]
-                try:
-                    del child.outbox[:sock.send(child.outbox)]
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError:
-                    child.eof = True
-            while pending:
-                sig = pending.pop(0)
-                if sig == signal.SIGHUP and children:  # one worker syncs the file + reloads
-                    children[min(children)].send({"op": "hangup"})
-                elif sig != signal.SIGHUP:
-                    stopping = True
-                    _signal_all(children, signal.SIGTERM)
-            for row, child in list(children.items()):
-                try:
-                    done, status = os.waitpid(child.pid, os.WNOHANG)
-                except ChildProcessError:
-                    done, status = child.pid, 0
-                if done == 0:
-                    continue
-                child.sock.close()
-                del children[row]
-                if stopping:
-                    continue
-                if time.monotonic() - child.started < _MIN_LIFETIME:  # it cannot start
-                    log.error("worker %d (pid %d) ended at start-up (status %d): stopping",
-                              row, child.pid, status)
-                    stopping, exit_status = True, 1
-                    _signal_all(children, signal.SIGTERM)
-                    continue
-                log.error("worker %d (pid %d) ended (status %d): starting it again",
+                del child.outbox[:sock.send(child.outbox)]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                child.eof = True
+
+    def handle_signals(self) -> None:
+        """SIGHUP: one worker re-reads the decoders file and reloads (through the
+        journal); SIGTERM/SIGINT: every worker stops."""
+        while self._signals:
+            sig = self._signals.pop(0)
+            if sig == signal.SIGHUP and self.children:
+                self.children[min(self.children)].send({"op": "hangup"})
+            elif sig != signal.SIGHUP:
+                self.stopping = True
+                _signal_all(self.children, signal.SIGTERM)
+
+    def reap(self) -> None:
+        """Collect the workers that ended: started again, unless all are stopping or one
+        ended within ``_MIN_LIFETIME`` of its start (it cannot start: all stop, status 1)."""
+        for row, child in list(self.children.items()):
+            try:
+                done, status = os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = child.pid, 0
+            if done == 0:
+                continue
+            child.sock.close()
+            del self.children[row]
+            if self.stopping:
+                continue
+            if time.monotonic() - child.started < _MIN_LIFETIME:
+                log.error("worker %d (pid %d) ended at start-up (status %d): stopping",
                           row, child.pid, status)
-                spawn(row)
-    finally:
-        if children:
-            _signal_all(children, signal.SIGKILL)
-            for child in children.values():
+                self.stopping, self.exit_status = True, 1
+                _signal_all(self.children, signal.SIGTERM)
+                continue
+            log.error("worker %d (pid %d) ended (status %d): starting it again",
+                      row, child.pid, status)
+            self.spawn(row)
+
+    def close(self) -> None:
+        """Kill the workers left (an error in the loop), give back signals, port, pipe."""
+        if self.children:
+            _signal_all(self.children, signal.SIGKILL)
+            for child in self.children.values():
                 child.sock.close()
-        for sig, handler in previous.items():
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        holder.close()
-        os.close(wake_r)
-        os.close(wake_w)
-    if parent.dropped:
-        log.info("%d learn records were not forwarded (the learner fell behind)",
-                 parent.dropped)
-    return exit_status
+        self._holder.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def _signal_all(children: dict[int, _Child], sig: int) -> None:
