@@ -266,7 +266,7 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
     from eldr.routing import make_policy
 
     try:
-        from eldr.proxy.request.decision import RoutingState
+        from eldr.proxy.request import RoutingState
     except ModuleNotFoundError:  # a tree from before the proxy's subpackages (--baseline-src)
         from eldr.proxy.decision import RoutingState
 
@@ -291,12 +291,9 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
                             top_k=8)
 
     if workers > 1:
-        try:
-            from eldr.proxy.workers import run_workers
-        except ImportError:
-            from eldr.proxy.workers.supervisor import run_workers
+        from eldr.proxy.workers import run_workers
 
-        # (config, row) since the pool journal; *_ also runs an older tree's run_workers
+        # make_router(config, share) now, (config, row) or (config) in older trees: *_
         run_workers(config, lambda *_: Router(config, state=make_state()), serve)
         return
     router = Router(config, state=make_state())
@@ -397,8 +394,7 @@ def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2
     benchmark's payload as the router gets it (masked: it asks for its layer mask)."""
     from eldr.capture import payload as wire
     from eldr.fit.signature import SignatureEncoder
-    from eldr.proxy.request.decision import RoutingState
-    from eldr.proxy.request.signatures import read_inputs, split_kv_params
+    from eldr.proxy.request import RoutingState, read_inputs, split_kv_params
     from eldr.routing import RouteRequest, make_policy
 
     rng = np.random.default_rng(1)

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     config, learn = configure(config_from_args(args), args)
     router = Router(config)  # a bad artifact fails here, before any socket or worker
     if config.workers > 1:
-        from eldr.proxy.workers.supervisor import run_workers
+        from eldr.proxy.workers import run_workers
 
         names = router.state.worker_names
         slots = args.decoder_slots

@@ -32,30 +32,39 @@ from typing import TYPE_CHECKING
 
 from eldr.proxy.bodies import parse_body
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.control.admin import AdminToken, JournalLink, Reloader
-from eldr.proxy.control.elastic import ElasticPool
-from eldr.proxy.control.learn_admin import LearnAdmin
-from eldr.proxy.control.learning import ForwardLearning, LiveLearning
-from eldr.proxy.engines.upstream import Instance, UpstreamPool, make_session
+from eldr.proxy.control import (
+    AdminToken,
+    ElasticPool,
+    ForwardLearning,
+    JournalLink,
+    LearnAdmin,
+    LiveLearning,
+    Reloader,
+)
+from eldr.proxy.engines import Instance, UpstreamPool, make_session
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.metrics import RouterMetrics
-from eldr.proxy.request.affinity import PrefixAffinity
-from eldr.proxy.request.containment import RequestGuards, make_guards
-from eldr.proxy.request.decision import LiveRouting, RoutingState, build_state
-from eldr.proxy.request.flow import LearnerHook, RequestFlow
-from eldr.proxy.request.forward import (
+from eldr.proxy.request import (
     KNOWN_ROUTES,
     OWN_ROUTES,
     Forwarder,
+    LearnerHook,
+    LiveRouting,
+    PrefixAffinity,
+    RequestFlow,
+    RequestGuards,
+    RoutingState,
+    build_state,
     classify,
+    is_stream_done,
+    make_guards,
     method_not_allowed,
 )
-from eldr.proxy.request.relay import is_stream_done
 from eldr.routing.loads import LoadTracker
 
 if TYPE_CHECKING:
     from eldr.learn.config import LearnConfig
-    from eldr.proxy.workers.sharedpool import WorkerShare
+    from eldr.proxy.workers import WorkerShare
 
 __all__ = ["Router"]
 

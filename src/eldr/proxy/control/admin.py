@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.errors import ProxyError
-from eldr.proxy.request.decision import LiveRouting, RoutingState, WorkerMismatch, build_state
+from eldr.proxy.request import LiveRouting, RoutingState, WorkerMismatch, build_state
 
 if TYPE_CHECKING:
-    from eldr.proxy.engines.upstream import UpstreamPool
+    from eldr.proxy.engines import UpstreamPool
     from eldr.proxy.metrics import RouterMetrics
 
 __all__ = ["AdminToken", "FailedAttempts", "JournalLink", "ReloadRefused", "Reloader"]

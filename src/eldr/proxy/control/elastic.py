@@ -56,11 +56,10 @@ from typing import TYPE_CHECKING
 from eldr.proxy.config import DECODER_NAME, ServeConfig, check_url, read_decoders_file
 from eldr.proxy.control.admin import AdminToken, JournalLink
 from eldr.proxy.errors import ProxyError
-from eldr.proxy.request.decision import LiveRouting, RoutingState
-from eldr.proxy.request.forward import method_not_allowed
+from eldr.proxy.request import LiveRouting, RoutingState, method_not_allowed
 
 if TYPE_CHECKING:
-    from eldr.proxy.engines.upstream import Instance, UpstreamPool
+    from eldr.proxy.engines import Instance, UpstreamPool
     from eldr.proxy.metrics import RouterMetrics
 
 __all__ = ["ElasticPool"]

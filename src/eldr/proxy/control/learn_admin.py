@@ -18,8 +18,7 @@ import tempfile
 
 from eldr.proxy.control.admin import AdminToken
 from eldr.proxy.errors import ProxyError
-from eldr.proxy.request.decision import LiveRouting
-from eldr.proxy.request.forward import method_not_allowed
+from eldr.proxy.request import LiveRouting, method_not_allowed
 
 __all__ = ["LearnAdmin"]
 

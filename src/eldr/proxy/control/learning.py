@@ -31,11 +31,10 @@ from eldr.learn.buffer import make_record
 from eldr.learn.config import LearnConfig
 from eldr.learn.controller import Learner
 from eldr.proxy.control.admin import JournalLink
-from eldr.proxy.request.decision import LiveRouting, RoutingState
-from eldr.proxy.request.signatures import read_counts, split_kv_params
+from eldr.proxy.request import LiveRouting, RoutingState, read_counts, split_kv_params
 
 if TYPE_CHECKING:
-    from eldr.proxy.engines.upstream import UpstreamPool
+    from eldr.proxy.engines import UpstreamPool
     from eldr.proxy.metrics import Registry
 
 __all__ = ["ForwardLearning", "LiveLearning", "read_parts"]

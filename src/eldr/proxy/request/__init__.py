@@ -1,4 +1,31 @@
 """The request path of ``eldr serve``: one client request in, a prefill, a routing decision,
-a decode, the decoder's answer relayed out (docs/serve.md#one-request)."""
+a decode, the decoder's answer relayed out (docs/serve.md#one-request).
 
-__all__: list[str] = []  # filled once the parts are wired through typed seams
+:mod:`~eldr.proxy.request.flow` runs it (:class:`RequestFlow`) and hands each decode to
+:mod:`~eldr.proxy.request.relay` as a :class:`DecodeAttempt`; the routing snapshot is
+:mod:`~eldr.proxy.request.decision`'s, what a prefill answer tells the policy
+:mod:`~eldr.proxy.request.signatures`'; :mod:`~eldr.proxy.request.affinity` picks the
+prefill instance, :mod:`~eldr.proxy.request.containment` keeps poison requests and retry
+storms out, :mod:`~eldr.proxy.request.decodepayload` strips the decode engines' counts and
+:mod:`~eldr.proxy.request.forward` answers vLLM's other routes.
+"""
+
+from eldr.proxy.request.affinity import PrefixAffinity
+from eldr.proxy.request.containment import GuardBuffers, RequestGuards, make_guards
+from eldr.proxy.request.decision import LiveRouting, RoutingState, WorkerMismatch, build_state
+from eldr.proxy.request.flow import LearnerHook, RequestFlow
+from eldr.proxy.request.forward import (
+    KNOWN_ROUTES,
+    OWN_ROUTES,
+    Forwarder,
+    classify,
+    method_not_allowed,
+)
+from eldr.proxy.request.relay import Decision, DecodeAttempt, DecodeRelay, is_stream_done
+from eldr.proxy.request.signatures import Reading, read_counts, read_inputs, split_kv_params
+
+__all__ = ["KNOWN_ROUTES", "OWN_ROUTES", "Decision", "DecodeAttempt", "DecodeRelay",
+           "Forwarder", "GuardBuffers", "LearnerHook", "LiveRouting", "PrefixAffinity",
+           "Reading", "RequestFlow", "RequestGuards", "RoutingState", "WorkerMismatch",
+           "build_state", "classify", "is_stream_done", "make_guards", "method_not_allowed",
+           "read_counts", "read_inputs", "split_kv_params"]

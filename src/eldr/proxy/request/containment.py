@@ -41,7 +41,7 @@ from eldr.proxy.errors import ProxyError
 
 if TYPE_CHECKING:
     from eldr.proxy.config import ServeConfig
-    from eldr.proxy.engines.upstream import Instance, UpstreamPool
+    from eldr.proxy.engines import Instance, UpstreamPool
     from eldr.proxy.metrics import RouterMetrics
 
 log = logging.getLogger("eldr.serve")

@@ -45,7 +45,7 @@ import aiohttp
 from eldr.capture.decode import REPORT_KEY
 from eldr.proxy.bodies import ByteBudget, json_object, prompt_token_bound, read_upto
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.engines.upstream import Instance, UpstreamPool, error_kind
+from eldr.proxy.engines import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply
 from eldr.proxy.metrics import RouterMetrics
 from eldr.proxy.request.affinity import PrefixAffinity

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from eldr.proxy.bodies import json_object, read_upto
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.engines.upstream import Instance, UpstreamPool, error_kind
+from eldr.proxy.engines import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError
 from eldr.proxy.request.relay import report_failure
 

@@ -31,7 +31,7 @@ from eldr.proxy.bodies import (
     within,
 )
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.engines.upstream import Instance, UpstreamPool, error_kind
+from eldr.proxy.engines import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply, error_body
 from eldr.proxy.request.containment import RequestGuards, Strikes
 from eldr.proxy.request.decodepayload import DecodeStripper, record_payload, strip_json

@@ -36,8 +36,7 @@ import os
 import signal
 from collections.abc import Callable
 
-from eldr.proxy.control.admin import Reloader
-from eldr.proxy.control.elastic import ElasticPool
+from eldr.proxy.control import ElasticPool, Reloader
 from eldr.proxy.errors import ProxyError
 
 __all__ = ["PoolLink"]

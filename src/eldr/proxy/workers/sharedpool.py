@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eldr.proxy.request.containment import GuardBuffers
+from eldr.proxy.request import GuardBuffers
 from eldr.routing.loads import LoadTracker
 
 __all__ = ["PoolJournal", "PoolRefused", "SharedLoadTracker", "SharedLoads", "WorkerShare",

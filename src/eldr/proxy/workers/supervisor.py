@@ -59,7 +59,7 @@ import socket
 import sys
 import time
 
-from eldr.proxy.request.containment import GuardBuffers
+from eldr.proxy.request import GuardBuffers
 from eldr.proxy.workers.poollink import PoolLink
 from eldr.proxy.workers.sharedpool import (
     PoolJournal,
