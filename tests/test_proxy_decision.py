@@ -10,9 +10,9 @@ from eldr.capture.payload import encode_counts
 from eldr.fit.artifact import RoutingArtifact
 from eldr.fit.signature import SignatureEncoder
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.request.decision import LazyCostPolicy, build_state
+from eldr.proxy.request.decision import build_state
 from eldr.proxy.request.signatures import read_inputs, read_signature, split_kv_params
-from eldr.routing import Decision, RouteRequest
+from eldr.routing import Decision, LazyShapePolicy, RouteRequest
 
 CFG = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"),
                   policy="eldr")
@@ -54,7 +54,6 @@ def test_direct_encoding_is_bit_identical_to_transform(rep, dtype):
         "idf": rng.uniform(0.1, 2.0, (48, 128))})
     state = dataclasses.replace(make_state(CFG), encoder=enc, num_layers=48,
                                 num_experts=128)
-    assert state.direct is not None
     for _ in range(5):
         counts = rng.multinomial(2048, np.full(128, 1 / 128), size=48).astype(dtype)
         got = state.encode(counts)
@@ -151,7 +150,7 @@ def test_lazy_cost_policy_binds_to_the_first_valid_payload():
     cfg = dataclasses.replace(CFG, policy="eldr_cost")
     state = build_state(cfg)
     policy = state.policy
-    assert isinstance(policy, LazyCostPolicy) and state.shape is None
+    assert isinstance(policy, LazyShapePolicy) and state.shape is None
     assert policy.decide(RouteRequest("a"), np.array([1.0, 0.0])) == Decision(1, fallback=True)
     policy.on_dispatch(RouteRequest("a"), 1)  # before binding: dropped
     bad = read_inputs({}, {"v": 1, "shape": [L, E], "dtype": "uint16", "data": "!!"},
@@ -246,7 +245,7 @@ def test_eldr_cost_takes_the_models_shape_from_the_artifact(fake_artifact_module
     state = build_state(ServeConfig(prefill_urls=("http://p:1",),
                                     decode_urls=("http://d:1", "http://d:2"), artifact="A",
                                     policy="eldr_cost"))
-    assert state.policy.name == "eldr_cost" and not isinstance(state.policy, LazyCostPolicy)
+    assert state.policy.name == "eldr_cost" and not isinstance(state.policy, LazyShapePolicy)
     assert state.policy.shape == (L, E) == state.shape and state.top_k == 4
     assert state.tau is None and state.worker_names == ("w-code", "w-other")
 

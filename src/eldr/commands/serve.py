@@ -40,10 +40,10 @@ def _add_engines(p: argparse.ArgumentParser) -> None:
 
 def _add_routing(p: argparse.ArgumentParser) -> None:
     """The decode routing policy and its artifact."""
-    from eldr.proxy.config import EVALUATION_ONLY_POLICIES
     from eldr.routing import POLICIES
 
-    policies = sorted(n for n in POLICIES if n not in EVALUATION_ONLY_POLICIES)
+    # oracle policies read labels a live request lacks: simulation only
+    policies = sorted(n for n, spec in POLICIES.items() if not spec.evaluation_only)
     p.add_argument("--artifact", metavar="DIR", help="routing artifact written by eldr fit "
                    "(required by eldr and eldr_top1; eldr_cost uses its predictor and "
                    "cluster profiles when given, and runs without one)")

@@ -7,12 +7,9 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["DECODER_NAME", "EVALUATION_ONLY_POLICIES", "ServeConfig", "check_url",
-           "parse_decode_spec", "read_decoders_file"]
+__all__ = ["DECODER_NAME", "ServeConfig", "check_url", "parse_decode_spec",
+           "read_decoders_file"]
 
-# Policies that need information a live request does not carry (an oracle domain label, the
-# request's future decode pattern): usable in the simulator, refused by the router.
-EVALUATION_ONLY_POLICIES = ("domain", "oracle_signature")
 # a decoder's name (its artifact worker id): in metric labels, URLs and the decoders file
 DECODER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _MAX_FILE_BYTES = 1 << 20  # a decoders file larger than this is refused
@@ -167,7 +164,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
-        if self.policy in EVALUATION_ONLY_POLICIES:
+        if POLICIES[self.policy].evaluation_only:
             raise ValueError(f"policy {self.policy!r} needs oracle information a live request "
                              f"does not carry; it is for simulation only")
         if self.tau is not None and not (math.isfinite(self.tau) and self.tau >= 0):

@@ -169,7 +169,8 @@ def read_inputs(doc: dict, payload: object, state: RoutingState,
     prompt): a prefill that found part of the prompt in its prefix cache counted only the
     rest, and dividing by the whole prompt would shrink every probability. The context is
     the whole prompt (``usage.prompt_tokens``), whose KV the decoder reads every step. A
-    :class:`LazyCostPolicy` is bound to the first valid payload's (L, E) here.
+    policy built before the model's shape was known (``eldr.routing.lazy``) is bound to
+    the first valid payload's (L, E) here.
     """
     want_sig, want_profile = state.needs_signature, state.needs_profile
     if not (want_sig or want_profile):
