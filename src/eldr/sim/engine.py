@@ -328,21 +328,8 @@ def simulate(
     bank = tokens if tokens is not None else TokenBank(trace, seed=config.seed)
     if bank.trace is not trace:
         raise ValueError("tokens: the TokenBank was built for another trace")
-    if arrivals is None:
-        arrivals = make_arrivals(config, trace.num_requests)
-    t_arr = np.asarray(arrivals[0], dtype=np.float64)
-    tidx = np.asarray(arrivals[1], dtype=np.int64)
+    t_arr, tidx, need_kv = _checked_arrivals(trace, config, sm, arrivals)
     N = t_arr.size
-    if tidx.shape != (N,) or (N and (tidx.min() < 0 or tidx.max() >= trace.num_requests)):
-        raise ValueError("arrivals: trace indices must be (N,) and within the trace")
-    if N > 1 and (np.diff(t_arr) < 0).any():
-        raise ValueError("arrivals: times must be non-decreasing")
-    need_kv = np.array([sm.model.kv_bytes(int(p + o)) for p, o in
-                        zip(trace.prompt_lens[tidx], trace.output_lens[tidx], strict=True)])
-    if N and need_kv.max() > sm.kv_capacity_bytes:
-        i = int(np.argmax(need_kv))
-        raise ValueError(f"request {i} needs {need_kv[i] / 1e9:.2f} GB of KV, more than a "
-                         f"decode worker holds ({sm.kv_capacity_bytes / 1e9:.2f} GB)")
     online = None
     if config.signature_source != "trace":
         from eldr.sim.signatures import OnlineSignatures
@@ -360,6 +347,35 @@ def simulate(
                      record_events=record_events, bar=bar)
     with bar:
         sim.run()
+    return _result(sim, config, policy, sm, wall0)
+
+
+def _checked_arrivals(trace: Trace, config: SimConfig, sm: StepModel, arrivals
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(times (N,), trace indices (N,), KV bytes each request needs (N,)) of the arrivals
+    (Poisson from ``config`` when None), checked: indices within the trace, times in
+    order, every request's KV within one decode worker."""
+    if arrivals is None:
+        arrivals = make_arrivals(config, trace.num_requests)
+    t_arr = np.asarray(arrivals[0], dtype=np.float64)
+    tidx = np.asarray(arrivals[1], dtype=np.int64)
+    N = t_arr.size
+    if tidx.shape != (N,) or (N and (tidx.min() < 0 or tidx.max() >= trace.num_requests)):
+        raise ValueError("arrivals: trace indices must be (N,) and within the trace")
+    if N > 1 and (np.diff(t_arr) < 0).any():
+        raise ValueError("arrivals: times must be non-decreasing")
+    need_kv = np.array([sm.model.kv_bytes(int(p + o)) for p, o in
+                        zip(trace.prompt_lens[tidx], trace.output_lens[tidx], strict=True)])
+    if N and need_kv.max() > sm.kv_capacity_bytes:
+        i = int(np.argmax(need_kv))
+        raise ValueError(f"request {i} needs {need_kv[i] / 1e9:.2f} GB of KV, more than a "
+                         f"decode worker holds ({sm.kv_capacity_bytes / 1e9:.2f} GB)")
+    return t_arr, tidx, need_kv
+
+
+def _result(sim: Simulation, config: SimConfig, policy: Policy, sm: StepModel,
+            wall0: float) -> SimResult:
+    """The :class:`SimResult` of a finished simulation (``wall0``: its start)."""
     decoders = sim.decoders
     return SimResult(
         config=config,
