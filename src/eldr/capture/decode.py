@@ -24,7 +24,7 @@ Three pieces, wired into vLLM by :mod:`eldr.capture.vllm_plugin`:
   The mean distinct experts per layer per step of the request's batches is
   ``distinct / steps``. It travels under :data:`DECODE_KEY` of the decode response's
   ``kv_transfer_params`` (JSON) or as one extra SSE event before ``[DONE]`` (streams);
-  the router strips both (:mod:`eldr.proxy.decodepayload`).
+  the router strips both (:mod:`eldr.proxy.request.decodepayload`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ API-server process:
   on their way in and, just before ``data: [DONE]``, sends one extra event
   ``data: {"eldr_decode": <payload>}`` when a payload came (only decode legs get one).
   No new connection, no round trip, no state kept after the stream: the cheapest
-  channel. The router strips that event (:mod:`eldr.proxy.decodepayload`).
+  channel. The router strips that event (:mod:`eldr.proxy.request.decodepayload`).
 - ``/metrics``: a ``prometheus_client`` collector on the default registry (vLLM's,
   unless ``PROMETHEUS_MULTIPROC_DIR`` is set) reads the footprint file on each scrape:
   ``eldr_engine_footprint_experts{layer}``, ``eldr_engine_step_distinct_experts`` and
