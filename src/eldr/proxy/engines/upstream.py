@@ -147,6 +147,7 @@ class UpstreamPool:
         self.engine_shape: tuple[int, int] | None = None
         self._tasks: list[asyncio.Task] = []
         self._probes: dict[Instance, asyncio.Future] = {}  # death checks in flight
+        self._block_size: int | None = None  # smallest KV block the engines reported
 
     def _decoder(self, k: int, url: str, name: str, **kw) -> Instance:
         config = self.config
@@ -240,9 +241,15 @@ class UpstreamPool:
             self.prefill_loads[inst.index] -= 1
 
     def block_size(self) -> int | None:
-        """The smallest KV block any engine reported (None: none reported)."""
+        """The smallest KV block any engine reported (None: none reported). Read on every
+        request (the short-prompt threshold): kept up to date where a report is read, not
+        recomputed over the engines here."""
+        return self._block_size
+
+    def _note_block_size(self, inst: Instance, size: int | None) -> None:
+        inst.block_size = size
         sizes = [i.block_size for i in (*self.prefill, *self.decode) if i.block_size]
-        return min(sizes) if sizes else None
+        self._block_size = min(sizes) if sizes else None
 
     async def confirm_alive(self, inst: Instance) -> bool:
         """Is ``inst`` still alive after a request failed there? One ``GET /health`` now,
@@ -356,7 +363,8 @@ class UpstreamPool:
                     if doc is not None:  # an odd list is no reason to take an engine out
                         self._learn_models(inst, doc)
             if inst.block_size is None and self.config.short_prompt_tokens is None:
-                inst.block_size = await self._read_block_size(inst, timeout, headers)
+                self._note_block_size(inst, await self._read_block_size(inst, timeout,
+                                                                        headers))
         except Exception as exc:  # any failure is "unhealthy"
             self.record_failure(inst, error_kind(exc), str(exc) or type(exc).__name__)
             return False

@@ -109,13 +109,18 @@ class PoisonList:
     def _live(self, slot: int, digest: int) -> bool:
         return int(self._digests[slot]) == digest and self._expiry[slot] > self.clock()
 
+    def _claim(self, digest: int) -> int:
+        """``digest``'s slot, emptied first when it held another body (or an expired one)."""
+        slot = digest % self.capacity
+        if not self._live(slot, digest):
+            self._expiry[slot] = 0.0  # a reader in between sees no entry, never a wrong one
+            self._digests[slot], self._deaths[slot], self._events[slot] = digest, 0, 0
+        return slot
+
     def record_death(self, digest: int, event: int) -> int:
         """An engine died serving ``digest`` (death ``event``: the same for every request
         that saw that death); the body's deaths within ``ttl`` (this one included)."""
-        slot = digest % self.capacity
-        if not self._live(slot, digest):  # a new body takes the slot over
-            self._expiry[slot] = 0.0  # a reader in between sees no entry, never a wrong one
-            self._digests[slot], self._deaths[slot], self._events[slot] = digest, 0, 0
+        slot = self._claim(digest)
         if int(self._events[slot]) != event:
             self._deaths[slot] += 1
             self._events[slot] = event
@@ -124,10 +129,7 @@ class PoisonList:
 
     def add(self, digest: int) -> None:
         """Refuse ``digest`` for ``ttl`` seconds from now."""
-        slot = digest % self.capacity
-        if not self._live(slot, digest):
-            self._expiry[slot] = 0.0
-            self._digests[slot], self._events[slot] = digest, 0
+        slot = self._claim(digest)
         self._deaths[slot] = max(int(self._deaths[slot]), POISON_BODY_DEATHS)
         self._expiry[slot] = self.clock() + self.ttl
 
