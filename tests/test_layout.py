@@ -196,7 +196,8 @@ def test_no_private_name_imported_from_another_package():
 # The names each subpackage's __init__ exports. A change here is a change of the API.
 PUBLIC_API = {
     "eldr.cache": set(),
-    "eldr.capture": {"tiny_moe_dir", "tiny_moe_trace_path"},
+    "eldr.capture": {"tiny_moe_dir", "tiny_moe_trace_path", "wide_engine_bytes",
+                     "wide_tiny_moe_dir"},
     "eldr.commands": set(),
     "eldr.deploy": {"ChildProcess", "ClusterSpec", "LocalCluster", "engine_command",
                     "free_port"},
@@ -226,8 +227,9 @@ PUBLIC_API = {
                      "filters", "make_policy", "make_unbound_policy", "pickers",
                      "policies_with_role", "prefill_profile", "register_policy", "scorers"},
     "eldr.sim": {"EVENT_NAMES", "HARDWARE", "Hardware", "RequestRecord", "Requests",
-                 "SimConfig", "SimResult", "StepModel", "TokenBank", "deal_bitsets",
-                 "get_hardware", "make_arrivals", "moe_constants", "simulate", "topk_bitsets",
+                 "SimConfig", "SimResult", "StepFit", "StepModel", "TokenBank", "deal_bitsets",
+                 "fit_step_model", "get_hardware", "load_hardware", "make_arrivals",
+                 "moe_constants", "save_hardware", "simulate", "topk_bitsets",
                  "union_distinct", "write_csv", "write_json"},
     "eldr.traces": set(),
 }

@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, help="measured seconds per point")
     p.add_argument("--warmup", type=float, help="warm-up seconds per point")
     p.add_argument("--requests", type=int, help="requests per generated trace")
-    p.add_argument("--hardware", help="hardware preset: h200 (default) or mi300x")
+    p.add_argument("--hardware", help="hardware preset: h200 (default) or mi300x, or a "
+                   "hardware file (.json, eldr calibrate) with fits of every model the plan "
+                   "simulates")
     p.add_argument("--seed", type=int, help="simulation seed (default 0)")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes (default: number of CPUs, at most 4)")
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                           num_requests=args.requests, hardware=args.hardware, seed=args.seed)
     if args.rates and plan.tau_rate not in plan.rates:
         plan = with_overrides(plan, tau_rate=max(plan.rates), pool_rates=plan.rates)
+    _check_hardware(plan)
     jobs = args.jobs if args.jobs is not None else min(os.cpu_count() or 1, 4)
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -85,3 +88,14 @@ def run(args: argparse.Namespace) -> int:
     print(headline_text(Analysis(results)))
     print(f"\nreport: {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
+
+
+def _check_hardware(plan) -> None:
+    """Refuse, before hours of simulation, a hardware (a file, typically) without constants
+    of a model the plan simulates on it (the tiny MoE runs on ``cpu`` regardless)."""
+    from eldr.sim.config import get_hardware, moe_constants
+    from eldr.traces.models import get_preset
+
+    hw = get_hardware(plan.hardware)
+    for model in {plan.model, *((plan.ep_model,) if plan.ep_experiment else ())}:
+        moe_constants(hw, get_preset(model))

@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=120.0, help="measured seconds")
     p.add_argument("--warmup", type=float, default=30.0, help="warm-up seconds")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
+    p.add_argument("--hardware", default="h200", metavar="PRESET|FILE",
+                   help=f"hardware preset ({', '.join(sorted(HARDWARE))}; default h200) or a "
+                   "hardware file (.json) written by eldr calibrate")
     p.add_argument("--t-fixed-ms", type=float, help="per-step fixed overhead (ms)")
     p.add_argument("--moe-a-us", type=float, help="MoE layer fixed time a (µs)")
     p.add_argument("--moe-b-us", type=float, help="MoE layer time per distinct expert b (µs)")

@@ -13,8 +13,10 @@ step's time depends on the distinct experts its batch selects at each layer THIS
 
 from eldr.sim.config import HARDWARE, Hardware, SimConfig, get_hardware, moe_constants
 from eldr.sim.engine import EVENT_NAMES, make_arrivals, simulate
+from eldr.sim.hardware import load_hardware, save_hardware
 from eldr.sim.metrics import SimResult, write_csv, write_json
 from eldr.sim.records import RequestRecord, Requests
+from eldr.sim.stepfit import StepFit, fit_step_model
 from eldr.sim.steptime import StepModel, deal_bitsets, topk_bitsets, union_distinct
 from eldr.sim.tokens import TokenBank
 
@@ -26,12 +28,16 @@ __all__ = [
     "Requests",
     "SimConfig",
     "SimResult",
+    "StepFit",
     "StepModel",
     "TokenBank",
     "deal_bitsets",
+    "fit_step_model",
     "get_hardware",
+    "load_hardware",
     "make_arrivals",
     "moe_constants",
+    "save_hardware",
     "simulate",
     "topk_bitsets",
     "union_distinct",

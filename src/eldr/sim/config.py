@@ -45,43 +45,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# Hardware (the record) and A_OVER_B_MI300X live with the hardware files that build it
+from eldr.sim.hardware import A_OVER_B_MI300X, Hardware, is_hardware_file, load_hardware
 from eldr.traces.models import ModelPreset, get_preset
 
-__all__ = ["HARDWARE", "Hardware", "SimConfig", "get_hardware", "moe_constants"]
+__all__ = ["A_OVER_B_MI300X", "HARDWARE", "Hardware", "SimConfig", "get_hardware",
+           "moe_constants"]
 
 # Bandwidth efficiency implied by the H200 Qwen3-30B fit: 9,437,184 B / 4.8e12 B/s / 2.22 µs.
 _ETA = 9_437_184 / 4.8e12 / 2.22e-6  # = 0.886
-# a / b from the paper's 4.7x at D = 16 -> 128: (128 - 4.7*16) / (4.7 - 1)
-A_OVER_B_MI300X = (128 - 4.7 * 16) / (4.7 - 1)  # = 14.27
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One accelerator, as the step-time model sees it."""
-
-    name: str  # preset key
-    hbm_bandwidth: float  # B/s of HBM (weights and KV are streamed at this rate)
-    hbm_bytes: float  # HBM capacity in bytes (KV capacity = util x HBM - weights)
-    peak_flops: float  # dense bf16 FLOP/s (prefill is compute bound)
-    t_fixed_s: float  # fixed per-step overhead in seconds (see module docstring)
-    measured_moe: bool  # True: a, b from the model preset's fit; False: derived (see above)
-    a_over_b: float = A_OVER_B_MI300X  # a = a_over_b x b when not measured
-    # (model preset, a µs, b µs) measured on THIS hardware; when any is given, the hardware
-    # resolves those models only (no derived constants for the rest)
-    moe_fits: tuple[tuple[str, float, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("hbm_bandwidth", "hbm_bytes", "peak_flops", "a_over_b"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"hardware {self.name!r}: {name} must be > 0, "
-                                 f"got {getattr(self, name)!r}")
-        for model, a_us, b_us in self.moe_fits:
-            if not (a_us >= 0 and b_us > 0):
-                raise ValueError(f"hardware {self.name!r}: fit of {model!r} needs a >= 0 and "
-                                 f"b > 0 µs, got a={a_us!r}, b={b_us!r}")
-        if not self.t_fixed_s >= 0:
-            raise ValueError(f"hardware {self.name!r}: t_fixed_s must be >= 0, "
-                             f"got {self.t_fixed_s!r}")
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -100,12 +72,17 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def get_hardware(name: str | Hardware) -> Hardware:
-    """The hardware preset ``name``; a :class:`Hardware` passes through."""
+    """The hardware preset ``name``, or the hardware file ``name`` when it is a path ending
+    in ``.json`` (:func:`eldr.sim.hardware.load_hardware`, read on each call: a few
+    hundred bytes); a :class:`Hardware` passes through."""
     if isinstance(name, Hardware):
         return name
+    if is_hardware_file(name):
+        return load_hardware(str(name).strip())
     key = str(name).strip().lower()
     if key not in HARDWARE:
-        raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE)}")
+        raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE)}, "
+                         "or a hardware file (.json, written by eldr calibrate)")
     return HARDWARE[key]
 
 
