@@ -4,10 +4,13 @@ import numpy as np
 import pytest
 
 from eldr.capture.decode import (
+    STEP_BUCKETS,
     DecodeTally,
     Footprint,
+    StepRing,
     decode_decode_payload,
     decode_step,
+    decode_step_ring,
     distinct_per_layer,
     encode_decode_payload,
     is_decode_leg,
@@ -35,6 +38,11 @@ def test_decode_step_splits_rows_by_request():
     assert np.array_equal(step.ids, rows[[1, 2, 5]]) and step.ids.dtype == np.int16
     assert step.distinct.tolist() == distinct_per_layer(rows[[1, 2, 5]], E).tolist()
     assert decode_step(rows, [("a", 0, 0)], E) is None
+    # the whole step, for its timing: 6 rows, 3 of them decode -> mixed; Σ_l D_l of all rows
+    assert step.num_tokens == 6 and step.is_mixed and step.wall_s is None
+    assert step.distinct_sum == int(distinct_per_layer(rows, E).sum())
+    pure = decode_step(rows[:2], [("a", 0, 2)], E)
+    assert not pure.is_mixed and pure.distinct_sum == int(pure.distinct.sum())
 
 
 def test_payload_round_trip_and_tally():
@@ -143,3 +151,65 @@ def test_a_malformed_engine_footprint_is_refused_by_name(change, match):
         decode_engine_footprint({**doc, **change}, 1, 8, now=100.0)
     with pytest.raises(ValueError, match="JSON object"):
         decode_engine_footprint([doc], 1, 8, now=100.0)
+
+
+def test_step_ring_keeps_the_last_steps_and_lifetime_totals():
+    ring = StepRing(3)
+    steps = [(0.0004, 1, 10, False), (0.001, 2, 20, True), (0.003, 4, 30, False),
+             (0.0105, 8, 40, False)]
+    for step in steps:
+        ring.push(*step)
+    doc = json.loads(json.dumps(ring.snapshot(6, 64, 5.0)))
+    assert (doc["layers"], doc["experts"], doc["capacity"], doc["time"]) == (6, 64, 3, 5.0)
+    assert doc["wall_us"] == [1000, 3000, 10500]  # oldest first, the first one forgotten
+    assert doc["tokens"] == [2, 4, 8] and doc["distinct_sum"] == [20, 30, 40]
+    assert doc["mixed"] == [1, 0, 0]
+    total = doc["total"]
+    assert (total["steps"], total["tokens"], total["distinct_sum"], total["mixed"]) == \
+        (4, 15, 100, 1)
+    assert total["seconds"] == pytest.approx(0.0149)
+    cum = dict((str(le), n) for le, n in total["buckets"])
+    # le bounds inclusive: 0.001 falls in the 0.001 bucket
+    assert (cum["0.0005"], cum["0.001"], cum["0.002"], cum["0.005"], cum["0.01"],
+            cum["0.02"], cum["+Inf"]) == (1, 2, 2, 3, 3, 4, 4)
+    assert len(total["buckets"]) == len(STEP_BUCKETS) + 1
+    cols = decode_step_ring(doc)
+    assert cols.wall_s.tolist() == pytest.approx([0.001, 0.003, 0.0105])
+    assert cols.mixed.tolist() == [True, False, False] and cols.total_steps == 4
+    assert (cols.num_layers, cols.num_experts) == (6, 64)
+    with pytest.raises(ValueError, match="capacity"):
+        StepRing(0)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"v": 2}, "version"),
+    ({"layers": 0}, "layers and experts"),
+    ({"tokens": [1, 2]}, "differ in length"),
+    ({"wall_us": [1.5, 2, 3]}, "wall_us must be a list of non-negative integers"),
+    ({"distinct_sum": [1, 2, 10**6]}, "exceeds layers x experts"),
+    ({"total": {"steps": 1}}, "total.steps"),
+])
+def test_a_malformed_step_ring_is_refused_by_name(change, match):
+    ring = StepRing(8)
+    for i in range(3):
+        ring.push(0.001 * (i + 1), i + 1, 10 * (i + 1), False)
+    with pytest.raises(ValueError, match=match):
+        decode_step_ring({**ring.snapshot(6, 64, 0.0), **change})
+    with pytest.raises(ValueError, match="JSON object"):
+        decode_step_ring([])
+
+
+def test_tally_carries_step_seconds_into_the_payload():
+    tally = DecodeTally(1, 4)
+    ids = np.array([[[0, 1]]])
+    tally.add(ids, np.array([2]), 0.25)
+    tally.add(ids, np.array([2]), None)  # an untimed step adds no seconds
+    tally.add(ids, np.array([2]), 0.5)
+    payload = json.loads(json.dumps(encode_decode_payload(tally)))
+    assert payload["step_s"] == 0.75 and decode_decode_payload(payload).step_s == 0.75
+    assert decode_decode_payload({**payload, "step_s": None}).step_s is None
+    with pytest.raises(ValueError, match="step_s"):
+        decode_decode_payload({**payload, "step_s": -1})
+    untimed = DecodeTally(1, 4)
+    untimed.add(ids, np.array([2]))
+    assert "step_s" not in encode_decode_payload(untimed)

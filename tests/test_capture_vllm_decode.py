@@ -154,3 +154,61 @@ def test_the_route_joins_vllms_endpoint_plugins_for_generating_servers(monkeypat
     got = fake.load_endpoint_plugins(("generate",))
     assert got[0] is theirs and [p.name for p in got] == ["theirs", "eldr_footprint"]
     assert fake.load_endpoint_plugins(supported_tasks=("render",)) == [theirs]
+
+
+def test_worker_times_execute_model_plus_sample_tokens(monkeypatch):
+    pytest.importorskip("vllm.v1.outputs")
+    clock = iter([10.0, 10.25, 20.0, 20.5])  # execute 0.25 s, sample 0.5 s
+    monkeypatch.setattr(plugin.time, "perf_counter", lambda: next(clock))
+    runner = _runner([[[0, 1]], [[2, 3]], [[1, 2]]], ["a", "b"], [5, 9])
+    execute = plugin._wrap_execute_model(lambda self, out: None)  # sampling follows
+    sample = plugin._wrap_sample_tokens(lambda self: None)
+    assert execute(runner, _sched_out({"a": 1, "b": 2}, [("a", 5), ("b", 0)])) is None
+    (step,) = runner._eldr_capture.decode_steps
+    assert step.wall_s is None and runner._eldr_capture.exec_s == 0.25
+    sample(runner)
+    (step,) = runner._eldr_capture.decode_steps
+    assert step.wall_s == 0.75 and step.num_tokens == 3 and step.is_mixed
+    assert runner._eldr_capture.exec_s is None
+
+
+def test_engine_core_rings_timed_steps_and_serves_them(tmp_path, monkeypatch):
+    from eldr.capture.decode import decode_step, decode_step_ring
+
+    monkeypatch.setenv("ELDR_FOOTPRINT_FILE", str(tmp_path / "fp.json"))
+    assert vd.steps_path() == str(tmp_path / "fp.steps.json")
+    sched = _engine_core({"d": {"eldr_report": True}})
+    rows = np.array([[[0, 1]], [[1, 2]]])
+    for i in range(5):
+        step = decode_step(rows, [("d", 0, 1)], 4)._replace(wall_s=0.001 * (i + 1))
+        vd.absorb_decode(sched, [step, decode_step(rows, [("d", 0, 1)], 4)])  # 2nd untimed
+    vd.flush_steps(sched)  # as when the engine runs out of requests
+    cols = decode_step_ring(vd.read_steps())
+    assert cols.wall_s.tolist() == pytest.approx([0.001, 0.002, 0.003, 0.004, 0.005])
+    assert cols.tokens.tolist() == [2] * 5 and cols.mixed.all()  # "p"'s row was no decode
+    assert cols.distinct_sum.tolist() == [3] * 5 and (cols.num_layers, cols.num_experts) == \
+        (1, 4)
+    fams = {f.name: f for f in vd._step_metrics()}
+    hist = {s.labels.get("le"): s.value for s in fams["eldr_engine_step_seconds"].samples
+            if s.name.endswith("_bucket")}
+    assert (hist["0.001"], hist["0.002"], hist["0.005"], hist["+Inf"]) == (1, 2, 5, 5)
+    assert fams["eldr_engine_step_tokens"].samples[0].value == 10
+    assert fams["eldr_engine_step_distinct_experts_sum"].samples[0].value == 15
+    assert fams["eldr_engine_step_mixed"].samples[0].value == 5
+
+
+def test_the_steps_route_serves_the_ring_or_says_the_plugin_has_none(tmp_path, monkeypatch):
+    fastapi = pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("ELDR_FOOTPRINT_FILE", str(tmp_path / "fp.json"))
+    app = fastapi.FastAPI()
+    vd.FootprintEndpoint().attach_router(app)
+    client = TestClient(app)
+    none = client.get(vd.STEPS_ROUTE)
+    assert none.status_code == 404 and none.json()["eldr_steps"] == 0
+    (tmp_path / "fp.steps.json").write_text('{"v":1}')
+    resp = client.get(vd.STEPS_ROUTE)
+    assert resp.status_code == 200 and resp.json() == {"v": 1}
+    assert resp.headers["cache-control"] == "no-store"

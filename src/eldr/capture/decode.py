@@ -13,12 +13,16 @@ Three pieces, wired into vLLM by :mod:`eldr.capture.vllm_plugin`:
   :class:`Footprint` keeps the engine-wide ring of the last W steps' per-layer expert use
   (the live footprint every router replica can read, item 6), and per (layer, expert) in
   how many of those steps the batch selected it (:func:`encode_engine_footprint`).
+- engine core, step timings: :class:`StepRing` keeps the last 4,096 timed decode steps
+  (wall time, tokens B, Σ_l D_l, mixed with prompt rows) and lifetime totals; served as
+  ``GET /eldr/steps`` (:func:`decode_step_ring` reads it) for ``eldr calibrate``.
 - wire format: :func:`encode_decode_payload` / :func:`decode_decode_payload`, the
   version-2 count payload of :mod:`eldr.capture.payload` plus two keys::
 
       {"v": 2, "shape": [L, E], "tokens": D, "enc": ..., "w": ..., "data": ...,
        "steps": S,                # decode steps the request took part in
        "distinct": [d_0, ...],    # (L,) Σ over those steps of the batch's distinct experts
+       "step_s": 0.0123,          # optional: Σ wall seconds of those steps (engine-timed)
        "own": 1}                  # optional: the plugin created kv_transfer_params
 
   The mean distinct experts per layer per step of the request's batches is
@@ -36,9 +40,10 @@ import numpy as np
 from eldr.capture.digits import INVALID, decode_digits, encode_digits, width_for
 from eldr.capture.payload import decode_payload, encode_payload
 
-__all__ = ["DECODE_KEY", "REPORT_KEY", "DecodeReport", "DecodeStep", "DecodeTally",
-           "EngineFootprint", "Footprint", "decode_decode_payload", "decode_engine_footprint",
-           "decode_step", "distinct_per_layer", "encode_decode_payload",
+__all__ = ["DECODE_KEY", "REPORT_KEY", "STEP_BUCKETS", "DecodeReport", "DecodeStep",
+           "DecodeTally", "EngineFootprint", "Footprint", "StepColumns", "StepRing",
+           "decode_decode_payload", "decode_engine_footprint", "decode_step",
+           "decode_step_ring", "distinct_per_layer", "encode_decode_payload",
            "encode_engine_footprint", "is_decode_leg"]
 
 DECODE_KEY = "eldr_decode"  # key in kv_transfer_params (JSON) and of the SSE event
@@ -54,6 +59,18 @@ class DecodeStep(NamedTuple):
     owner: np.ndarray  # (T,) int32 index into req_ids of each decode row
     ids: np.ndarray  # (T, L, k) int16/int32 top-k expert ids of the decode rows
     distinct: np.ndarray  # (L,) int32 distinct experts per layer over all T rows
+    # the whole step, for its timing (StepRing): rows scheduled (decode + prompt, B) and
+    # Σ over layers of the distinct experts of ALL those rows (= distinct.sum() unless mixed)
+    num_tokens: int = 0
+    distinct_sum: int = 0
+    # seconds the model runner spent on the step (execute_model + sample_tokens, the
+    # plugin's own work left out; docs/capture.md#step-timings); None: not timed
+    wall_s: float | None = None
+
+    @property
+    def is_mixed(self) -> bool:
+        """The step also ran prompt rows (a prefill chunk mixed into the decode batch)."""
+        return self.num_tokens > len(self.owner)
 
 
 def is_decode_leg(params: object) -> bool:
@@ -88,25 +105,28 @@ def decode_step(rows: np.ndarray, spans: list, num_experts: int) -> DecodeStep |
     pick = np.concatenate([np.arange(a, a + n) for _, a, n in spans])
     ids = rows[pick]
     owner = np.repeat(np.arange(len(spans), dtype=np.int32), [n for _, _, n in spans])
+    distinct = distinct_per_layer(ids, num_experts)
+    whole = distinct if len(pick) == len(rows) else distinct_per_layer(rows, num_experts)
     return DecodeStep(tuple(r for r, _, _ in spans), owner, _compact(ids, num_experts),
-                      distinct_per_layer(ids, num_experts))
+                      distinct, num_tokens=len(rows), distinct_sum=int(whole.sum()))
 
 
 class DecodeTally:
     """One request's decode counts so far (engine core)."""
 
-    __slots__ = ("counts", "distinct", "steps", "tokens")
+    __slots__ = ("counts", "distinct", "step_s", "steps", "tokens")
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self.counts = np.zeros((num_layers, num_experts), np.int32)  # (L, E)
         self.tokens = 0  # decode tokens counted
         self.distinct = np.zeros(num_layers, np.int64)  # (L,) Σ per-step batch distinct
         self.steps = 0  # steps it decoded in
+        self.step_s = 0.0  # Σ wall seconds of those steps that were timed
 
-    def add(self, ids: np.ndarray, distinct: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, distinct: np.ndarray, wall_s: float | None = None) -> None:
         """Add this request's (t, L, k) decode rows of one step whose batch had
-        ``distinct`` (L,) experts per layer. Top-k ids of one token are distinct, so a
-        plain fancy-index add is exact."""
+        ``distinct`` (L,) experts per layer and took ``wall_s`` seconds. Top-k ids of one
+        token are distinct, so a plain fancy-index add is exact."""
         L = self.counts.shape[0]
         layer = np.arange(L)[:, None]
         for tok in ids:
@@ -114,6 +134,8 @@ class DecodeTally:
         self.tokens += len(ids)
         self.distinct += distinct
         self.steps += 1
+        if wall_s is not None:
+            self.step_s += wall_s
 
 
 class Footprint:
@@ -229,6 +251,113 @@ def decode_engine_footprint(obj: object, num_layers: int, num_experts: int, *,
     return EngineFootprint(freq, steps, float(age))
 
 
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+"""Upper bounds (seconds) of the ``eldr_engine_step_seconds`` histogram's buckets."""
+
+
+class StepRing:
+    """The engine's timed decode steps: a ring of the last ``capacity`` steps' (wall µs,
+    B, Σ_l D_l, mixed) for fitting the step model (:mod:`eldr.sim.stepfit`), and lifetime
+    totals for ``/metrics`` (a histogram of step seconds, token and distinct-expert sums).
+    Microseconds as integers: exact enough for steps of 0.1 ms and up, and a quarter of the
+    JSON of floats."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if type(capacity) is not int or capacity <= 0:
+            raise ValueError(f"step ring capacity must be a positive integer, got "
+                             f"{capacity!r}")
+        self.wall_us = np.zeros(capacity, np.int64)  # (C,) model-runner µs of the step
+        self.tokens = np.zeros(capacity, np.int32)  # (C,) rows scheduled, B
+        self.distinct_sum = np.zeros(capacity, np.int32)  # (C,) Σ_l D_l over all its rows
+        self.mixed = np.zeros(capacity, bool)  # (C,) prompt rows ran in the same step
+        self.pos = 0  # next slot
+        self.filled = 0  # slots holding a step
+        self.count = 0  # lifetime: timed steps
+        self.sum_s = 0.0  # lifetime: their seconds
+        self.sum_tokens = 0  # lifetime: Σ B
+        self.sum_distinct = 0  # lifetime: Σ Σ_l D_l
+        self.num_mixed = 0  # lifetime: mixed steps
+        self.buckets = np.zeros(len(STEP_BUCKETS) + 1, np.int64)  # per bucket, last +Inf
+
+    def push(self, wall_s: float, tokens: int, distinct_sum: int, mixed: bool) -> None:
+        i = self.pos
+        self.wall_us[i] = round(wall_s * 1e6)
+        self.tokens[i], self.distinct_sum[i], self.mixed[i] = tokens, distinct_sum, mixed
+        self.pos = (i + 1) % len(self.wall_us)
+        self.filled = min(self.filled + 1, len(self.wall_us))
+        self.count += 1
+        self.sum_s += wall_s
+        self.sum_tokens += int(tokens)
+        self.sum_distinct += int(distinct_sum)
+        self.num_mixed += bool(mixed)
+        self.buckets[np.searchsorted(STEP_BUCKETS, wall_s)] += 1  # bisect-left: le bounds
+
+    def snapshot(self, num_layers: int, num_experts: int, at: float) -> dict:
+        """The ring, oldest first, as compact JSON (columns as lists), plus the totals::
+
+            {"v": 1, "layers": L, "experts": E, "capacity": C, "time": at,
+             "wall_us": [...], "tokens": [...], "distinct_sum": [...], "mixed": [0, 1, ...],
+             "total": {"steps": N, "seconds": S, "tokens": T, "distinct_sum": X,
+                       "mixed": M, "buckets": [[le, cumulative count], ..., ["+Inf", N]]}}
+        """
+        C = len(self.wall_us)
+        idx = (self.pos - self.filled + np.arange(self.filled)) % C
+        cum = np.cumsum(self.buckets)
+        return {"v": 1, "layers": int(num_layers), "experts": int(num_experts), "capacity": C,
+                "time": float(at), "wall_us": self.wall_us[idx].tolist(),
+                "tokens": self.tokens[idx].tolist(),
+                "distinct_sum": self.distinct_sum[idx].tolist(),
+                "mixed": self.mixed[idx].astype(np.int8).tolist(),
+                "total": {"steps": self.count, "seconds": self.sum_s,
+                          "tokens": self.sum_tokens, "distinct_sum": self.sum_distinct,
+                          "mixed": self.num_mixed,
+                          "buckets": [[le, int(c)] for le, c in zip(STEP_BUCKETS, cum[:-1],
+                                                                    strict=True)]
+                          + [["+Inf", int(cum[-1])]]}}
+
+
+class StepColumns(NamedTuple):
+    """What a reader got from a step-ring document (:func:`decode_step_ring`)."""
+
+    wall_s: np.ndarray  # (n,) float64 seconds of each timed decode step, oldest first
+    tokens: np.ndarray  # (n,) int64 rows scheduled in it (B)
+    distinct_sum: np.ndarray  # (n,) int64 Σ over the L MoE layers of its distinct experts
+    mixed: np.ndarray  # (n,) bool: prompt rows ran in the same step
+    num_layers: int  # L
+    num_experts: int  # E
+    total_steps: int  # timed steps over the engine's life (>= n: the ring forgets)
+
+
+def decode_step_ring(obj: object) -> StepColumns:
+    """Validate and read a step-ring document (:meth:`StepRing.snapshot`, served as
+    ``GET /eldr/steps``); ``ValueError`` naming the problem otherwise."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"eldr steps: must be a JSON object, got {type(obj).__name__}")
+    if obj.get("v") != 1:
+        raise ValueError(f"eldr steps: version {obj.get('v')!r}, expected 1")
+    L, E = obj.get("layers"), obj.get("experts")
+    if not all(type(x) is int and 0 < x <= 4096 for x in (L, E)):
+        raise ValueError(f"eldr steps: layers and experts must be integers in [1, 4096], "
+                         f"got {L!r}, {E!r}")
+    cols = {}
+    for key in ("wall_us", "tokens", "distinct_sum", "mixed"):
+        v = obj.get(key)
+        if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
+            raise ValueError(f"eldr steps: {key} must be a list of non-negative integers")
+        cols[key] = np.asarray(v, np.int64)
+    n = len(cols["wall_us"])
+    if any(len(c) != n for c in cols.values()):
+        raise ValueError("eldr steps: wall_us, tokens, distinct_sum and mixed differ in length")
+    if n and int(cols["distinct_sum"].max()) > L * E:
+        raise ValueError(f"eldr steps: a distinct_sum exceeds layers x experts = {L * E}")
+    total = obj.get("total", {})
+    steps = total.get("steps", n) if isinstance(total, dict) else n
+    if type(steps) is not int or steps < n:
+        raise ValueError(f"eldr steps: total.steps must be an integer >= {n}, got {steps!r}")
+    return StepColumns(cols["wall_us"] * 1e-6, cols["tokens"], cols["distinct_sum"],
+                       cols["mixed"] > 0, L, E, steps)
+
+
 class DecodeReport(NamedTuple):
     """What the router read from one decode payload."""
 
@@ -236,6 +365,7 @@ class DecodeReport(NamedTuple):
     tokens: int  # decode tokens counted
     steps: int  # decode steps the request took part in
     distinct: np.ndarray  # (L,) float64 mean distinct experts per layer per step
+    step_s: float | None = None  # Σ wall seconds of its steps on the engine (if timed)
 
     @property
     def mean_distinct(self) -> float:
@@ -248,6 +378,8 @@ def encode_decode_payload(tally: DecodeTally, *, own: bool = False) -> dict:
     obj = encode_payload(tally.counts, tokens=tally.tokens)
     obj["steps"] = int(tally.steps)
     obj["distinct"] = [int(x) for x in tally.distinct]
+    if tally.step_s > 0:
+        obj["step_s"] = round(float(tally.step_s), 6)
     if own:
         obj["own"] = 1
     return obj
@@ -283,5 +415,11 @@ def decode_decode_payload(obj: object, *, num_layers: int | None = None,
     per_layer = p.counts.sum(axis=1)
     if p.layers is None and per_layer.size and (per_layer != per_layer[0]).any():
         raise ValueError("eldr decode payload: layers hold different numbers of selections")
+    step_s = obj.get("step_s")
+    if step_s is not None and (isinstance(step_s, bool) or not isinstance(step_s, (int, float))
+                               or not (np.isfinite(step_s) and step_s >= 0)):
+        raise ValueError(f"eldr decode payload: step_s must be a finite number >= 0, got "
+                         f"{step_s!r}")
     mean = np.asarray(distinct, np.float64) / steps if steps else np.zeros(num_layers)
-    return DecodeReport(p.counts, int(p.tokens), int(steps), mean)
+    return DecodeReport(p.counts, int(p.tokens), int(steps), mean,
+                        None if step_s is None else float(step_s))

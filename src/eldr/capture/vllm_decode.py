@@ -28,6 +28,11 @@ API-server process:
   unless ``PROMETHEUS_MULTIPROC_DIR`` is set) reads the footprint file on each scrape:
   ``eldr_engine_footprint_experts{layer}``, ``eldr_engine_step_distinct_experts`` and
   ``eldr_engine_footprint_steps`` (docs/capture.md).
+- step timings (docs/capture.md#step-timings): each timed decode step goes into a
+  :class:`~eldr.capture.decode.StepRing`, written every :data:`STEPS_PERIOD` seconds (and
+  when the engine runs out of requests) to ``<footprint file>.steps.json``; the collector
+  adds ``eldr_engine_step_seconds`` (histogram) and step token / distinct-expert counters,
+  and ``GET /eldr/steps`` serves the ring for ``eldr calibrate``.
 - ``GET /eldr/footprint``: the per-(layer, expert) footprint of that file, compact
   (:func:`eldr.capture.decode.encode_engine_footprint`: one base-91 character per cell,
   not 6k gauges), for router replicas to route on (``eldr serve --engine-footprint``).
@@ -53,19 +58,25 @@ from eldr.capture.decode import (
     DECODE_KEY,
     DecodeTally,
     Footprint,
+    StepRing,
     encode_decode_payload,
     encode_engine_footprint,
     is_decode_leg,
 )
 
-__all__ = ["FOOTPRINT_PERIOD", "FOOTPRINT_ROUTE", "FootprintEndpoint", "absorb_decode",
-           "attach_decode", "footprint_path", "install_api_server_hooks", "read_footprint"]
+__all__ = ["FOOTPRINT_PERIOD", "FOOTPRINT_ROUTE", "STEPS_PERIOD", "STEPS_ROUTE",
+           "FootprintEndpoint", "absorb_decode", "attach_decode", "flush_steps",
+           "footprint_path", "install_api_server_hooks", "read_footprint", "read_steps",
+           "steps_path"]
 
 logger = logging.getLogger("vllm.eldr_capture")
 FOOTPRINT_PERIOD = 0.2  # seconds between writes of the footprint file
 _WINDOW = int(os.environ.get("ELDR_FOOTPRINT_WINDOW", "32"))  # steps in the footprint
 _PATCHED = "_eldr_decode_patched"
 FOOTPRINT_ROUTE = "/eldr/footprint"
+STEPS_ROUTE = "/eldr/steps"
+STEPS_PERIOD = 1.0  # seconds between writes of the step-timing file (≈ 75 kB when full)
+_STEPS_CAPACITY = 4096  # timed decode steps kept for eldr calibrate
 
 
 def footprint_path(server_pid: int | None = None) -> str:
@@ -75,6 +86,13 @@ def footprint_path(server_pid: int | None = None) -> str:
         return explicit
     pid = os.getpid() if server_pid is None else server_pid
     return os.path.join(tempfile.gettempdir(), f"eldr-footprint-{pid}.json")
+
+
+def steps_path(server_pid: int | None = None) -> str:
+    """The step-timing file next to the footprint file (``….json`` → ``….steps.json``): a
+    file of its own, written 5x less often, because it is 10x the footprint's size."""
+    base = footprint_path(server_pid)
+    return (base[:-5] if base.endswith(".json") else base) + ".steps.json"
 
 
 # -- engine core -------------------------------------------------------------------------------
@@ -91,9 +109,15 @@ def absorb_decode(sched, steps: list) -> None:
         E = int(sched.vllm_config.model_config.get_num_experts())
         fp = d["_eldr_footprint"] = Footprint(max(_WINDOW, 1), L, E)
         d["_eldr_fp_written"] = 0.0
+        d["_eldr_steps"] = StepRing(_STEPS_CAPACITY)
+        d["_eldr_steps_written"] = (0.0, 0)  # (monotonic time, ring count) of the last write
         atexit.register(_remove_footprint, footprint_path(os.getppid()))
+        atexit.register(_remove_footprint, steps_path(os.getppid()))
+    ring: StepRing = d["_eldr_steps"]
     for step in steps:
         fp.push(step.ids)
+        if step.wall_s is not None:
+            ring.push(step.wall_s, step.num_tokens, step.distinct_sum, step.is_mixed)
         for i, req_id in enumerate(step.req_ids):
             tally = tallies.get(req_id)
             if tally is None:
@@ -106,11 +130,26 @@ def absorb_decode(sched, steps: list) -> None:
                 tally = tallies[req_id] = DecodeTally(L, fp.used.shape[2])
             elif tally is False:
                 continue
-            tally.add(step.ids[step.owner == i], step.distinct)
+            tally.add(step.ids[step.owner == i], step.distinct, step.wall_s)
     now = time.monotonic()
     if now - d["_eldr_fp_written"] >= FOOTPRINT_PERIOD:
         d["_eldr_fp_written"] = now
         _write_footprint(fp)
+    if now - d["_eldr_steps_written"][0] >= STEPS_PERIOD:
+        flush_steps(sched)
+
+
+def flush_steps(sched) -> None:
+    """Write the step-timing file now if the ring changed since the last write (called
+    every :data:`STEPS_PERIOD` and when the engine runs out of requests, so an idle
+    engine's file holds its last step)."""
+    d = sched.__dict__
+    ring: StepRing | None = d.get("_eldr_steps")
+    if ring is None or d["_eldr_steps_written"][1] == ring.count:
+        return
+    d["_eldr_steps_written"] = (time.monotonic(), ring.count)
+    L, E = d["_eldr_footprint"].used.shape[1:]
+    _write_json(steps_path(os.getppid()), ring.snapshot(L, E, time.time()))
 
 
 def _write_footprint(fp: Footprint) -> None:
@@ -118,13 +157,17 @@ def _write_footprint(fp: Footprint) -> None:
     now = time.time()
     doc = {**fp.snapshot(), "time": now, "window": int(fp.used.shape[0]),
            "cells": encode_engine_footprint(fp, now)}
+    _write_json(path, doc)
+
+
+def _write_json(path: str, doc: dict) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as fh:
-            json.dump(doc, fh)
+            json.dump(doc, fh, separators=(",", ":"))
         os.replace(tmp, path)  # readers see the old file or the new one, never half
     except OSError as exc:
-        logger.warning("eldr capture plugin: footprint not written to %s: %s", path, exc)
+        logger.warning("eldr capture plugin: %s not written: %s", path, exc)
 
 
 def attach_decode(sched, outputs) -> None:
@@ -233,6 +276,34 @@ class _FootprintCollector:
                                 value=mean)
         yield GaugeMetricFamily("eldr_engine_footprint_steps",
                                 "Decode steps in the footprint window.", value=steps)
+        yield from _step_metrics()
+
+
+def _step_metrics():
+    """Lifetime step-timing metrics from the step-timing file: enough to fit the step model
+    from scrapes alone (per interval: Δseconds = t0·Δsteps + b·Δdistinct + c·Δtokens)."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    doc = read_steps()
+    total = doc.get("total") if doc else None
+    try:
+        buckets = [(str(le), float(n)) for le, n in total["buckets"]]
+        values = {k: float(total[k]) for k in ("steps", "seconds", "tokens", "distinct_sum",
+                                               "mixed")}
+    except (TypeError, KeyError, ValueError):
+        return
+    yield HistogramMetricFamily("eldr_engine_step_seconds", "Model-runner seconds per decode "
+                                "step (execute_model + sample_tokens; mixed steps included).",
+                                buckets=buckets, sum_value=values["seconds"])
+    yield CounterMetricFamily("eldr_engine_step_tokens", "Tokens (rows) of the timed decode "
+                              "steps, prompt rows of mixed steps included.",
+                              value=values["tokens"])
+    yield CounterMetricFamily("eldr_engine_step_distinct_experts_sum", "Sum over timed "
+                              "decode steps of the distinct experts summed over MoE layers.",
+                              value=values["distinct_sum"])
+    yield CounterMetricFamily("eldr_engine_step_mixed", "Timed decode steps that also ran "
+                              "prompt rows (left out of eldr calibrate's fit).",
+                              value=values["mixed"])
 
 
 def _register_collector() -> None:
@@ -248,7 +319,8 @@ def _register_collector() -> None:
     except ValueError:  # already registered by an earlier load of this module
         return
     _COLLECTOR.append(collector)
-    atexit.register(_remove_footprint, footprint_path())  # this server's file, if any
+    atexit.register(_remove_footprint, footprint_path())  # this server's files, if any
+    atexit.register(_remove_footprint, steps_path())
 
 
 def read_footprint(path: str | None = None) -> dict | None:
@@ -262,8 +334,21 @@ def read_footprint(path: str | None = None) -> dict | None:
     return cells if isinstance(cells, dict) else None
 
 
+def read_steps(path: str | None = None) -> dict | None:
+    """The step-timing document of this API server's engine
+    (:meth:`eldr.capture.decode.StepRing.snapshot`), or None: no timed decode step yet,
+    or an unreadable file."""
+    try:
+        with open(path or steps_path()) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class FootprintEndpoint:
-    """vLLM endpoint plugin (``EndpointPlugin`` protocol): ``GET /eldr/footprint``."""
+    """vLLM endpoint plugin (``EndpointPlugin`` protocol): ``GET /eldr/footprint`` and
+    ``GET /eldr/steps``."""
 
     name = "eldr_footprint"
     required_tasks = ("generate",)
@@ -283,8 +368,21 @@ class FootprintEndpoint:
             return Response(body, media_type="application/json",
                             headers={"Cache-Control": "no-store"})
 
+        async def steps():
+            path = steps_path()
+            try:  # served as written: the file is already compact JSON
+                with open(path, "rb") as fh:
+                    body = fh.read()
+            except OSError:
+                # 404 as a plain engine answers, with a key saying the plugin is there
+                return JSONResponse({"error": "no timed decode step yet", "eldr_steps": 0},
+                                    status_code=404)
+            return Response(body, media_type="application/json",
+                            headers={"Cache-Control": "no-store"})
+
         app.add_api_route(FOOTPRINT_ROUTE, footprint, methods=["GET"],
                           include_in_schema=False)
+        app.add_api_route(STEPS_ROUTE, steps, methods=["GET"], include_in_schema=False)
 
     async def init_state(self, engine_client, state, args) -> None:
         """Nothing to set up: the route reads the engine core's file."""

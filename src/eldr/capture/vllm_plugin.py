@@ -14,7 +14,10 @@ methods idempotently (docs/capture.md lists them and why):
   rows: :mod:`eldr.capture.enginecache`); on an engine with a KV connector (or
   ``ELDR_CAPTURE=all``) decode rows become a :class:`~eldr.capture.decode.DecodeStep`.
   ``sample_tokens`` attaches both to the ``ModelRunnerOutput`` (``eldr_prefill``,
-  ``eldr_decode``), which vLLM already pickles to the engine core.
+  ``eldr_decode``), which vLLM already pickles to the engine core. A decode step's
+  ``wall_s`` is the time spent inside vLLM's ``execute_model`` plus ``sample_tokens`` of
+  that step (``time.perf_counter`` around each original call; the plugin's own work and
+  whatever the engine core does between the two calls left out).
 - engine core: ``Scheduler.update_from_output`` accumulates them; a finished prefill leg
   (``do_remote_decode``) gets the payload of :mod:`eldr.capture.payload` under ``"eldr"``
   of its ``kv_transfer_params``, a finished decode leg the decode payload
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from copy import copy
 from functools import wraps
 
@@ -44,7 +48,12 @@ from eldr.capture.enginecache import (
     chunk_rows,
 )
 from eldr.capture.payload import PAYLOAD_KEY
-from eldr.capture.vllm_decode import absorb_decode, attach_decode, install_api_server_hooks
+from eldr.capture.vllm_decode import (
+    absorb_decode,
+    attach_decode,
+    flush_steps,
+    install_api_server_hooks,
+)
 from eldr.capture.vllm_prefill import absorb, attach_payloads
 
 __all__ = ["register"]
@@ -123,6 +132,9 @@ class _Capture:
         # decode leg, vLLM does not send it kv_transfer_params; the engine core can)
         self.pd = False
         self.decode_steps: list[DecodeStep] = []  # steps not yet handed to the engine core
+        # seconds of the last execute_model, while its DecodeStep (last of decode_steps)
+        # waits for sample_tokens to finish its timing; None: no step waiting
+        self.exec_s: float | None = None
 
 
 def _moe_routers(model) -> list:
@@ -282,11 +294,33 @@ def _hand_over(runner, output):
     return output
 
 
+def _time_step(runner, extra_s: float) -> None:
+    """Close the timing of the step ``execute_model`` left waiting: its ``wall_s`` is that
+    call's seconds plus ``extra_s`` (``sample_tokens``'s, or 0 when execute_model returned
+    the output itself)."""
+    cap: _Capture | None = getattr(runner, "_eldr_capture", None)
+    if cap is None or cap.exec_s is None:
+        return
+    if cap.decode_steps and cap.decode_steps[-1].wall_s is None:
+        cap.decode_steps[-1] = cap.decode_steps[-1]._replace(wall_s=cap.exec_s + extra_s)
+    cap.exec_s = None
+
+
 def _wrap_execute_model(original):
     def execute_model(self, scheduler_output, *args, **kwargs):
+        start = time.perf_counter()
         output = original(self, scheduler_output, *args, **kwargs)
+        spent = time.perf_counter() - start
+        cap: _Capture | None = getattr(self, "_eldr_capture", None)
         try:
-            _collect(self, scheduler_output)
+            if cap is not None:
+                cap.exec_s = None  # a step never sampled stays untimed
+                steps = len(cap.decode_steps)
+                _collect(self, scheduler_output)
+                if len(cap.decode_steps) > steps:
+                    cap.exec_s = spent
+                    if output is not None:  # no sample_tokens call for this step
+                        _time_step(self, 0.0)
         except Exception:  # never take the engine down for a measurement
             logger.exception("eldr capture plugin: collecting a step failed")
         return output if output is None else _hand_over(self, output)
@@ -295,7 +329,10 @@ def _wrap_execute_model(original):
 
 def _wrap_sample_tokens(original):
     def sample_tokens(self, *args, **kwargs):
-        return _hand_over(self, original(self, *args, **kwargs))
+        start = time.perf_counter()
+        output = original(self, *args, **kwargs)
+        _time_step(self, time.perf_counter() - start)
+        return _hand_over(self, output)
     return sample_tokens
 
 
@@ -319,6 +356,8 @@ def _wrap_update_from_output(original):
         if decode or self.__dict__.get("_eldr_dec"):
             try:
                 attach_decode(self, outputs)
+                if not getattr(self, "running", True):  # idle now: the last steps out
+                    flush_steps(self)
             except Exception:
                 logger.exception("eldr capture plugin: attaching a decode payload failed")
         if acc:
