@@ -61,6 +61,28 @@ def test_engine_command_carries_the_pd_settings(tmp_path):
     assert "--kv-transfer-config" not in engine_command(spec, 1, None, None)  # a plain one
 
 
+def test_decoders_may_run_another_layout_of_the_same_model(tmp_path):
+    narrow = json.loads((tiny_moe_dir() / "config.json").read_text())
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({**narrow, "moe_intermediate_size": 2048}))
+    spec = _spec(decode_model=str(wide))
+    prefill = engine_command(spec, 1, None, None)
+    decode = engine_command(spec, 2, None, None, decode=True)
+    assert prefill[prefill.index("--model") + 1] == str(tiny_moe_dir())
+    assert decode[decode.index("--model") + 1] == str(wide)
+    assert engine_command(_spec(), 2, None, None, decode=True)[
+        prefill.index("--model") + 1] == str(tiny_moe_dir())  # no decode model: the model
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**narrow, "num_local_experts": 32,
+                                                   "vocab_size": 1000}))
+    with pytest.raises(ValueError, match="differs in vocab_size, num_local_experts"):
+        _spec(decode_model=str(other))
+    with pytest.raises(ValueError, match=r"no readable config\.json"):
+        _spec(decode_model=str(tmp_path / "missing"))
+
+
 def test_router_command_forwards_learn_and_serve_args(tmp_path):
     urls = {"prefill0": "http://p:1", "decode0": "http://d:1", "decode1": "http://d:2"}
     spec = _spec(learn=str(tmp_path / "learn"), serve_args=("--learn-min-requests", "80"))
@@ -125,6 +147,18 @@ def test_cluster_command_is_registered():
 
     args = build_parser().parse_args(["cluster", "--prefill", "2", "--decode", "3"])
     assert (args.prefill, args.decode, args.model) == (2, 3, "tiny")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--decode-model", "wide:x"], "WIDTH must be an integer"),
+    (["--model", "somewhere", "--decode-model", "wide:64"], "use it with --model tiny"),
+])
+def test_cluster_decode_model_wide_refusals(argv, match):
+    from eldr.cli import build_parser
+    from eldr.commands import cluster as command
+
+    with pytest.raises(ValueError, match=match):
+        command.run(build_parser().parse_args(["cluster", *argv]))
 
 
 def test_the_grafana_dashboard_charts_only_metrics_the_router_exports():

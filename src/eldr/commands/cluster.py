@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="", metavar="'ARGS'",
                    help="more eldr serve options, one quoted string (e.g. "
                         "\"--learn-min-requests 100 --scrape-interval 1\")")
+    p.add_argument("--decode-model", default=None, metavar="DIR|wide:WIDTH",
+                   help="decoders run this folder: the same model with another weight "
+                        "layout; 'wide:WIDTH' is the tiny MoE with its experts zero-padded "
+                        "to WIDTH (same outputs, each expert's bytes x WIDTH/32: decode "
+                        "steps bound by streaming expert weights, docs/engine-latency.md)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--store-ttl", type=float, default=120.0, metavar="S",
                    help="seconds the KV connector's store keeps an entry (default 120)")
@@ -56,21 +61,36 @@ def run(args: argparse.Namespace) -> int:
     from eldr.deploy.local import ClusterSpec, LocalCluster
     from eldr.deploy.processes import NotReady
 
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     if args.model == "tiny":
         from eldr.capture import tiny_moe_dir
 
         model, name = str(tiny_moe_dir()), args.served_model_name or "tiny"
     else:
         model, name = args.model, args.served_model_name or Path(args.model).name
+    decode_model = args.decode_model
+    if decode_model is not None and decode_model.startswith("wide:"):
+        try:
+            width = int(decode_model.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--decode-model {decode_model}: WIDTH must be an integer") \
+                from None
+        if args.model != "tiny":
+            raise ValueError("--decode-model wide:WIDTH widens the tiny MoE: use it with "
+                             "--model tiny")
+        from eldr.capture.wide import wide_tiny_moe_dir
+
+        decode_model = str(wide_tiny_moe_dir(width))
+        say(f"decoders: the tiny MoE widened to {width} ({decode_model})")
     spec = ClusterSpec(model=model, served_name=name, num_prefill=args.prefill,
                        num_decode=args.decode, host=args.host, port=args.port,
                        artifact=args.artifact, trace=args.trace, policy=args.policy,
                        max_model_len=args.max_model_len, store_ttl=args.store_ttl,
                        ready_timeout=args.ready_timeout, log_dir=args.log_dir,
-                       learn=args.learn, serve_args=tuple(shlex.split(args.serve_args)))
-
-    def say(line: str) -> None:
-        print(line, flush=True)
+                       learn=args.learn, serve_args=tuple(shlex.split(args.serve_args)),
+                       decode_model=decode_model)
 
     stopping = []
 

