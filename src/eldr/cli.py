@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "fit",
     "place",
     "simulate",
+    "calibrate",
     "capture",
     "serve",
     "cluster",
