@@ -10,13 +10,18 @@
   models (torch/transformers imported lazily, only there).
 - :mod:`eldr.capture.vllm_plugin`: a vLLM general plugin that records each request's
   prefill routing on vLLM-CPU and adds the payload to the prefill response.
+- :mod:`eldr.capture.wide`: the wide tiny MoE, the shipped one with zero-padded expert
+  FFNs (same function, more bytes per expert), built on first use into a cache folder
+  (:func:`wide_tiny_moe_dir`, :func:`wide_engine_bytes`; numpy only).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["tiny_moe_dir", "tiny_moe_trace_path"]
+from eldr.capture.wide import wide_engine_bytes, wide_tiny_moe_dir
+
+__all__ = ["tiny_moe_dir", "tiny_moe_trace_path", "wide_engine_bytes", "wide_tiny_moe_dir"]
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
