@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "simulate",
     "calibrate",
     "capture",
+    "widen",
     "serve",
     "cluster",
     "learn",
