@@ -141,3 +141,14 @@ def test_capture_texts_builds_a_trace():
     assert trace.meta.source == "captured:transformers"
     with pytest.raises(ValueError, match="domain labels"):
         capture_texts(_qwen3(), _CharTokenizer(), ["a"], max_new_tokens=1, domains=[])
+
+
+def test_bfloat16_model_is_recorded():
+    """A bf16 model (as run on a GPU) is recorded as float32 numpy. (The .cpu() in
+    take() that a CUDA model needs cannot be exercised without a GPU.)"""
+    model = _qwen3(seed=4).to(torch.bfloat16)
+    with RoutingRecorder(find_routers(model)) as rec, torch.no_grad():
+        model(input_ids=torch.tensor([PROMPTS[2]]))
+        topk, logits = rec.take()
+    assert topk.shape == (len(PROMPTS[2]), 2, 2) and logits.dtype == np.float32
+    assert np.isfinite(logits).all()

@@ -123,7 +123,7 @@ class RoutingRecorder:
         logits = torch.stack([torch.cat(x) for x in self._logits], dim=1)  # (T, L, E)
         self._ids = [[] for _ in self.routers]
         self._logits = [[] for _ in self.routers]
-        return ids.numpy().astype(np.int16), logits.numpy().astype(np.float32)
+        return ids.cpu().numpy().astype(np.int16), logits.cpu().numpy().astype(np.float32)
 
 
 @dataclass(frozen=True)
