@@ -153,7 +153,7 @@ def test_memory_estimate_and_refusal(monkeypatch, tmp_path):
     assert wide_engine_bytes(8192) - wide_engine_bytes(4096) == experts
     monkeypatch.setattr(wide, "_physical_bytes", lambda: 3 * 2**30)
     with pytest.raises(ValueError,
-                       match=r"width 4096: .* estimated 4\.9 GiB \(5,211,\d{3},\d{3} bytes"):
+                       match=r"width 4096: .* estimated 5\.4 GiB \(5,748,\d{3},\d{3} bytes"):
         wide_tiny_moe_dir(4096, tmp_path)
     assert not any(tmp_path.iterdir())
 
