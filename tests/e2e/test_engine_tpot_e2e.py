@@ -1,0 +1,73 @@
+"""End to end: a short version of the engine-measured TPOT comparison (issue 22).
+
+``benchmarks/bench_engine_tpot.py`` as the CI can afford it: one narrow prefill engine,
+two decode engines running the tiny MoE widened to 256 (:mod:`eldr.capture.wide`, built
+into a temporary cache folder), ``eldr serve`` with ``jsq`` and with ``eldr`` (the band,
+the artifact fitted on the shipped trace) in front of the same engines, 4 rounds of one
+wave per policy (8 requests of 2 domains, 16 tokens each).
+
+What holds regardless of timing, asserted: the loop works (every request answered with
+its 16 tokens, every wave measured), the engines' step timings arrive (timed decode steps
+with positive seconds and vLLM's own inter-token intervals on every decoder that got
+requests), the step model can be fitted on each decoder, and the decode engines count
+FEWER distinct experts per layer per step under ``eldr`` than under ``jsq`` summed over
+the 4 rounds (2 domains a wave: the band gives each decoder one domain where JSQ mixes
+them). The timings themselves are printed, not asserted: this machine is shared and small.
+
+Three engines (≈ 8 GB of RAM), about 4 minutes on 2 cores; marked ``e2e``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine_tpot.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_engine_tpot", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_wave_comparison_on_the_wide_model(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("ELDR_CACHE_DIR", str(tmp_path / "cache"))
+    bench = _bench()
+    args = argparse.Namespace(width=256, rounds=4, per_decoder=4, max_tokens=16,
+                              policies=["jsq", "eldr"], prompts=str(bench.PROMPTS), seed=0,
+                              domains=2, log_dir=str(tmp_path / "logs"))
+    res = bench.run(args)
+    print("\n" + bench.report(res))
+
+    records = res["records"]
+    assert len(records) == 2 * 4  # every (round, policy) wave measured
+    for rec in records:
+        assert sum(f["requests"] for f in rec["per"].values()) == 8
+        for name, f in rec["per"].items():
+            if f["requests"]:
+                assert f["steps"] > 0 and f["step_s"] > 0, (name, f)
+                assert f["itl_n"] > 0 and f["itl_s"] > 0, (name, f)
+                assert 1.0 <= f["distinct"] <= 64.0, (name, f)
+    for name, fit in res["fits"].items():
+        assert fit["n"] >= 30 and np.isfinite(fit["r2"]), (name, fit)
+
+    def distinct(policy):
+        rows = [r["summary"]["distinct"] for r in records if r["policy"] == policy]
+        return float(np.mean(rows))
+
+    purity = {p: np.mean([r["summary"]["purity"] for r in records if r["policy"] == p])
+              for p in args.policies}
+    print(f"distinct experts per layer per step: jsq {distinct('jsq'):.2f}, eldr "
+          f"{distinct('eldr'):.2f}; purity {purity}")
+    assert distinct("eldr") < distinct("jsq"), (distinct("eldr"), distinct("jsq"), purity)
