@@ -284,17 +284,40 @@ class Bench:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
-def step_fits(decoders: dict[str, str]) -> dict:
-    """The step model fitted on each decoder's timed steps (its whole ring)."""
+def step_fits(decoders: dict[str, str]) -> tuple[dict, object]:
+    """The step model fitted on each decoder's timed steps (its whole ring), and on all
+    decoders' steps pooled (what a hardware file gets)."""
     from eldr.capture.decode import decode_step_ring
     from eldr.sim.stepfit import fit_step_model
 
-    fits = {}
+    fits, cols = {}, []
     for name, url in decoders.items():
-        cols = decode_step_ring(json.loads(_get(url + "/eldr/steps")[1]))
-        fits[name] = fit_step_model(cols.wall_s, cols.tokens, cols.distinct_sum,
-                                    mixed=cols.mixed, num_layers=cols.num_layers)
-    return fits
+        c = decode_step_ring(json.loads(_get(url + "/eldr/steps")[1]))
+        cols.append(c)
+        fits[name] = fit_step_model(c.wall_s, c.tokens, c.distinct_sum, mixed=c.mixed,
+                                    num_layers=c.num_layers)
+    pooled = fit_step_model(*(np.concatenate([getattr(c, k) for c in cols])
+                              for k in ("wall_s", "tokens", "distinct_sum")),
+                            mixed=np.concatenate([c.mixed for c in cols]),
+                            num_layers=cols[0].num_layers)
+    return fits, pooled
+
+
+def write_hardware(pooled, width: int, path: Path) -> str:
+    """The pooled step fit as a hardware file for ``eldr simulate --hardware`` (model
+    ``tiny-moe``, the other constants of the ``cpu`` preset); a line saying what."""
+    from eldr.sim.config import get_hardware
+    from eldr.sim.hardware import hardware_from_fit, save_hardware
+
+    try:
+        hw = hardware_from_fit(pooled, "tiny-moe", get_hardware("cpu"), f"cpu-wide-{width}")
+    except ValueError as exc:
+        return f"no hardware file: {exc}"
+    save_hardware(hw, path, source={"how": "benchmarks/bench_engine_tpot.py",
+                                    "steps": pooled.n, "width": width,
+                                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                          time.gmtime())})
+    return f"hardware file: {path} (b {pooled.b_s * 1e6:.0f} µs, R² {pooled.r2:.3f})"
 
 
 def predicted_step_ms(per: dict, fits: dict) -> float:
@@ -361,7 +384,9 @@ def report(res: dict) -> str:
                      f"{ci(e, 'predicted_vs_base')} |")
     lines += ["", "Step model t = t0 + b·Σ_l D_l + c·B per decoder (timed steps, prefill-mixed "
               "steps left out):", ""]
-    for name, f in res.get("fits", {}).items():
+    for name, f in [*res.get("fits", {}).items(), ("pooled", res.get("pooled_fit"))]:
+        if f is None:
+            continue
         lines.append(f"- {name}: t0 {f['t0_us']:.0f} µs, b {f['b_us']:.1f} µs per distinct "
                      f"expert per layer, c {f['c_us']:.1f} µs per token, R² {f['r2']:.3f}, "
                      f"n {f['n']}")
@@ -393,14 +418,23 @@ def run(args) -> dict:
                 print(f"round {k + 1}/{args.rounds} {p:>9}: ITL {s['itl_ms']:6.2f} ms, "
                       f"step {s['step_ms']:6.2f} ms, distinct {s['distinct']:5.2f}, purity "
                       f"{s['purity']:.2f}, split {s['split']}", flush=True)
-        fits = step_fits(bench.decoders)
+        fits, pooled = step_fits(bench.decoders)
     res = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
            "domains": args.domains,
            "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
            "records": records, "fits": {n: f.to_json() for n, f in fits.items()},
+           "pooled_fit": pooled.to_json(),
            "analysis": analyse(records, args.policies, fits),
            "seconds": time.monotonic() - t0}
     return res
+
+
+def _pooled_from(res: dict):
+    from eldr.sim.stepfit import StepFit
+
+    f = res["pooled_fit"]
+    return StepFit(f["t0_us"] * 1e-6, f["b_us"] * 1e-6, f["c_us"] * 1e-6, f["r2"], f["n"],
+                   f["residual_us"] * 1e-6, f["layers"], f["mixed_dropped"], f["fitted_c"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(res, indent=1))
         (out / "report.md").write_text(text + "\n")
+        print(write_hardware(_pooled_from(res), args.width, out / "hardware.json"))
     return 0
 
 
