@@ -25,20 +25,24 @@ TINY = Plan(
     tau_values=(0.0, 0.1, 1.0), tau_rate=150.0, pool_sizes=(2, 4), pool_rates=(150.0,),
     selection_max_pairs=2_000, max_pairs=5_000,
     grid_workloads=("task",), grid_pools=(4,), grid_rates=(150.0,), grid_warmup_s=0.05,
-    grid_duration_s=0.4, grid_min_requests=10,
+    grid_duration_s=0.4, grid_min_requests=10, grid_max_seeds=3, main_seeds=2,
     tiny_rates=(100.0,), tiny_num_prefill=2, tiny_warmup_s=0.1, tiny_duration_s=0.5,
 )
 
 
 def test_plan_tasks_cover_every_experiment_once():
     tasks = plan_tasks(TINY)
-    keys = [(t.workload, t.qps, t.num_decode, t.variant, t.warmup_s, t.duration_s)
-            for t in tasks]
+    keys = [(t.workload, t.qps, t.num_decode, t.variant, t.warmup_s, t.duration_s,
+             t.replicate) for t in tasks]
     assert len(keys) == len(set(keys))  # no duplicated simulation
     assert {t.experiment for t in tasks} == {"main", "tau", "pool", "vanilla", "grid", "tiny"}
-    assert len([t for t in tasks if t.experiment == "main"]) == len(TINY.policies)
+    main_ = [t for t in tasks if t.experiment == "main"]
+    assert len(main_) == 2 * len(TINY.policies)  # main_seeds = 2
+    assert {t.replicate for t in main_} == {0, 1}
+    assert all(t.replicate == 0 for t in tasks if t.experiment not in ("main", "grid"))
     grid = [t for t in tasks if t.experiment == "grid"]
     assert {t.policy for t in grid} == {"round_robin", "jsq", "p2c", "eldr", "eldr_cost"}
+    assert {t.replicate for t in grid} == {0, 1, 2}  # grid_min_seeds
     assert all(t.duration_s == 0.4 for t in grid)  # 10 requests at 150 req/s: the window
     tiny = [t for t in tasks if t.experiment == "tiny"]
     assert all(t.model == "tiny-moe" and t.hardware == "cpu" for t in tiny)
@@ -59,8 +63,60 @@ def test_tiny_reproduce_writes_a_report(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
     head = Analysis(res).headline()
     assert len(head) == 1 and head[0]["best_lb"] in ("round_robin", "jsq", "p2c")
-    assert "task" in headline_text(Analysis(res))
+    assert head[0]["seeds"] == 2 and np.isfinite(head[0]["d_p50_h"])
+    assert "task" in headline_text(Analysis(res)) and "±" in headline_text(Analysis(res))
+    assert f"{head[0]['d_p50']:+.1f}±{head[0]['d_p50_h']:.1f}%" in text  # headline ±
+    assert "| `eldr` | any balancer |" in text and "expected false" in text  # the grid
+    assert {r["replicate"] for r in res.rows if r["experiment"] == "grid"} == {0, 1, 2}
     assert json.loads((tmp_path / "results.json").read_text())["headline"]
+
+
+def test_grid_cells_get_seeds_until_the_target_or_the_maximum():
+    trace = make_trace(100, L, E, K_TOP, seed=5, with_topk=False)
+    plan = replace(TINY, tau_values=(0.1,), pool_sizes=(4,), vanilla=False, tiny=False,
+                   main_seeds=1, grid_min_seeds=2, grid_max_seeds=4)
+
+    def grid_seeds(p):
+        res = run_plan(p, trace=trace, jobs=1, log=lambda msg: None, progress=False)
+        rows = [r for r in res.rows if r["experiment"] == "grid"]
+        return rows, sorted({(r["replicate"], r["seed"]) for r in rows})
+
+    wide, seeds = grid_seeds(replace(plan, target_half_width=1e-9))  # never reached
+    assert seeds == [(0, 0), (1, 1), (2, 2), (3, 3)]  # added up to the maximum
+    assert grid_seeds(replace(plan, target_half_width=1e9))[1] == [(0, 0), (1, 1)]
+    again, _ = grid_seeds(replace(plan, target_half_width=1e-9))
+    volatile = ("wall_s", "sim_requests_per_wall_s")
+    assert [{k: v for k, v in r.items() if k not in volatile} for r in wide] == \
+        [{k: v for k, v in r.items() if k not in volatile} for r in again]  # deterministic
+    jsq = [r["tpot_median_ms"] for r in wide if r["policy"] == "jsq"]
+    assert len(set(jsq)) == len(jsq)  # each seed its own arrivals
+
+
+def test_a_replayed_trace_starts_elsewhere_on_another_seed():
+    from eldr.reproduce.sweeps import replayed_arrivals
+
+    class Replay:  # the two fields and the method of a RoutingSetup that replay reads
+        arrival_times = np.cumsum(np.random.default_rng(0).exponential(0.2, 50)) - 0.1
+        arrival_rate = 5.0
+
+        def arrivals(self, qps, horizon_s):
+            from eldr.reproduce.setup import RoutingSetup
+
+            return RoutingSetup.arrivals(self, qps, horizon_s)
+
+    st = Replay()
+    _, i0 = replayed_arrivals(st, 10.0, 2.0, 0, 0)
+    np.testing.assert_array_equal(i0, np.arange(i0.size))  # seed 0: from the start
+    t1, i1 = replayed_arrivals(st, 10.0, 2.0, 1, 1)
+    t1b, i1b = replayed_arrivals(st, 10.0, 2.0, 1, 1)
+    np.testing.assert_array_equal(i1, i1b)  # deterministic
+    np.testing.assert_array_equal(t1, t1b)
+    assert i1[0] != 0 and t1[0] == 0.0 and np.all(np.diff(t1) > 0) and t1[-1] < 2.0
+    assert len(set(i1.tolist())) == i1.size  # each request at most once
+    scaled = st.arrival_times * 0.5  # the file's gaps at 10 req/s, kept around the start
+    k = int(i1[0])
+    n = min(i1.size, 50 - k)
+    np.testing.assert_allclose(np.diff(t1[:n]), np.diff(scaled[k:k + n]))
 
 
 def test_two_worker_processes_give_the_rows_of_one():

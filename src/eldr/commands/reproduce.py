@@ -39,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "hardware file (.json, eldr calibrate) with fits of every model the plan "
                    "simulates")
     p.add_argument("--seed", type=int, help="simulation seed (default 0)")
+    p.add_argument("--max-seeds", type=int, help="most seeds per never-worse grid cell; "
+                   "seeds are added from 3 until every interval of the cell is within "
+                   "--target-half-width (default 10; --quick: 3)")
+    p.add_argument("--target-half-width", type=float, help="percentage points: a grid cell "
+                   "stops getting seeds once every 95 %% interval of it is at most this "
+                   "wide on each side (default 0.5)")
+    p.add_argument("--main-seeds", type=int, help="seeds of every headline point, for its "
+                   "± figures (default 3; --quick: 2; 1: no intervals)")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes (default: number of CPUs, at most 4)")
 
@@ -64,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
         workloads = tuple(get_workload(w).name for w in args.workloads.split(","))
     plan = with_overrides(plan, workloads=workloads, rates=args.rates,
                           duration_s=args.duration, warmup_s=args.warmup,
-                          num_requests=args.requests, hardware=args.hardware, seed=args.seed)
+                          num_requests=args.requests, hardware=args.hardware, seed=args.seed,
+                          grid_max_seeds=args.max_seeds,
+                          target_half_width=args.target_half_width,
+                          main_seeds=args.main_seeds)
     if args.rates and plan.tau_rate not in plan.rates:
         plan = with_overrides(plan, tau_rate=max(plan.rates), pool_rates=plan.rates)
     _check_hardware(plan)

@@ -3,13 +3,17 @@
 
 Every comparison is ELDR against the BEST load balancer (lowest median TPOT among random,
 round_robin, jsq and p2c) of the same (workload, rate, pool size): Δ% = 100 · (ELDR −
-best) / best, negative = ELDR faster.
+best) / best, negative = ELDR faster. The headline's points run ``plan.main_seeds`` seeds:
+there the best balancer is the one with the lowest mean median TPOT over the seeds, and
+each Δ is the mean of per-seed paired differences against it with a 95 % interval
+(``*_h``: its half-width; nan with one seed). The other tables read seed number 0.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from eldr.intervals import paired_interval
 from eldr.reproduce.plan import LOAD_BALANCERS
 from eldr.reproduce.sweeps import Results
 from eldr.routing.registry import POLICIES
@@ -21,6 +25,13 @@ def _pct(new: float, base: float) -> float:
     return 100.0 * (new - base) / base if base and np.isfinite(base) else float("nan")
 
 
+def _mean(rows_by_seed: dict[int, dict], column: str) -> float:
+    """Mean of ``column`` over a point's seeds (nan when it did not run)."""
+    if not rows_by_seed:
+        return float("nan")
+    return float(np.mean([r[column] for r in rows_by_seed.values()]))
+
+
 class Analysis:
     """Lookups over the rows: (workload, qps, K, variant) → row (any experiment)."""
 
@@ -28,9 +39,13 @@ class Analysis:
         self.results = results
         self.plan = results.plan
         self.index: dict[tuple, dict] = {}
+        # (experiment, workload, qps, K, variant) -> seed number -> row
+        self.seeds: dict[tuple, dict[int, dict]] = {}
         for r in results.rows:
             key = (r["workload"], float(r["qps"]), int(r["num_decode"]), r["variant"])
-            self.index.setdefault(key, r)
+            if int(r.get("replicate", 0)) == 0:
+                self.index.setdefault(key, r)
+            self.seeds.setdefault((r["experiment"], *key), {})[int(r.get("replicate", 0))] = r
 
     def get(self, wl: str, qps: float, K: int, variant: str) -> dict | None:
         return self.index.get((wl, float(qps), int(K), variant))
@@ -46,61 +61,77 @@ class Analysis:
         rows = [r for r in rows if r is not None]
         return min(rows, key=lambda r: r["tpot_median_ms"]) if rows else None
 
+    def main_seeds(self, wl: str, qps: float, K: int, variant: str) -> dict[int, dict]:
+        """Seed number -> row of one main-experiment point (empty when it did not run)."""
+        return self.seeds.get(("main", wl, float(qps), int(K), variant), {})
+
+    def best_lb_mean(self, wl: str, qps: float, K: int) -> str | None:
+        """The load balancer with the lowest median TPOT averaged over a main point's
+        seeds (the headline's reference)."""
+        means = {p: np.mean([r["tpot_median_ms"] for r in rs.values()])
+                 for p in LOAD_BALANCERS if (rs := self.main_seeds(wl, qps, K, p))}
+        return min(means, key=means.get) if means else None
+
+    def paired(self, wl: str, qps: float, K: int, variant: str, base: str,
+               column: str) -> tuple[float, float]:
+        """(mean, 95 % half-width) of the per-seed % differences of ``column`` between two
+        variants of a main point, paired on their common seeds; (nan, nan) when either is
+        missing, half-width nan with one seed."""
+        a, b = self.main_seeds(wl, qps, K, variant), self.main_seeds(wl, qps, K, base)
+        d = [_pct(a[j][column], b[j][column]) for j in sorted(a.keys() & b.keys())]
+        d = [x for x in d if np.isfinite(x)]
+        if not d:
+            return float("nan"), float("nan")
+        iv = paired_interval(d)
+        return iv.mean, iv.half_width
+
     def headline(self) -> list[dict]:
-        """Per workload × rate at 8P16D: ELDR, Domain and the oracle vs the best LB."""
+        """Per workload × rate at 8P16D: ELDR, Domain, the oracle and the cost policy vs
+        the best LB, each Δ (``d_*``) with its half-width (``d_*_h``)."""
         out = []
         K = self.plan.num_decode
         for wl in self.plan.workloads:
             for q in self.plan.rates:
-                b = self.best_lb(wl, q, K)
-                e = self.get(wl, q, K, self.eldr())
-                if b is None or e is None:
+                lb = self.best_lb_mean(wl, q, K)
+                e = self.main_seeds(wl, q, K, self.eldr())
+                if lb is None or not e:
                     continue
-                d = self.get(wl, q, K, "domain")
-                o = self.get(wl, q, K, self.oracle())
-                rr = self.get(wl, q, K, "round_robin")
-                out.append({
-                    "workload": wl, "qps": q, "best_lb": b["policy"],
-                    "lb_tpot_p50": b["tpot_median_ms"], "eldr_tpot_p50": e["tpot_median_ms"],
-                    "d_p50": _pct(e["tpot_median_ms"], b["tpot_median_ms"]),
-                    "lb_tpot_p99": b["tpot_p99_ms"], "eldr_tpot_p99": e["tpot_p99_ms"],
-                    "d_p99": _pct(e["tpot_p99_ms"], b["tpot_p99_ms"]),
-                    "d_ttft": _pct(e["ttft_median_ms"], b["ttft_median_ms"]),
-                    "domain_d_p50": _pct(d["tpot_median_ms"], b["tpot_median_ms"]) if d
-                    else float("nan"),
-                    "domain_d_p99": _pct(d["tpot_p99_ms"], b["tpot_p99_ms"]) if d
-                    else float("nan"),
-                    "oracle_d_p50": _pct(o["tpot_median_ms"], b["tpot_median_ms"]) if o
-                    else float("nan"),
-                    "eldr_vs_rr_p50": _pct(e["tpot_median_ms"], rr["tpot_median_ms"]) if rr
-                    else float("nan"),
-                    "lb_distinct": b["mean_distinct_per_layer"],
-                    "eldr_distinct": e["mean_distinct_per_layer"],
-                    "lb_batch": b["mean_batch"],
-                    **self._cost_cells(wl, q, K, b),
-                })
+                b = self.main_seeds(wl, q, K, lb)
+                h = {"workload": wl, "qps": q, "best_lb": lb, "seeds": len(e),
+                     "lb_tpot_p50": _mean(b, "tpot_median_ms"),
+                     "eldr_tpot_p50": _mean(e, "tpot_median_ms"),
+                     "lb_tpot_p99": _mean(b, "tpot_p99_ms"),
+                     "eldr_tpot_p99": _mean(e, "tpot_p99_ms"),
+                     "lb_distinct": _mean(b, "mean_distinct_per_layer"),
+                     "eldr_distinct": _mean(e, "mean_distinct_per_layer"),
+                     "lb_batch": _mean(b, "mean_batch")}
+                cost = POLICIES["eldr_cost"]
+                for name, variant, base, column in (
+                        ("d_p50", self.eldr(), lb, "tpot_median_ms"),
+                        ("d_p99", self.eldr(), lb, "tpot_p99_ms"),
+                        ("d_ttft", self.eldr(), lb, "ttft_median_ms"),
+                        ("domain_d_p50", "domain", lb, "tpot_median_ms"),
+                        ("domain_d_p99", "domain", lb, "tpot_p99_ms"),
+                        ("oracle_d_p50", self.oracle(), lb, "tpot_median_ms"),
+                        ("eldr_vs_rr_p50", self.eldr(), "round_robin", "tpot_median_ms")):
+                    h[name], h[f"{name}_h"] = self.paired(wl, q, K, variant, base, column)
+                for key, variant in (("cost", cost.variant(tau=self.plan.tau)),
+                                     ("online", cost.variant(tau=self.plan.tau,
+                                                             kind="online"))):
+                    c = self.main_seeds(wl, q, K, variant)
+                    h[f"{key}_tpot_p50"] = _mean(c, "tpot_median_ms")
+                    h[f"{key}_tpot_p99"] = _mean(c, "tpot_p99_ms")
+                    h[f"{key}_distinct"] = _mean(c, "mean_distinct_per_layer")
+                    for m, column in (("p50", "tpot_median_ms"), ("p99", "tpot_p99_ms")):
+                        name = f"{key}_d_{m}"
+                        h[name], h[f"{name}_h"] = self.paired(wl, q, K, variant, lb, column)
+                out.append(h)
         return out
 
     def best_lb_p99(self, wl: str, qps: float, K: int) -> dict | None:
         rows = [self.get(wl, qps, K, p) for p in LOAD_BALANCERS]
         rows = [r for r in rows if r is not None]
         return min(rows, key=lambda r: r["tpot_p99_ms"]) if rows else None
-
-    def _cost_cells(self, wl: str, q: float, K: int, b: dict) -> dict:
-        """eldr_cost (fitted) and eldr_cost[online] (no calibration) vs the best LB."""
-        out = {}
-        cost = POLICIES["eldr_cost"]
-        for key, variant in (("cost", cost.variant(tau=self.plan.tau)),
-                             ("online", cost.variant(tau=self.plan.tau, kind="online"))):
-            c = self.get(wl, q, K, variant)
-            out[f"{key}_tpot_p50"] = c["tpot_median_ms"] if c else float("nan")
-            out[f"{key}_tpot_p99"] = c["tpot_p99_ms"] if c else float("nan")
-            out[f"{key}_d_p50"] = _pct(c["tpot_median_ms"], b["tpot_median_ms"]) if c \
-                else float("nan")
-            out[f"{key}_d_p99"] = _pct(c["tpot_p99_ms"], b["tpot_p99_ms"]) if c \
-                else float("nan")
-            out[f"{key}_distinct"] = c["mean_distinct_per_layer"] if c else float("nan")
-        return out
 
     def tiny_rows(self) -> list[dict]:
         """The shipped tiny-MoE trace on its measured CPU preset: every policy vs the best

@@ -12,8 +12,10 @@ simulation:
 - ``vanilla``: ELDR with vanilla (unbalanced) K-means centroids, every rate;
 - ``prefix`` and ``ep`` (full plan): prefix caching through the signature cache, and
   Qwen3-235B at TP4/EP4 under three expert layouts;
-- ``grid``: every (workload, decode pool, rate) cell, ``GRID_POLICIES`` against the best
-  of ``GRID_BALANCERS`` (:mod:`eldr.reproduce.grid`);
+- ``grid``: every (workload, decode pool, rate) cell, ``GRID_POLICIES`` against each of
+  ``GRID_BALANCERS`` (:mod:`eldr.reproduce.grid`), on ``grid_min_seeds`` seeds per cell
+  at first; :func:`eldr.reproduce.sweeps.run_plan` adds seeds (:func:`grid_cell_tasks`)
+  to cells whose intervals are still wider than ``target_half_width``;
 - ``tiny``: the shipped tiny MoE's real trace on its measured CPU preset.
 
 The policy groups and the tiny trace's set-up key live here, beside the plan that uses
@@ -27,7 +29,8 @@ from dataclasses import dataclass, replace
 from eldr.routing.registry import POLICIES, policies_with_role
 
 __all__ = ["FULL", "GRID_BALANCERS", "GRID_POLICIES", "LOAD_BALANCERS", "QUICK", "TINY_SETUP",
-           "Plan", "Task", "grid_duration", "plan_tasks", "with_overrides"]
+           "Plan", "Task", "grid_cell_tasks", "grid_duration", "plan_tasks", "replicate_seed",
+           "with_overrides"]
 
 LOAD_BALANCERS = policies_with_role("balancer")  # random, round_robin, jsq, p2c
 # random never wins a grid cell: left out
@@ -85,6 +88,15 @@ class Plan:
     # a low-rate cell measures at least this many requests (longer window): a p99 of a few
     # hundred requests moves by several percent between seeds
     grid_min_requests: int = 2000
+    # seeds: every Δ of the grid is a mean of per-seed paired differences with a 95 %
+    # interval (eldr.intervals); a cell starts with grid_min_seeds seeds and gets one more
+    # per round until every interval of the cell is at most target_half_width percentage
+    # points wide on each side, or it has grid_max_seeds
+    grid_min_seeds: int = 3
+    grid_max_seeds: int = 10
+    target_half_width: float = 0.5
+    # seeds of every main-experiment point (the headline's ± figures; 1: no intervals)
+    main_seeds: int = 3
     # the shipped tiny MoE's real captured trace on its measured CPU preset
     tiny: bool = True
     tiny_rates: tuple[float, ...] = (10, 40, 100, 160, 220)
@@ -96,6 +108,25 @@ class Plan:
     max_pairs: int | None = 200_000  # pairs for the reported ρ
     hardware: str = "h200"
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.grid_max_seeds, int) or self.grid_max_seeds < 2:
+            raise ValueError("Plan: grid_max_seeds must be an integer >= 2 (an interval "
+                             f"needs two seeds), got {self.grid_max_seeds!r}")
+        if not isinstance(self.grid_min_seeds, int) or self.grid_min_seeds < 2:
+            raise ValueError(f"Plan: grid_min_seeds must be an integer >= 2, got "
+                             f"{self.grid_min_seeds!r}")
+        if not self.target_half_width > 0:
+            raise ValueError(f"Plan: target_half_width must be > 0 percentage points, got "
+                             f"{self.target_half_width!r}")
+        if not isinstance(self.main_seeds, int) or self.main_seeds < 1:
+            raise ValueError(f"Plan: main_seeds must be an integer >= 1, got "
+                             f"{self.main_seeds!r}")
+
+    @property
+    def grid_start_seeds(self) -> int:
+        """Seeds every grid cell runs before any is added (never above the maximum)."""
+        return min(self.grid_min_seeds, self.grid_max_seeds)
+
 
 QUICK = Plan(
     name="quick", rates=(40, 80), warmup_s=5.0, duration_s=20.0,
@@ -104,7 +135,7 @@ QUICK = Plan(
     grid_workloads=("task", "azure_conv"), grid_pools=(8, 16), grid_rates=(10, 60),
     grid_warmup_s=5.0, grid_duration_s=15.0, grid_min_requests=300, tiny_rates=(40, 160),
     tiny_warmup_s=5.0,
-    tiny_duration_s=20.0,
+    tiny_duration_s=20.0, grid_max_seeds=3, main_seeds=2,
 )
 FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
             ep_experiment=True)
@@ -131,6 +162,7 @@ class Task:
     warmup_s: float | None = None  # None: the plan's
     duration_s: float | None = None  # None: the plan's
     hardware: str | None = None  # None: the plan's
+    replicate: int = 0  # seed number j: runs on replicate_seed(plan.seed, j)
 
     @property
     def variant(self) -> str:
@@ -149,11 +181,14 @@ def plan_tasks(plan: Plan) -> list[Task]:
     K = plan.num_decode
     for wl in plan.workloads:
         for q in plan.rates:
-            for p in plan.policies:
-                tasks.append(Task("main", wl, p, q, K, plan.tau,
-                                  keep_decoders=q == plan.tau_rate))
-            if "eldr_cost" in plan.policies:  # its calibration-free form too
-                tasks.append(Task("main", wl, "eldr_cost", q, K, plan.tau, kind="online"))
+            for j in range(plan.main_seeds):
+                for p in plan.policies:
+                    tasks.append(Task("main", wl, p, q, K, plan.tau,
+                                      keep_decoders=q == plan.tau_rate and j == 0,
+                                      replicate=j))
+                if "eldr_cost" in plan.policies:  # its calibration-free form too
+                    tasks.append(Task("main", wl, "eldr_cost", q, K, plan.tau, kind="online",
+                                      replicate=j))
     wl0 = plan.workloads[0]
     for tau in plan.tau_values:
         if tau != plan.tau or plan.tau_rate not in plan.rates:
@@ -194,9 +229,8 @@ def plan_tasks(plan: Plan) -> list[Task]:
         for wl in plan.grid_workloads:
             for k in plan.grid_pools:
                 for q in plan.grid_rates:
-                    win = dict(warmup_s=plan.grid_warmup_s, duration_s=grid_duration(plan, q))
-                    for p in (*GRID_BALANCERS, *GRID_POLICIES):
-                        tasks.append(Task("grid", wl, p, q, k, plan.tau, **win))
+                    for j in range(plan.grid_start_seeds):
+                        tasks += grid_cell_tasks(plan, wl, k, q, j)
     if plan.tiny:
         common = dict(num_prefill=plan.tiny_num_prefill, model="tiny-moe", hardware="cpu",
                       warmup_s=plan.tiny_warmup_s, duration_s=plan.tiny_duration_s)
@@ -205,6 +239,22 @@ def plan_tasks(plan: Plan) -> list[Task]:
                 tasks.append(Task("tiny", TINY_SETUP, p, q, plan.tiny_num_decode, plan.tau,
                                   **common))
     return tasks
+
+
+def grid_cell_tasks(plan: Plan, workload: str, num_decode: int, qps: float,
+                    replicate: int) -> list[Task]:
+    """The runs of one grid cell on seed number ``replicate``: every balancer of
+    ``GRID_BALANCERS`` and every policy of ``GRID_POLICIES`` on the same arrivals."""
+    win = dict(warmup_s=plan.grid_warmup_s, duration_s=grid_duration(plan, qps))
+    return [Task("grid", workload, p, qps, num_decode, plan.tau, replicate=replicate, **win)
+            for p in (*GRID_BALANCERS, *GRID_POLICIES)]
+
+
+def replicate_seed(base: int, replicate: int) -> int:
+    """The simulation seed of seed number ``replicate`` of a point: ``base + replicate``,
+    so seed number 0 is the plan's own seed (its single-seed numbers) and every run is
+    reproducible from the plan's seed alone."""
+    return int(base) + int(replicate)
 
 
 def grid_duration(plan: Plan, qps: float) -> float:

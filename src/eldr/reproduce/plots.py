@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 
 from eldr.reproduce.analysis import Analysis
-from eldr.reproduce.plan import LOAD_BALANCERS
+from eldr.reproduce.grid import CLASSES, TOLERANCE_PCT
+from eldr.reproduce.plan import GRID_POLICIES, LOAD_BALANCERS
 
-__all__ = ["plot_bars", "plot_decoders", "plot_main", "pyplot", "require_matplotlib"]
+__all__ = ["plot_bars", "plot_decoders", "plot_grid", "plot_main", "pyplot",
+           "require_matplotlib"]
 
 MISSING = "the report's plots need matplotlib: pip install 'eldr[report]' (scripts/setup.sh does)"
 
@@ -103,3 +105,55 @@ def plot_decoders(an: Analysis, path: Path) -> list[dict]:
         plot_bars(list(range(K)), series, f"distinct experts per layer per step, {wl}, "
                    f"{q:g} req/s", "mean distinct experts / layer / step", path)
     return table
+
+
+# the grid's classes (eldr.reproduce.grid.CLASSES: worse, not distinguishable, better)
+CLASS_COLOURS = ("#d7301f", "#bdbdbd", "#2b8cbe")
+
+
+def plot_grid(rows: list[dict], path: Path) -> None:
+    """Heat maps of :func:`eldr.reproduce.grid.grid_rows`: one column per policy, one row
+    per workload; a cell's colour is its class against the load balancers (worse: some
+    interval entirely above the tolerance; better or equal: all entirely below; not
+    distinguishable otherwise), its text the decisive Δ median / Δ p99 (%)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    plt = pyplot()
+    wls = list(dict.fromkeys(r["workload"] for r in rows))
+    pols = [p for p in GRID_POLICIES if any(r["policy"] == p for r in rows)]
+    if not wls or not pols:
+        return
+    fig, axes = plt.subplots(len(wls), len(pols), figsize=(4.2 * len(pols), 2.8 * len(wls) + 0.6),
+                             squeeze=False, layout="constrained")
+    cmap = ListedColormap(CLASS_COLOURS)
+    for i, wl in enumerate(wls):
+        sub = [r for r in rows if r["workload"] == wl]
+        pools = sorted({r["num_decode"] for r in sub})
+        rates = sorted({r["qps"] for r in sub})
+        for j, name in enumerate(pols):
+            ax = axes[i][j]
+            m = np.full((len(rates), len(pools)), np.nan)
+            for r in sub:
+                if r["policy"] != name:
+                    continue
+                a, b = rates.index(r["qps"]), pools.index(r["num_decode"])
+                m[a, b] = CLASSES.index(r["cls"])
+                ax.text(b, a, f"{r['d_p50']:+.1f}\n{r['d_p99']:+.1f}", ha="center",
+                        va="center", fontsize=6.5)
+            ax.imshow(m, cmap=cmap, vmin=-0.5, vmax=len(CLASSES) - 0.5, aspect="auto",
+                      origin="lower")
+            ax.set_xticks(range(len(pools)), [str(k) for k in pools])
+            ax.set_yticks(range(len(rates)), [f"{q:g}" for q in rates])
+            ax.set_title(f"{name} · {wl}", fontsize=9)
+            if i == len(wls) - 1:
+                ax.set_xlabel("decode workers")
+            if j == 0:
+                ax.set_ylabel("req/s")
+    fig.legend(handles=[Patch(color=c, label=cls) for c, cls in zip(CLASS_COLOURS, CLASSES,
+                                                                     strict=True)],
+               loc="outside lower center", ncol=len(CLASSES), fontsize=8, frameon=False,
+               title=f"vs each load balancer, 95 % intervals against +{TOLERANCE_PCT:g}% "
+               "(text: decisive Δ median / Δ p99, %)", title_fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

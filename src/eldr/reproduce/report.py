@@ -17,9 +17,15 @@ import numpy as np
 
 from eldr.fileio import atomic_write_text
 from eldr.reproduce.analysis import Analysis
-from eldr.reproduce.grid import TOLERANCE_PCT, grid_rows, grid_table, plot_grid
+from eldr.reproduce.grid import (
+    TOLERANCE_PCT,
+    balancer_check,
+    comparisons,
+    grid_rows,
+    grid_table,
+)
 from eldr.reproduce.plan import GRID_BALANCERS
-from eldr.reproduce.plots import plot_bars, plot_decoders, plot_main
+from eldr.reproduce.plots import plot_bars, plot_decoders, plot_grid, plot_main
 from eldr.reproduce.sweeps import Results
 from eldr.sim.metrics import write_csv, write_json
 
@@ -36,6 +42,15 @@ def _s(x: float) -> str:
     return "n/a" if x is None or not np.isfinite(x) else f"{x:+.1f}%"
 
 
+def _pm(h: dict, name: str) -> str:
+    """Headline Δ ``h[name]`` with its 95 % half-width ``h[name + '_h']``: "+1.2±0.4%"
+    (no ± with one seed)."""
+    x, half = h[name], h.get(f"{name}_h", float("nan"))
+    if x is None or not np.isfinite(x):
+        return "n/a"
+    return f"{x:+.1f}±{half:.1f}%" if np.isfinite(half) else f"{x:+.1f}%"
+
+
 # -- report -----------------------------------------------------------------------------------
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -46,14 +61,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def headline_text(an: Analysis) -> str:
     """The headline table as plain text (printed by ``eldr reproduce``)."""
     lines = [f"{'workload':<9} {'req/s':>5} {'best LB':>11} {'TPOT p50':>9} {'ELDR':>7} "
-             f"{'Δp50':>7} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>7} {'domain':>7} {'oracle':>7} "
-             f"{'cost Δp50':>9} {'cost Δp99':>9}"]
+             f"{'Δp50':>12} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>12} {'domain':>12} "
+             f"{'oracle':>12} {'cost Δp50':>12} {'cost Δp99':>12}"]
     for h in an.headline():
         lines.append(
             f"{h['workload']:<9} {h['qps']:>5g} {h['best_lb']:>11} {h['lb_tpot_p50']:>9.2f} "
-            f"{h['eldr_tpot_p50']:>7.2f} {_s(h['d_p50']):>7} {h['lb_tpot_p99']:>9.2f} "
-            f"{h['eldr_tpot_p99']:>7.2f} {_s(h['d_p99']):>7} {_s(h['domain_d_p50']):>7} "
-            f"{_s(h['oracle_d_p50']):>7} {_s(h['cost_d_p50']):>9} {_s(h['cost_d_p99']):>9}")
+            f"{h['eldr_tpot_p50']:>7.2f} {_pm(h, 'd_p50'):>12} {h['lb_tpot_p99']:>9.2f} "
+            f"{h['eldr_tpot_p99']:>7.2f} {_pm(h, 'd_p99'):>12} {_pm(h, 'domain_d_p50'):>12} "
+            f"{_pm(h, 'oracle_d_p50'):>12} {_pm(h, 'cost_d_p50'):>12} "
+            f"{_pm(h, 'cost_d_p99'):>12}")
+    seeds = {h["seeds"] for h in an.headline()}
+    if seeds and max(seeds) > 1:
+        lines.append(f"(mean of {'/'.join(map(str, sorted(seeds)))} seeds' paired differences "
+                     "± 95 % half-width; ms: mean over seeds)")
     return "\n".join(lines)
 
 
@@ -107,13 +127,21 @@ def _headline_section(an: Analysis, out: Path) -> Section:
           f"Paper at 8P16D: median TPOT {PAPER['task']} (task), {PAPER['language']} "
           "(language). Δ = (policy − best LB) / best LB; negative is better.\n"]
     hl = an.headline()
+    if an.plan.main_seeds > 1:
+        md.append(f"Each point runs {an.plan.main_seeds} seeds (the same arrivals for every "
+                  "policy of a seed). The best LB has the lowest median TPOT averaged over "
+                  "them; each Δ is the mean of the per-seed paired differences against it "
+                  "± the 95 % half-width (Student t, docs/simulator.md); ms and D/layer are "
+                  "means over the seeds. An interval that contains 0 does not tell the "
+                  "policies apart.\n")
     md.append(_table(
         ["workload", "req/s", "best LB", "LB p50 ms", "ELDR p50 ms", "Δ p50", "LB p99 ms",
          "ELDR p99 ms", "Δ p99", "Δ TTFT p50", "domain Δ p50", "oracle Δ p50",
          "D/layer LB→ELDR", "batch"],
         [[h["workload"], f"{h['qps']:g}", h["best_lb"], _f(h["lb_tpot_p50"]),
-          _f(h["eldr_tpot_p50"]), _s(h["d_p50"]), _f(h["lb_tpot_p99"]), _f(h["eldr_tpot_p99"]),
-          _s(h["d_p99"]), _s(h["d_ttft"]), _s(h["domain_d_p50"]), _s(h["oracle_d_p50"]),
+          _f(h["eldr_tpot_p50"]), _pm(h, "d_p50"), _f(h["lb_tpot_p99"]),
+          _f(h["eldr_tpot_p99"]), _pm(h, "d_p99"), _pm(h, "d_ttft"), _pm(h, "domain_d_p50"),
+          _pm(h, "oracle_d_p50"),
           f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}", f"{h['lb_batch']:.1f}"]
          for h in hl]))
     md.append("\n### The cost policy (`eldr_cost`) in the same cells\n")
@@ -123,9 +151,9 @@ def _headline_section(an: Analysis, out: Path) -> Section:
     md.append(_table(
         ["workload", "req/s", "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99",
          "eldr_cost[online] Δ p50 / p99", "D/layer LB→ELDR→cost"],
-        [[h["workload"], f"{h['qps']:g}", f"{_s(h['d_p50'])} / {_s(h['d_p99'])}",
-          f"{_s(h['cost_d_p50'])} / {_s(h['cost_d_p99'])}",
-          f"{_s(h['online_d_p50'])} / {_s(h['online_d_p99'])}",
+        [[h["workload"], f"{h['qps']:g}", f"{_pm(h, 'd_p50')} / {_pm(h, 'd_p99')}",
+          f"{_pm(h, 'cost_d_p50')} / {_pm(h, 'cost_d_p99')}",
+          f"{_pm(h, 'online_d_p50')} / {_pm(h, 'online_d_p99')}",
           f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}→{_f(h['cost_distinct'], 1)}"]
          for h in hl]))
     for wl in an.plan.workloads:
@@ -232,23 +260,40 @@ def _ep_section(an: Analysis, out: Path) -> Section:
 
 def _grid_section(an: Analysis, out: Path) -> Section:
     plan = an.plan
-    grid = grid_rows(an.results.rows, {"eldr": an.eldr()}) if plan.grid else []
+    variants = {"eldr": an.eldr()}
+    grid = grid_rows(an.results.rows, variants) if plan.grid else []
     if not grid:
         return [], grid
+    comps = comparisons(an.results.rows, variants)
+    seeds = [r["n"] for r in grid]
     md = ["\n## Never worse than load balancing\n",
           f"Every cell of rates {list(plan.grid_rates)} req/s × decode pools "
           f"{list(plan.grid_pools)} ({plan.num_prefill} prefill workers) × "
           f"workloads {list(plan.grid_workloads)}, {plan.grid_warmup_s:g} s "
           f"warm-up + {plan.grid_duration_s:g} s measured per cell, longer at low "
           f"rates so every cell measures at least {plan.grid_min_requests} "
-          "requests (short windows to afford the grid; a p99 of a few hundred "
-          "requests moves by several percent between seeds). `azure_conv` and "
-          "`mooncake_conv` replay the real traces' arrival times (scaled to the rate, bursts "
-          "kept) and prompt/output lengths, with routing drawn for those lengths. Each "
-          "cell: Δ median / Δ p99 TPOT against the best of "
-          f"{', '.join(GRID_BALANCERS)} for that metric; **bold** = worse by "
-          f"more than {TOLERANCE_PCT:g}%.\n",
-          grid_table(grid)]
+          "requests. `azure_conv` and `mooncake_conv` replay the real traces' arrival times "
+          "(scaled to the rate, bursts kept) and prompt/output lengths, with routing drawn "
+          "for those lengths.\n",
+          (f"Each cell runs {plan.grid_start_seeds} seeds. "
+           if plan.grid_start_seeds == plan.grid_max_seeds else
+           f"Each cell runs {plan.grid_start_seeds} to {plan.grid_max_seeds} seeds "
+           f"(here {min(seeds)}–{max(seeds)}): one is added at a time until every interval "
+           f"of the cell is within ±{plan.target_half_width:g} points. ")
+          + "Every Δ is the mean of "
+          "per-seed paired differences (same arrivals) against ONE load balancer, with "
+          f"its 95 % interval, for each of {', '.join(GRID_BALANCERS)} and each metric "
+          f"(median and p99 TPOT). A comparison is **worse** when the interval lies "
+          f"entirely above +{TOLERANCE_PCT:g}%, _not distinguishable_ when it straddles "
+          f"+{TOLERANCE_PCT:g}%, better or equal when it lies entirely below. The last "
+          "column is the rule's false-positive expectation: how many comparisons a policy "
+          "truly equal to that balancer would see classed worse by chance, with each "
+          "cell's observed spread and seeds (a noncentral-t tail, "
+          "docs/simulator.md). The check line runs two load balancers through the same "
+          "rule: they are different policies, so a \"worse\" there may be real. In the "
+          "cell tables each policy's Δs are against its decisive balancer "
+          "(the worst class, then the largest Δ).\n",
+          grid_table(grid, comps, balancer_check(an.results.rows))]
     plot_grid(grid, out / "grid.png")
     md.append("\n![grid](grid.png)\n")
     return md, grid

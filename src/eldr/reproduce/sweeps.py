@@ -6,8 +6,14 @@ of :func:`eldr.reproduce.plan.plan_tasks` into a self-contained :class:`SimJob`
 (:func:`make_job`) and runs them through joblib (worker processes, or a dask / ray
 cluster), and returns tidy rows in :class:`Results`.
 
-Every run of one (workload, rate) replays the SAME arrivals and tokens (seeded), so the
-policies are compared on identical input.
+Every run of one (workload, rate, seed) replays the SAME arrivals and tokens (seeded), so
+the policies are compared on identical input. A task's seed is
+:func:`~eldr.reproduce.plan.replicate_seed` of the plan's seed and its ``replicate``: it
+draws the Poisson arrivals (which times, which held-out requests), or, for a replayed
+real trace, where in the trace the window starts (:func:`replayed_arrivals`), and the
+policies' own random choices. The per-token expert draws of each held-out request are
+the set-up's, the same for every seed. After the plan's tasks, grid cells whose
+intervals are still wide get more seeds, one per round (:func:`run_plan`).
 """
 
 from __future__ import annotations
@@ -17,18 +23,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from joblib import Parallel, delayed
 
 from eldr._progress import Progress
 from eldr.reproduce.building import build_setups
+from eldr.reproduce.grid import cells_needing_seeds
 from eldr.reproduce.memmaps import map_to_files
-from eldr.reproduce.plan import Plan, Task, plan_tasks
+from eldr.reproduce.plan import Plan, Task, grid_cell_tasks, plan_tasks, replicate_seed
 from eldr.reproduce.setup import RoutingSetup
 from eldr.routing import decode_patterns
 from eldr.sim import SimConfig, TokenBank, simulate
 from eldr.sim.steptime import routing_resources
 
-__all__ = ["Results", "SimJob", "make_job", "run_job", "run_plan", "run_task"]
+__all__ = ["Results", "SimJob", "make_job", "replayed_arrivals", "run_job", "run_plan",
+           "run_task"]
 
 
 @dataclass(frozen=True)
@@ -59,28 +68,53 @@ def _config(plan: Plan, task: Task, num_eval_requests: int) -> SimConfig:
     return SimConfig(model=task.model or plan.model, hardware=task.hardware or plan.hardware,
                      num_prefill=task.num_prefill or plan.num_prefill,
                      num_decode=task.num_decode, qps=float(task.qps), warmup_s=warmup,
-                     duration_s=duration, seed=plan.seed, tp=task.tp, ep=task.ep,
+                     duration_s=duration, seed=replicate_seed(plan.seed, task.replicate),
+                     tp=task.tp, ep=task.ep,
                      prefix_caching=src is not None, signature_source=src or "trace")
 
 
 def make_job(plan: Plan, setup: RoutingSetup, task: Task) -> SimJob:
     """The :class:`SimJob` of ``task`` on ``setup`` (fits centroids it needs if not yet)."""
     config = _config(plan, task, setup.eval.num_requests)
-    policy = setup.policy(task.policy, task.num_decode, tau=task.tau, seed=plan.seed,
+    policy = setup.policy(task.policy, task.num_decode, tau=task.tau, seed=config.seed,
                           kind=task.kind, **routing_resources(config))
     inputs = setup.inputs(policy, patterns=False)
     if task.ep > 1 and task.placement != "contiguous":
         inputs["placement"] = setup.placement(task.num_decode, task.ep, task.placement)
     if config.signature_source != "trace":
         inputs["encoder"] = setup.encoder
-    replay = setup.arrivals(task.qps, config.horizon_s)
+    replay = replayed_arrivals(setup, task.qps, config.horizon_s, task.replicate,
+                               config.seed)
     if replay is not None:  # a real trace: its own arrival process, scaled to the rate
         inputs["arrivals"] = replay
     head = {"experiment": task.experiment, "workload": task.workload,
             "variant": task.variant, "tau": task.tau, "kind": task.kind,
-            "model": task.model or plan.model}
+            "model": task.model or plan.model, "replicate": task.replicate,
+            "seed": config.seed}
     return SimJob(task, config, policy, setup.tokens, inputs,
                   "decode_pattern" in policy.inputs, head)
+
+
+def replayed_arrivals(setup: RoutingSetup, qps: float, horizon_s: float, replicate: int,
+                      seed: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A real trace's (times (N,), eval index (N,)) at ``qps`` for seed number
+    ``replicate`` (None for a Poisson workload).
+
+    Seed number 0 replays the trace from its first arrival (:meth:`RoutingSetup.arrivals`).
+    Another seed starts at a held-out arrival drawn from ``seed`` and wraps around to the
+    first after the last (one mean gap between them): the real gaps, bursts and lengths,
+    each arrival with its own request, over a different stretch of the trace — what a
+    different seed is to Poisson arrivals."""
+    if replicate == 0 or setup.arrival_times is None:
+        return setup.arrivals(qps, horizon_s)
+    t = setup.arrival_times * (setup.arrival_rate / float(qps))
+    R = t.size
+    start = int(np.random.default_rng((seed, 0x5EED)).integers(R))
+    gap = (t[-1] - t[0]) / max(R - 1, 1)
+    times = np.concatenate([t[start:] - t[start], t[:start] - t[0] + (t[-1] - t[start]) + gap])
+    index = np.concatenate([np.arange(start, R), np.arange(start)]).astype(np.int64)
+    n = int(np.searchsorted(times, horizon_s, side="left"))
+    return times[:n].copy(), index[:n]
 
 
 def run_job(job: SimJob) -> tuple[dict, list[dict]]:
@@ -111,7 +145,7 @@ class Results:
     """Rows of a finished plan and its timings."""
 
     plan: Plan  # the plan that ran
-    rows: list[dict]  # one summary row per task, in plan order
+    rows: list[dict]  # one summary row per task: plan order, then added grid seeds
     decoder_rows: list[dict]  # per-decoder rows of the tasks that keep them
     setups: dict[str, RoutingSetup]  # set-up key → its fitted set-up
     seconds: dict[str, float] = field(default_factory=dict)  # phase → wall seconds
@@ -119,7 +153,8 @@ class Results:
 
 def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
              progress: bool = True, backend: str | None = None) -> Results:
-    """Build set-ups and run every task of ``plan`` through :class:`joblib.Parallel`.
+    """Build set-ups and run every task of ``plan`` through :class:`joblib.Parallel`, then
+    add grid seeds round by round.
 
     ``jobs`` worker processes (joblib's ``n_jobs``; 1 runs in this process); ``backend``:
     a joblib backend name (``None``: joblib's default, local processes; ``"dask"`` or
@@ -127,6 +162,11 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
     rows are built once into a memory-mapped file of a temporary folder, and its held-out
     arrays moved to files there (:func:`build_setups` with ``folder``), so all processes
     map one copy; other large arrays go to workers as joblib memory maps in that folder.
+
+    Seeds: after the plan's tasks (``grid_min_seeds`` per grid cell), every grid cell whose
+    widest interval is above ``target_half_width`` and that has fewer than
+    ``grid_max_seeds`` seeds runs one more seed (:func:`grid_cell_tasks`), until none is
+    left: deterministic, since which cells continue depends on the seeded rows only.
     """
     t0 = time.perf_counter()
     rows, dec_rows = [], []
@@ -148,19 +188,15 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
             "process(es)")
         parallel = Parallel(n_jobs=jobs, backend=backend, return_as="generator",
                             temp_folder=tmp, max_nbytes="1M")
-        done: list = [None] * len(tasks)
-        with Progress(len(tasks), "reproduce", enabled=None if progress else False) as bar:
-            # One set-up at a time: all workers then read the same token slab, so the
-            # machine holds one set-up's rows (up to 2 GB at full size), not two.
-            for key, st in setups.items():
-                idx = [i for i, t in enumerate(tasks) if t.workload == key]
-                todo = (delayed(run_job)(make_job(plan, st, tasks[i])) for i in idx)
-                for i, out in zip(idx, parallel(todo), strict=True):
-                    done[i] = out
-                    bar.update(1)
-        for row, dec in done:  # rows in plan order
+        for row, dec in _run_tasks(plan, setups, tasks, parallel, "reproduce", progress):
             rows.append(row)
             dec_rows += dec
+        while more := _more_grid_seeds(plan, rows):
+            n_cells = len(more) // len(grid_cell_tasks(plan, "", 1, 1.0, 0))
+            log(f"grid: {n_cells} cell(s) get seed number {more[0].replicate + 1} "
+                f"(intervals wider than ±{plan.target_half_width:g} points)")
+            rows += [row for row, _ in _run_tasks(plan, setups, more, parallel,
+                                                  "grid seeds", progress)]
         for st in setups.values():  # the slab's file goes with the folder
             st.tokens.drop_all()
     t3 = time.perf_counter()
@@ -168,3 +204,27 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
                    {"setup": t1 - t0, "centroids": t2 - t1, "simulate": t3 - t2,
                     "total": t3 - t0, "jobs": jobs, "cpus": os.cpu_count() or 1})
 
+
+def _run_tasks(plan: Plan, setups: dict[str, RoutingSetup], tasks: list[Task], parallel,
+               desc: str, progress: bool) -> list[tuple[dict, list[dict]]]:
+    """(summary row, decoder rows) of every task, in the order of ``tasks``."""
+    done: list = [None] * len(tasks)
+    with Progress(len(tasks), desc, enabled=None if progress else False) as bar:
+        # One set-up at a time: all workers then read the same token slab, so the
+        # machine holds one set-up's rows (up to 2 GB at full size), not two.
+        for key, st in setups.items():
+            idx = [i for i, t in enumerate(tasks) if t.workload == key]
+            todo = (delayed(run_job)(make_job(plan, st, tasks[i])) for i in idx)
+            for i, out in zip(idx, parallel(todo), strict=True):
+                done[i] = out
+                bar.update(1)
+    return done
+
+
+def _more_grid_seeds(plan: Plan, rows: list[dict]) -> list[Task]:
+    """The tasks of the next seed of every grid cell that needs one (none: done)."""
+    if not plan.grid:
+        return []
+    return [t for (wl, K, q), n in cells_needing_seeds(rows, plan.target_half_width,
+                                                       plan.grid_max_seeds)
+            for t in grid_cell_tasks(plan, wl, K, q, n)]
