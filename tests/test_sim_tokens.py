@@ -75,3 +75,37 @@ def test_slab_serves_the_same_rows_and_pickles_without_the_cache(tmp_path, to_fi
         np.testing.assert_array_equal(built.decode(r), lazy.decode(r))
     again = pickle.loads(pickle.dumps(lazy))
     assert len(again._cache) == 0 and np.array_equal(again.decode(0), lazy.decode(0))
+
+
+def test_flat_rows_fill_request_by_request_and_match_decode():
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=False)
+    ref, bank = TokenBank(tr, seed=3), TokenBank(tr, seed=3)
+    flat = bank.flat_rows()
+    assert flat.shape == (int(tr.output_lens.sum()), 48 * 2) and not bank.is_built
+    for r in (5, 0, 5, 11):  # any order; a second call finds the rows already there
+        a = bank.row_start(r)
+        rows = flat[a:a + int(tr.output_lens[r])].reshape(-1, 48, 2)
+        np.testing.assert_array_equal(rows, ref.decode(r))
+        np.testing.assert_array_equal(bank.decode(r), ref.decode(r))
+    again = pickle.loads(pickle.dumps(bank))  # a partly filled slab is not carried
+    assert again._slab is None and np.array_equal(again.decode(5), ref.decode(5))
+
+
+def test_flat_rows_respect_the_budget():
+    tr = make_trace(12, 48, 128, 8, seed=1, with_topk=False)
+    assert TokenBank(tr, max_bytes=TokenBank(tr).nbytes_all - 1).flat_rows() is None
+
+
+def test_simulation_is_the_same_from_the_slab_and_from_the_cache():
+    from eldr.routing import make_policy
+    from eldr.sim import SimConfig, simulate
+
+    tr = make_trace(40, 48, 128, 8, seed=2, with_topk=False)
+    cfg = SimConfig(num_prefill=2, num_decode=3, qps=40.0, warmup_s=0.5, duration_s=2.0)
+    out = []
+    for bank in (TokenBank(tr), TokenBank(tr, max_bytes=0)):  # slab; LRU cache (no slab)
+        res = simulate(tr, cfg, make_policy("jsq", num_workers=3), tokens=bank)
+        out.append((res.requests["t_last"], res.decoder_distinct_sum, res.total_steps))
+        assert (bank.flat_rows() is None) == (bank.max_bytes == 0)
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_array_equal(a, b)

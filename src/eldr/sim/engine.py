@@ -115,11 +115,16 @@ class Simulation:
                  record_events: bool, bar: Progress) -> None:
         self.config, self.policy, self.sm, self.bank = config, policy, sm, bank
         self.t_arr, self.tidx, self.need_kv, self.masks = t_arr, tidx, need_kv, masks
+        # Python lists of what the per-step code reads one element at a time (indexing a
+        # list is several times faster than an array; the values are the same)
+        self.tidx_list, self.kv_list = tidx.tolist(), need_kv.tolist()
+        self.flat = bank.flat_rows()  # (Σ n_out, L·W) every token's row; None: too large
         self.signatures, self.decode_patterns = signatures, decode_patterns
         self.profile_of, self.online, self.bar = profile_of, online, bar
         self.domains = trace.domains
         self.prompt = trace.prompt_lens[tidx]
         self.n_out = trace.output_lens[tidx]
+        self.prompt_list, self.n_out_list = self.prompt.tolist(), self.n_out.tolist()
         self.records = [RequestRecord(int(r), float(t), int(p), int(o)) for r, t, p, o in
                         zip(tidx, t_arr, self.prompt, self.n_out, strict=True)]
         self.router = PrefillRouter(trace, config)
@@ -251,28 +256,36 @@ class Simulation:
 
     def start_step(self, d: int, now: float) -> Event:
         """Decoder ``d`` admits what fits, then runs one step of its batch."""
-        dw, sm = self.decoders[d], self.sm
+        dw, sm, flat = self.decoders[d], self.sm, self.flat
         s = dw.step
+        kv = self.kv_list
         while dw.waiting and len(dw.ids) < self.max_run:
             i = dw.waiting[0]
-            if dw.kv_bytes + self.need_kv[i] > sm.kv_capacity_bytes:
+            if dw.kv_bytes + kv[i] > sm.kv_capacity_bytes:
                 break
             dw.waiting.popleft()
-            dw.admit(i, self.bank.decode(int(self.tidx[i])), int(self.prompt[i]),
-                     int(self.n_out[i]), self.need_kv[i])
+            r = self.tidx_list[i]
+            rows = self.bank.decode(r) if flat is None else self.bank.row_start(r)
+            dw.admit(i, rows, self.prompt_list[i], self.n_out_list[i], kv[i])
             self.records[i].t_admit = now
             self.log(now, "admit", i, d)
-        # The hot path. np.array of the row views is about twice as fast as np.stack
-        # (no Python-level shape checks), and Σ_l D_l needs one popcount sum, not two.
+        # The hot path: one gather of this step's rows from the flat slab (each running
+        # request's row s - start), else np.array of the row views (about twice as fast
+        # as np.stack); Σ_l D_l needs one popcount sum, not two.
         distinct = moe_distinct = 0
-        if dw.bits:
-            rows = np.array([b[s - s0] for b, s0 in zip(dw.bits, dw.starts, strict=True)])
-            u = np.bitwise_or.reduce(rows, axis=0)  # (L, W) union of this step's tokens
+        if dw.ids:
+            if flat is not None:
+                rows = flat.take(dw.offs + s, axis=0)  # (B, L·W)
+            else:
+                rows = np.array([b[s - s0] for b, s0 in zip(dw.bits, dw.starts, strict=True)])
+            u = np.bitwise_or.reduce(rows, axis=0)  # union of this step's tokens
             masks = self.masks
             if masks is None:
-                distinct = moe_distinct = int(np.bitwise_count(u).sum())
+                distinct = moe_distinct = int(np.add.reduce(np.bitwise_count(u), axis=None,
+                                                            dtype=np.int64))
             else:
                 m = masks[d] if masks.shape[0] > 1 else masks[0]  # (ep, L, W)
+                u = u.reshape(m.shape[1:])
                 per_rank = np.bitwise_count(u[None] & m).sum(axis=-1, dtype=np.int64)
                 distinct = int(per_rank.sum())  # Σ_l D_l
                 moe_distinct = int(per_rank.max(axis=0).sum())  # Σ_l max_r D_{l,r}

@@ -142,16 +142,21 @@ class PrefillWorker:
 
 class DecodeWorker:
     """A decode worker under continuous batching. Lists are parallel, one entry per
-    running request; ``finish_at`` maps a step index to the requests ending at it."""
+    running request; ``finish_at`` maps a step index to the requests ending at it.
+
+    A request's decode rows come as its (n_out, L, W) array (kept in ``bits``) or, when
+    the simulator reads rows from a token bank's flat slab, as the slab index of its first
+    row (kept in ``offs`` minus its start step, so step ``s`` reads rows ``offs + s``)."""
 
     __slots__ = ("bits", "busy", "cur_batch", "cur_distinct", "finish_at", "ids", "kv_bytes",
-                 "kvs", "new", "prompt_sum", "prompts", "start_sum", "starts", "step",
+                 "kvs", "new", "offs", "prompt_sum", "prompts", "start_sum", "starts", "step",
                  "waiting", "win_batch", "win_distinct", "win_steps")
 
     def __init__(self) -> None:
         self.waiting: deque[int] = deque()  # KV arrived, not yet admitted (FIFO)
         self.ids: list[int] = []  # running request indices
-        self.bits: list[np.ndarray] = []  # their (n_out, L, W) step bitsets
+        self.bits: list[np.ndarray] = []  # their (n_out, L, W) step bitsets (rows given)
+        self.offs = np.zeros(0, dtype=np.int64)  # their first slab row - start (index given)
         self.starts: list[int] = []  # step index at which each was admitted
         self.prompts: list[int] = []  # their prompt lengths
         self.kvs: list[float] = []  # KV bytes reserved by each
@@ -168,10 +173,16 @@ class DecodeWorker:
         self.win_batch = 0  # Σ batch size over those steps
         self.win_distinct = 0  # Σ (Σ_l D_l) over those steps
 
-    def admit(self, i: int, bits: np.ndarray, prompt: int, n_out: int, kv: float) -> None:
+    def admit(self, i: int, rows: np.ndarray | int, prompt: int, n_out: int,
+              kv: float) -> None:
+        """Request ``i`` joins the running batch at this step; ``rows``: its (n_out, L, W)
+        bitsets or the slab index of the first of them (class docstring)."""
         s = self.step
         self.ids.append(i)
-        self.bits.append(bits)
+        if isinstance(rows, int):
+            self.offs = np.append(self.offs, rows - s)
+        else:
+            self.bits.append(rows)
         self.starts.append(s)
         self.prompts.append(prompt)
         self.kvs.append(kv)
@@ -189,7 +200,10 @@ class DecodeWorker:
                 self.start_sum -= self.starts[j]
                 self.kv_bytes -= self.kvs[j]
         self.ids = [self.ids[j] for j in keep]
-        self.bits = [self.bits[j] for j in keep]
+        if self.bits:
+            self.bits = [self.bits[j] for j in keep]
+        else:
+            self.offs = self.offs[keep]
         self.starts = [self.starts[j] for j in keep]
         self.prompts = [self.prompts[j] for j in keep]
         self.kvs = [self.kvs[j] for j in keep]

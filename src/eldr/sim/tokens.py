@@ -12,10 +12,13 @@ Rows come from the trace's per-token top-k when present (``decode_topk``), other
 request (``(seed, request index)``), so every policy of a sweep sees the same tokens.
 
 Memory: a request's rows take ``n_out · L · W · 8`` bytes (768 B per token at 48 × 128),
-so a 13k-request held-out split needs about 2 GB. Built lazily, rows live in a bounded
-LRU cache. A sweep instead builds every row ONCE into one contiguous slab
-(:meth:`TokenBank.build_all`), optionally a memory-mapped ``.npy`` file that every worker
-process maps read-only: the operating system then holds one copy for all of them.
+so a 13k-request held-out split needs about 2 GB. Built lazily, rows live in one slab
+filled request by request when every request's rows fit in ``max_bytes`` (the pages of
+requests never read are never touched), else in a bounded LRU cache. A sweep instead
+builds every row ONCE into the slab (:meth:`TokenBank.build_all`), optionally a
+memory-mapped ``.npy`` file that every worker process maps read-only: the operating system
+then holds one copy for all of them. The simulator reads a step's rows from the slab with
+one gather (:meth:`TokenBank.flat_rows`), which is why it is preferred to the cache.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ __all__ = ["TokenBank"]
 class TokenBank:
     """Decode-token and prefill bitsets of a trace.
 
-    Rows are built lazily and kept in an LRU cache of at most ``max_bytes`` (default
-    1 GiB), or all at once into one slab by :meth:`build_all`. Pickling a bank (to send
-    it to a worker process) carries the slab, not the lazy cache.
+    Rows are built lazily, into the slab when it fits in ``max_bytes`` (default 1 GiB),
+    else into an LRU cache of at most ``max_bytes``; or all at once into the slab by
+    :meth:`build_all`. Pickling a bank (to send it to a worker process) carries a built
+    slab, not lazily built rows.
     """
 
     def __init__(self, trace: Trace, *, seed: int = 0, max_bytes: int = 1 << 30) -> None:
@@ -49,6 +53,7 @@ class TokenBank:
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()  # r -> rows, LRU order
         self._bytes = 0
         self._slab: np.ndarray | None = None  # (Σ n_out, L, W) every request's rows
+        self._filled: np.ndarray | None = None  # (R,) bool rows in the slab; None: all
         self._starts = np.concatenate([[0], np.cumsum(trace.output_lens, dtype=np.int64)])
         self._offsets = trace.decode_offsets if trace.decode_topk is not None else None
         # (R, L, W) uint64: experts each request's prompt selects at least once
@@ -57,6 +62,8 @@ class TokenBank:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_cache"], state["_bytes"] = OrderedDict(), 0  # rebuilt lazily where needed
+        if self._filled is not None:  # a lazily filled slab is a cache too
+            state["_slab"], state["_filled"] = None, None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -67,7 +74,7 @@ class TokenBank:
     @property
     def is_built(self) -> bool:
         """Every request's rows are in the slab."""
-        return self._slab is not None
+        return self._slab is not None and self._filled is None
 
     @property
     def nbytes_all(self) -> int:
@@ -80,7 +87,7 @@ class TokenBank:
         ``path``: write the slab to this ``.npy`` file and map it read-only (worker
         processes given the bank then map the same file instead of copying it); ``None``:
         an in-memory array. Returns the (Σ n_out, L, W) uint64 slab."""
-        if self._slab is not None:
+        if self.is_built:
             return self._slab
         shape = (int(self._starts[-1]), self.num_layers, self.words)
         if path is None:
@@ -99,19 +106,43 @@ class TokenBank:
             # a plain view of a read-only map (np.memmap slicing is slower); joblib still
             # finds the file through .base and sends workers the file name, not the bytes
             slab = np.load(path, mmap_mode="r").view(np.ndarray)
-        self._slab = slab
+        self._slab, self._filled = slab, None
         self._cache.clear()
         self._bytes = 0
         return slab
 
     def drop_all(self) -> None:
         """Forget the slab (e.g. before deleting its file): rows are built lazily again."""
-        self._slab = None
+        self._slab, self._filled = None, None
+
+    def flat_rows(self) -> np.ndarray | None:
+        """The slab as (Σ n_out, L·W) uint64, request ``r``'s rows from ``row_start(r)``
+        on; ``None`` when the rows of every request do not fit in ``max_bytes`` (rows then
+        come from :meth:`decode` only). Unbuilt, the slab is allocated here and filled by
+        :meth:`row_start` request by request (untouched pages take no memory)."""
+        if self._slab is None:
+            if self.nbytes_all > self.max_bytes:
+                return None
+            shape = (int(self._starts[-1]), self.num_layers, self.words)
+            self._slab = np.empty(shape, dtype=np.uint64)
+            self._filled = np.zeros(self.trace.num_requests, dtype=bool)
+            self._cache.clear()
+            self._bytes = 0
+        return self._slab.reshape(self._slab.shape[0], -1)
+
+    def row_start(self, r: int) -> int:
+        """Index of trace request ``r``'s first row in :meth:`flat_rows` (its rows are
+        built now if they are not yet). Call :meth:`flat_rows` first."""
+        a = int(self._starts[r])
+        if self._filled is not None and not self._filled[r]:
+            self._slab[a:int(self._starts[r + 1])] = self._rows(r)
+            self._filled[r] = True
+        return a
 
     def decode(self, r: int) -> np.ndarray:
         """(n_out, L, W) uint64 bitsets of trace request ``r``'s decode steps."""
         if self._slab is not None:
-            return self._slab[self._starts[r]:self._starts[r + 1]]
+            return self._slab[self.row_start(r):int(self._starts[r + 1])]
         rows = self._cache.get(r)
         if rows is not None:
             self._cache.move_to_end(r)
