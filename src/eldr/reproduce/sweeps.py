@@ -192,9 +192,9 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
             rows.append(row)
             dec_rows += dec
         while more := _more_grid_seeds(plan, rows):
-            n_cells = len(more) // len(grid_cell_tasks(plan, "", 1, 1.0, 0))
-            log(f"grid: {n_cells} cell(s) get seed number {more[0].replicate + 1} "
-                f"(intervals wider than ±{plan.target_half_width:g} points)")
+            log(f"grid: {len({(t.workload, t.num_decode, t.qps) for t in more})} cell(s) "
+                f"with an interval wider than ±{plan.target_half_width:g} points get one "
+                "more seed")
             rows += [row for row, _ in _run_tasks(plan, setups, more, parallel,
                                                   "grid seeds", progress)]
         for st in setups.values():  # the slab's file goes with the folder
