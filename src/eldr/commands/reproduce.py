@@ -41,12 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="simulation seed (default 0)")
     p.add_argument("--max-seeds", type=int, help="most seeds per never-worse grid cell; "
                    "seeds are added from 3 until every interval of the cell is within "
-                   "--target-half-width (default 10; --quick: 3)")
+                   "--target-half-width (default 3, i.e. exactly 3; 10 reaches for the "
+                   "±0.5-point target at several times the run time)")
     p.add_argument("--target-half-width", type=float, help="percentage points: a grid cell "
                    "stops getting seeds once every 95 %% interval of it is at most this "
                    "wide on each side (default 0.5)")
     p.add_argument("--main-seeds", type=int, help="seeds of every headline point, for its "
-                   "± figures (default 3; --quick: 2; 1: no intervals)")
+                   "± figures (default 2; 1: no intervals)")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes (default: number of CPUs, at most 4)")
 
