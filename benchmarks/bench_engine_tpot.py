@@ -468,6 +468,9 @@ def run(args) -> dict:
                       f"step {s['step_ms']:6.2f} ms, distinct {s['distinct']:5.2f}, purity "
                       f"{s['purity']:.2f}, split {s['split']}", flush=True)
         fits, pooled = step_fits(bench.decoders)
+    if getattr(args, "out", None):
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        print(write_hardware(pooled, args.width, Path(args.out) / "hardware.json"))
     res = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
            "domains": args.domains, "only_domains": args.only_domains,
            "artifact": "fit on prompts" if args.fit_on_prompts else args.artifact,
@@ -477,14 +480,6 @@ def run(args) -> dict:
            "analysis": analyse(records, args.policies, fits),
            "seconds": time.monotonic() - t0}
     return res
-
-
-def _pooled_from(res: dict):
-    from eldr.sim.stepfit import StepFit
-
-    f = res["pooled_fit"]
-    return StepFit(f["t0_us"] * 1e-6, f["b_us"] * 1e-6, f["c_us"] * 1e-6, f["r2"], f["n"],
-                   f["residual_us"] * 1e-6, f["layers"], f["mixed_dropped"], f["fitted_c"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -525,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps(res, indent=1))
         (out / "report.md").write_text(text + "\n")
-        print(write_hardware(_pooled_from(res), args.width, out / "hardware.json"))
+
     return 0
 
 

@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from bench_tiny_moe_step import fit_plane  # the same (B, D) least-squares plane
+
 NUM_EXPERTS, HIDDEN, TOP_K = 64, 128, 4  # the shipped tiny MoE
 
 
@@ -80,17 +82,6 @@ def check_against_reference(width: int) -> float:
             gate, up = (w13[ids[t, j]] @ x[t]).split(width)
             ref[t] += wts[t, j] * (w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
     return float((out - ref).abs().max())
-
-
-def fit_plane(cells, ys) -> tuple[float, float, float, float]:
-    """Least squares ``y = a + b·D + c·B`` over (B, D) cells: (a, b, c, R²)."""
-    B, D = (np.array(v, float) for v in zip(*cells, strict=True))
-    y = np.asarray(ys, float)
-    X = np.stack([np.ones_like(D), D, B], axis=1)
-    coef = np.linalg.lstsq(X, y, rcond=None)[0]
-    resid = y - X @ coef
-    r2 = 1 - (resid ** 2).sum() / ((y - y.mean()) ** 2).sum()
-    return float(coef[0]), float(coef[1]), float(coef[2]), float(r2)
 
 
 def bench(widths, batches, distincts, *, num_layers: int, repeats: int, inner: int,

@@ -121,7 +121,8 @@ def test_the_footprint_file_carries_the_compact_cells(tmp_path, monkeypatch):
     assert vd.read_footprint() is None  # a foreign file is no footprint
 
 
-def test_the_footprint_route_serves_the_cells_with_their_age(tmp_path, monkeypatch):
+def _endpoint_client(tmp_path, monkeypatch):
+    """A test client of an app with the plugin's routes, its files under ``tmp_path``."""
     fastapi = pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
     from fastapi.testclient import TestClient
@@ -129,7 +130,11 @@ def test_the_footprint_route_serves_the_cells_with_their_age(tmp_path, monkeypat
     monkeypatch.setenv("ELDR_FOOTPRINT_FILE", str(tmp_path / "fp.json"))
     app = fastapi.FastAPI()
     vd.FootprintEndpoint().attach_router(app)
-    client = TestClient(app)
+    return TestClient(app)
+
+
+def test_the_footprint_route_serves_the_cells_with_their_age(tmp_path, monkeypatch):
+    client = _endpoint_client(tmp_path, monkeypatch)
     assert client.get(vd.FOOTPRINT_ROUTE).status_code == 404  # no decode step yet
     cells = {"v": 1, "shape": [1, 4], "steps": 1, "time": 1.0, "w": 1, "data": "$$##"}
     (tmp_path / "fp.json").write_text(json.dumps({"steps": 1, "cells": cells}))
@@ -198,14 +203,7 @@ def test_engine_core_rings_timed_steps_and_serves_them(tmp_path, monkeypatch):
 
 
 def test_the_steps_route_serves_the_ring_or_says_the_plugin_has_none(tmp_path, monkeypatch):
-    fastapi = pytest.importorskip("fastapi")
-    pytest.importorskip("httpx")
-    from fastapi.testclient import TestClient
-
-    monkeypatch.setenv("ELDR_FOOTPRINT_FILE", str(tmp_path / "fp.json"))
-    app = fastapi.FastAPI()
-    vd.FootprintEndpoint().attach_router(app)
-    client = TestClient(app)
+    client = _endpoint_client(tmp_path, monkeypatch)
     none = client.get(vd.STEPS_ROUTE)
     assert none.status_code == 404 and none.json()["eldr_steps"] == 0
     (tmp_path / "fp.steps.json").write_text('{"v":1}')
