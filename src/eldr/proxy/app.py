@@ -12,6 +12,7 @@ Routes::
     GET|POST /admin/decoders     list or add decoders at run time (control.elastic; token)
     DELETE /admin/decoders/NAME  drain a decoder, then remove it (token)
     GET /admin/learn[/trace]     the learner's state, its buffer as a trace (token; --learn)
+    * /v1/eldr/*                 the decode-selection API (eldr.proxy.selection; token)
     GET|POST anything else       vLLM's auxiliary routes (/tokenize, /version, ...), forwarded
                                  to a healthy prefill instance (eldr.proxy.request.forward)
 
@@ -60,6 +61,7 @@ from eldr.proxy.request import (
     make_guards,
     method_not_allowed,
 )
+from eldr.proxy.selection import Selection, SelectionApi
 from eldr.routing.loads import LoadTracker
 
 if TYPE_CHECKING:
@@ -118,6 +120,8 @@ class Router:
         self.elastic = ElasticPool(self.live, self.swap, self.pool, self.metrics, self.token,
                                    changes, on_change=self._pool_changed)
         self.learn_admin = LearnAdmin(self.live, self.token)
+        self.selection = SelectionApi(Selection(self.live, self.pool, self.metrics), self.token,
+                                      self.elastic)  # /v1/eldr/*: docs/selection-api.md
         self.learner = None  # LiveLearning / ForwardLearning with eldr serve --learn
         self.session = None  # the HTTP client to the engines, while the app runs
 
@@ -195,6 +199,7 @@ class Router:
         app.router.add_route("*", "/admin/decoders/{name}", self.elastic.item)
         app.router.add_route("*", "/admin/learn", self.learn_admin.status)
         app.router.add_route("*", "/admin/learn/trace", self.learn_admin.trace)
+        self.selection.mount(app)
         app.router.add_route("*", "/{tail:.*}", self.other_route)  # last: ours win
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
