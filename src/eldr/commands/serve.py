@@ -337,9 +337,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--decoder-slots must be in [{len(names)}, 65536] (the "
                              f"decoders given at least), got {slots}")
         del router
+        from eldr.proxy.selection import SelectionTable
+
+        reservations = SelectionTable(config.workers)  # the selection API's, before fork
 
         def make_router(cfg, share):
             worker = Router(cfg, share=share)  # the shared loads and guards of its row
+            worker.selection.share(reservations, share.row)
             if learn is not None:  # worker 0 learns, the others forward to it
                 worker.learn(learn, forward=share.row != 0)
             return worker
