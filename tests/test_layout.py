@@ -216,6 +216,8 @@ PUBLIC_API = {
                            "RequestGuards", "RoutingState", "WorkerMismatch", "build_state",
                            "classify", "is_stream_done", "make_guards", "method_not_allowed",
                            "read_counts", "read_inputs", "split_kv_params"},
+    "eldr.proxy.selection": {"PREFIX", "Query", "Selection", "SelectionApi",
+                             "SelectionConfig", "SelectionTable", "parse_query"},
     "eldr.proxy.workers": {"PoolJournal", "PoolLink", "SharedLoadTracker", "SharedLoads",
                            "WorkerShare", "reserve_port", "run_workers"},
     "eldr.reproduce": {"FULL", "QUICK", "Analysis", "Plan", "Results", "RoutingSetup",
