@@ -324,3 +324,47 @@ def test_without_learning_the_band_policy_still_needs_an_artifact(tmp_path):
                                       str(tmp_path)])
     config, _ = configure(config_from_args(args), args)
     assert config.stand_in and build_state(config).policy.name == "eldr_cost"
+
+
+class TailOnlyEngine(TwoDomainEngine):
+    """Prompts with 'cached' in them come back as a KV connector's prefix hit would: the
+    payload counts (and its ``tokens``) cover only the last 2 prompt tokens; usage says
+    the whole prompt."""
+
+    def _prefill_answer(self, prompt: str, n_prompt: int, body: dict) -> dict:
+        doc = super()._prefill_answer(prompt, n_prompt, body)
+        if "cached" in prompt:
+            rng = np.random.default_rng(zlib.crc32(prompt.encode()))
+            doc["kv_transfer_params"]["eldr"] = {**encode_counts(token_counts(rng, 0, 2)),
+                                                 "tokens": 2}
+        return doc
+
+
+def test_counts_of_part_of_a_prompt_are_not_learned_from(tmp_path):
+    async def go():
+        prefill = await TailOnlyEngine("p0").start()
+        decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
+        config = ServeConfig(prefill_urls=(prefill.url,),
+                             decode_urls=tuple(d.url for d in decoders), policy="eldr_cost",
+                             short_prompt_tokens=0)
+        router = Router(config)
+        router.learn(LearnConfig(directory=str(tmp_path / "learn"), min_requests=40))
+        client = TestClient(TestServer(router.make_app(), port=0))
+        await client.start_server()
+        try:
+            for i in range(12):
+                prompt = _prompt(i) + (" cached w1 w2 w3" if i % 3 == 0 else "")
+                r = await client.post("/v1/completions", json={"model": "tiny",
+                                                               "prompt": prompt})
+                assert r.status == 200
+            return router, await (await client.get("/metrics")).text()
+        finally:
+            await client.close()
+            for e in [prefill, *decoders]:
+                await e.close()
+
+    router, page = asyncio.run(go())
+    recs = router.learner.learner.buffer.snapshot()
+    assert len(recs) == 8 and all(r.prompt_tokens > 2 for r in recs)
+    assert 'eldr_learn_requests_total{result="partial"} 4' in page
+    assert 'eldr_learn_requests_total{result="collected"} 8' in page

@@ -240,17 +240,31 @@ class LiveLearning:
             log.debug("learn: %s %s", name, info)
 
 
+def _prompt_tokens(doc: dict) -> int | None:
+    """``usage.prompt_tokens`` of a prefill response, else None."""
+    usage = doc.get("usage")
+    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
 def read_parts(state: RoutingState, doc: dict, decoder: str, resp, decode,
                shape=None) -> dict | str:
     """What a completed request gives the learner (``counts`` (L, E), ``top_k`` or None,
     ``tokens``, ``decoder``, ``output_tokens``, ``decode_counts`` (L, E) or None,
-    ``steps``, ``mean_distinct``, ``time``), or why nothing (``"no_counts"``). ``shape``:
+    ``steps``, ``mean_distinct``, ``time``), or why nothing (``"no_counts"``; ``"partial"``:
+    the counts cover fewer tokens than the prompt has, because the prefill found the rest
+    in a prefix cache or a KV connector loaded it. Such counts are a sample of the
+    prompt's tail: routing may still use them (counted there), learning must not, or its
+    fits and its drift reference mix whole prompts with tails). ``shape``:
     the (L, E) expected when the routing state has none (vLLM's ``routed_experts``)."""
     _, payload = split_kv_params(doc)
     want = None if payload is not None else (state.shape or shape)
     counts = read_counts(doc, payload, want)
     if counts.counts is None:
         return "no_counts"
+    prompt = _prompt_tokens(doc)
+    if counts.tokens is not None and prompt is not None and counts.tokens < prompt:
+        return "partial"  # part of the prompt came from a cache: not what it routes like
     decoded = getattr(decode, "tokens", None)  # forward passes: generated tokens - 1
     steps = getattr(decode, "steps", 0) or 0
     return {"counts": counts.counts, "top_k": counts.top_k or state.top_k,
