@@ -25,6 +25,7 @@ COMMANDS: tuple[str, ...] = (
     "widen",
     "serve",
     "cluster",
+    "orchestrate",
     "learn",
 )
 
