@@ -107,6 +107,12 @@ PINNED = {  # family -> (type, help text, label names of its samples)
     "eldr_routing_fallbacks_total": (
         "counter", "Requests routed by load only because their signature was missing or "
         "unusable.", ("reason",)),
+    "eldr_route_inputs_total": (
+        "counter", "Routing decisions by what their policy's inputs came from: the prefill's "
+        "expert counts, the prompt's prediction, or none (routed by load).", ("source",)),
+    "eldr_prompt_predictions_total": (
+        "counter", "Predictions of a request's routing inputs from its prompt, by result (ok, "
+        "or why none: the request is then routed by load).", ("result",)),
     "eldr_routing_band_size": (
         "histogram", "Decoders inside the locality band (eldr policies).", ()),
     "eldr_routing_latency_seconds": (
@@ -188,6 +194,8 @@ def _record_one_of_each(m) -> None:
     m.requests.inc(endpoint="completions", status="200")
     m.decisions.inc(policy="eldr", decoder="decode-0")
     m.signatures.inc(source="payload")
+    m.route_inputs.inc(source="prompt")
+    m.predictions.inc(result="ok")
     m.short_prompts.inc()
     m.retries_refused.inc()
     m.partial.inc()
@@ -258,4 +266,6 @@ def test_a_fresh_router_prints_every_counter_from_the_start():
         in text
     assert 'eldr_routing_fallbacks_total{reason="missing"} 0.0' in text
     assert "eldr_partial_signatures_total 0.0" in text
+    assert 'eldr_route_inputs_total{source="prompt"} 0.0' in text
+    assert 'eldr_prompt_predictions_total{result="no_tokenizer"} 0.0' in text
     assert "eldr_routing_latency_seconds_count 0.0" in text

@@ -52,6 +52,21 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
                         "never worse than load balancing in the simulator's grid)")
     p.add_argument("--tau", type=float, default=None,
                    help="locality band width (default: the artifact's)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the model's folder (tokenizer.json, tokenizer_config.json), to route "
+                        "on the prompt with an artifact's prompt predictor; default: the "
+                        "artifact's model folder when known (docs/serve.md, routing on the "
+                        "prompt)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the chat template the engines use (vllm --chat-template), when the "
+                        "tokenizer's folder has none")
+    p.add_argument("--decode-first", action="store_true",
+                   help="choose the decoder before the prefill is sent (on the prompt's "
+                        "prediction, else by load) and hold it while the prefill runs")
+    p.add_argument("--decode-kv-params", action="append", default=[], metavar="NAME=JSON",
+                   help="with --decode-first: a JSON object added to the prefill request's "
+                        "kv_transfer_params when decoder NAME was chosen (a push connector's "
+                        "address of it; repeatable)")
     p.add_argument("--load-slack", type=float, default=None, metavar="S",
                    help="eldr_cost only: no decoder may hold more than (1 + S) x the mean "
                         "load + 1, at all times (default: S = 0.1 only near expert "
@@ -193,7 +208,21 @@ def config_from_args(args: argparse.Namespace):
         breaker_failures=args.breaker_failures,
         breaker_backoff=args.breaker_backoff,
         breaker_max_backoff=max(120.0, args.breaker_backoff), workers=args.workers,
-        decoders_file=decoders_file)
+        decoders_file=decoders_file, tokenizer=getattr(args, "tokenizer", None),
+        chat_template=getattr(args, "chat_template", None),
+        decode_first=getattr(args, "decode_first", False),
+        decode_kv_params=_decode_kv_params(getattr(args, "decode_kv_params", [])))
+
+
+def _decode_kv_params(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """``NAME=JSON`` options as (name, JSON text) pairs (ServeConfig checks both)."""
+    out = []
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--decode-kv-params {spec!r}: give NAME=JSON")
+        out.append((name, text))
+    return tuple(out)
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -130,6 +131,16 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     stand_in: bool = False
     workers: int = 1  # router processes on the port (SO_REUSEPORT), sharing decode loads
     decoders_file: str | None = None  # [ID=]URL per line; SIGHUP syncs the pool to it
+    # routing on the prompt (docs/serve.md, "Routing on the prompt"): the tokenizer's folder
+    # (None: the artifact's model folder when known) and a chat template file overriding it
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    # choose the decoder before the prefill is sent (from the prompt's prediction, else by
+    # load), and name it in the prefill request's kv_transfer_params
+    decode_first: bool = False
+    # (decoder name, JSON object) pairs: what the prefill's kv_transfer_params get when that
+    # decoder was chosen first (a push connector's address of it); decode_first only
+    decode_kv_params: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_engines()
@@ -172,6 +183,41 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if self.load_slack is not None and not (math.isfinite(self.load_slack)
                                                 and self.load_slack >= 0):
             raise ValueError(f"load_slack must be finite and >= 0, got {self.load_slack}")
+        self._check_decode_first()
+
+    def _check_decode_first(self) -> None:
+        """Decoder kv params: decode-first only, named decoders, JSON objects, once each."""
+        pairs = tuple((str(n), str(v)) for n, v in self.decode_kv_params)
+        object.__setattr__(self, "decode_kv_params", pairs)
+        if pairs and not self.decode_first:
+            raise ValueError("decoder kv_transfer_params (--decode-kv-params) need "
+                             "--decode-first: only then is the decoder known before the "
+                             "prefill")
+        names = [n for n, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"kv_transfer_params are given twice for a decoder: {names}")
+        for name, _ in pairs:
+            if not DECODER_NAME.fullmatch(name):
+                raise ValueError(f"--decode-kv-params: {name!r} is not a decoder name")
+        self.decoder_kv_params()  # each parses
+
+    def decoder_kv_params(self) -> dict[str, dict]:
+        """{decoder name: the kv_transfer_params its prefill requests get} (decode-first)."""
+        out = {}
+        for name, text in self.decode_kv_params:
+            try:
+                doc = json.loads(text)
+            except (ValueError, RecursionError):
+                raise ValueError(f"--decode-kv-params {name}: not valid JSON") from None
+            if not isinstance(doc, dict) or not doc:
+                raise ValueError(f"--decode-kv-params {name}: must be a non-empty JSON object")
+            reserved = sorted(set(doc) & {"do_remote_decode", "do_remote_prefill", "eldr",
+                                          "eldr_layers"})
+            if reserved:
+                raise ValueError(f"--decode-kv-params {name}: the router sets {reserved} "
+                                 f"itself")
+            out[name] = doc
+        return out
 
     def _check_server(self) -> None:
         """Port, secrets, models, processes."""

@@ -243,7 +243,12 @@ ENDPOINTS = ("completions", "chat")  # eldr.proxy.app's generation routes
 SIGNATURE_SOURCES = ("payload", "routed_experts", "none")  # eldr.proxy.request.signatures
 # eldr.proxy.request.signatures' problems, and "unbound" from the flow
 FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_shape",
-                    "no_encoder", "unbound", "short_prompt")
+                    "no_encoder", "unbound", "short_prompt", "decode_first")
+# what routed a decision: the prefill's expert counts, the prompt's prediction, or neither
+ROUTE_INPUT_SOURCES = ("prefill", "prompt", "none")
+# eldr.proxy.request.prompts.PREDICTION_RESULTS (repeated: this module imports no request code)
+PREDICTION_RESULTS = ("ok", "no_predictor", "no_tokenizer", "no_chat_template",
+                      "untokenizable", "invalid")
 ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.request.flow
 KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
@@ -291,6 +296,15 @@ class RouterMetrics:
             "eldr_routing_fallbacks_total",
             "Requests routed by load only because their signature was missing or unusable.",
             ("reason",))
+        self.route_inputs = reg.counter(
+            "eldr_route_inputs_total",
+            "Routing decisions by what their policy's inputs came from: the prefill's "
+            "expert counts, the prompt's prediction, or none (routed by load).",
+            ("source",))
+        self.predictions = reg.counter(
+            "eldr_prompt_predictions_total",
+            "Predictions of a request's routing inputs from its prompt, by result (ok, or "
+            "why none: the request is then routed by load).", ("result",))
         self.band = reg.histogram(
             "eldr_routing_band_size", "Decoders inside the locality band (eldr policies).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
@@ -394,6 +408,8 @@ class RouterMetrics:
         self.requests.prime(*((e, "200") for e in ENDPOINTS))
         self.signatures.prime(*((s,) for s in SIGNATURE_SOURCES))
         self.fallbacks.prime(*((r,) for r in FALLBACK_REASONS))
+        self.route_inputs.prime(*((r,) for r in ROUTE_INPUT_SOURCES))
+        self.predictions.prime(*((r,) for r in PREDICTION_RESULTS))
         self.abandoned.prime(*((r,) for r in ABANDON_REASONS))
         self.kv_releases.prime(*((r,) for r in KV_RELEASE_RESULTS))
         self.poison.prime(("detected",), ("refused",))

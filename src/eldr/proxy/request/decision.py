@@ -12,12 +12,14 @@ The prefill answer's routing inputs are read by :mod:`eldr.proxy.request.signatu
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from eldr.proxy.config import ServeConfig
+from eldr.proxy.request.prompts import PromptRouting, PromptTokenizer, tokenizer_dir_for
 from eldr.routing import (
     POLICIES,
     Policy,
@@ -49,6 +51,9 @@ class RoutingState:
     # the artifact's profile predictor (``predict_profile(counts, tokens)``), or None: the
     # raw prefill profile counts / tokens (eldr_cost without calibration)
     predictor: object | None = None
+    # routing on the prompt: the artifact's prompt predictor and the router's tokenizer
+    # (eldr.proxy.request.prompts), or None (the artifact has no prompt predictor)
+    prompt: PromptRouting | None = None
 
     def encode(self, counts: np.ndarray) -> np.ndarray:
         """(d,) signature of (L, E) counts: ``encoder.transform_one`` (equal to
@@ -107,6 +112,50 @@ def _unbound(name: str, K: int, config: ServeConfig) -> Policy:
     return make_policy(name, num_workers=K, random_state=config.random_state)
 
 
+_TOKENIZERS: dict[tuple, PromptTokenizer] = {}  # (pid, folder, template) -> loaded once
+
+
+def load_tokenizer(directory: str, chat_template: str | None) -> PromptTokenizer:
+    """The tokenizer of ``directory``, loaded once per process (reloads reuse it)."""
+    import os
+
+    key = (os.getpid(), str(directory), chat_template)
+    tok = _TOKENIZERS.get(key)
+    if tok is None:
+        tok = _TOKENIZERS[key] = PromptTokenizer(directory, chat_template=chat_template)
+    return tok
+
+
+def prompt_routing(art, config: ServeConfig) -> PromptRouting | None:
+    """Routing on the prompt for an artifact with a prompt predictor (None without one).
+
+    The tokenizer comes from ``config.tokenizer``, else the artifact's model folder when
+    known (:func:`~eldr.proxy.request.prompts.tokenizer_dir_for`); without either, only
+    prompts given as token ids are predicted (logged once). ``ValueError`` when the
+    tokenizer's fingerprint is not the one the predictor was fitted with: its token ids
+    would mean other tokens.
+    """
+    predictor = getattr(art, "prompt_predictor", None)
+    if predictor is None:
+        return None
+    theirs = str(getattr(predictor, "tokenizer_fingerprint", "") or "")
+    folder = config.tokenizer or tokenizer_dir_for(getattr(art, "model", None))
+    tok = None
+    if folder is not None:
+        tok = load_tokenizer(folder, config.chat_template)
+        if theirs and tok.fingerprint != theirs:
+            raise ValueError(f"the tokenizer in {folder} is not the one the artifact's prompt "
+                             f"predictor was fitted with (fingerprint {tok.fingerprint[:12]} "
+                             f"vs {theirs[:12]}); give the model's folder with --tokenizer")
+    else:
+        logging.getLogger("eldr.serve").warning(
+            "the artifact has a prompt predictor but no tokenizer is known for its model "
+            "%r: only prompts sent as token ids are routed on it (give --tokenizer DIR)",
+            getattr(art, "model", None))
+    return PromptRouting(predict=art.route_inputs_from_prompt, tokenizer=tok,
+                         fingerprint=theirs)
+
+
 def build_state(config: ServeConfig) -> RoutingState:
     """Load the artifact (if any) and build the policy for the configured decoders.
 
@@ -162,6 +211,7 @@ def build_state(config: ServeConfig) -> RoutingState:
                              random_state=config.random_state, load_slack=config.load_slack)
     return RoutingState(policy=policy, worker_names=tuple(names), encoder=encoder,
                         num_layers=L, num_experts=E, top_k=k,
+                        prompt=prompt_routing(art, config),
                         predictor=art if art is not None and
                         getattr(art, "profile_alpha", None) is not None else None,
                         tau=tau if "signature" in policy.inputs else None,

@@ -33,6 +33,7 @@ footprint.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -52,6 +53,7 @@ from eldr.proxy.request.affinity import PrefixAffinity
 from eldr.proxy.request.containment import RequestGuards, Strikes, body_digest
 from eldr.proxy.request.decision import LiveRouting, RoutingState
 from eldr.proxy.request.decodepayload import decode_report
+from eldr.proxy.request.prompts import RequestPrompt, predict_reading
 from eldr.proxy.request.relay import (
     ERROR_BODY_LIMIT,
     Decision,
@@ -143,6 +145,8 @@ class RequestFlow:
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
         self._id_count = itertools.count()
         self._kv_params_for: tuple | None = None  # (state, learning, params) last computed
+        # decode-first: {decoder name: kv_transfer_params naming it to the prefill}
+        self._named: dict[str, dict] = config.decoder_kv_params()
         # the same for every prefill and KV release: built once (immutable)
         self._prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
                                                       sock_connect=config.connect_timeout)
@@ -158,7 +162,8 @@ class RequestFlow:
     async def run(self, request, body: dict, kind: str, raw: bytes | None = None):
         """The client's answer to one generation (``kind``: "completions" or "chat"):
         prefill, route and decode, retried on another decoder while attempts and the retry
-        budget last; ``ProxyError`` when none succeeds."""
+        budget last; ``ProxyError`` when none succeeds. With ``decode_first`` the decoder
+        of each attempt is chosen (and held) before its prefill is sent."""
         config, metrics = self.config, self.metrics
         state: RoutingState = self.live.state  # this request's snapshot, reloads or not
         rid = request.headers.get("X-Request-Id") or self.new_id()
@@ -169,7 +174,9 @@ class RequestFlow:
         whole = self._is_short(body, kind)
         if whole:
             metrics.short_prompts.inc()
+        first = config.decode_first and not whole
         hashes, prefill_data = self._prefill_inputs(body, kind, state, whole)
+        prompt = RequestPrompt(body, kind)  # tokenized once, if a decision needs it
         headers = self._upstream_headers(request)
         excluded: list[Instance] = []  # decoders that failed this request
         last: RetryDecode | None = None
@@ -179,21 +186,30 @@ class RequestFlow:
                 if not self.guards.may_retry(faults, last):
                     break
                 metrics.retries.inc()
-            prefill, doc = None, None
+            prefill, doc, held = None, None, None
             if unread is None:
                 # Engines key requests by this id: a client's id may be shared or replayed,
                 # so each attempt gets one of ours (the client's stays in answers and logs).
                 attempt_id = headers["X-Request-Id"] = self.new_id()
                 self._check_decoders()
-                if not whole:
+                if first:  # the decoder first, held while its prefill runs
+                    state = self._current(state)
+                    held = self._hold(state, attempt_id, prompt, excluded, faults)
+                    prefill, doc = await self._prefill_for(
+                        state, held, body, kind, prefill_data, hashes, headers, faults)
+                elif not whole:
                     prefill, doc = await self._prefill(prefill_data, kind, hashes, headers,
                                                        faults)
             else:  # the last decoder was never reached: its KV is still there to read
                 (prefill, doc, attempt_id), unread = unread, None
                 headers["X-Request-Id"] = attempt_id
-            if state.worker_names != self.live.state.worker_names:
-                state = self.live.state  # the decoder set changed (eldr.proxy.control.elastic)
-            decision = self._route(state, attempt_id, doc, excluded, faults, whole)
+            if held is None:
+                state = self._current(state)
+                decision = self._route(state, attempt_id, doc, excluded, faults, whole,
+                                       prompt)
+            else:
+                kv_params, pt = self._kv_of(doc)
+                decision = dataclasses.replace(held, kv_params=kv_params, prompt_tokens=pt)
             decoder = self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid,
                      "X-Eldr-Prefill": prefill.name if prefill is not None else "none",
@@ -203,11 +219,14 @@ class RequestFlow:
             try:
                 return await self._dispatch(state, DecodeAttempt(
                     request, kind, body, raw, decoder, decision, headers, reply, stream),
-                    doc, whole)
+                    doc, whole, held=held is not None)
             except RetryDecode as exc:
                 last = exc
                 excluded.append(decoder)
-                if exc.kind == "connect" and not whole:  # no byte reached it: reuse the KV
+                # no byte reached the decoder: its KV is unread, for another decoder unless
+                # the prefill was sent to this one by name (a push connector's KV is there)
+                if exc.kind == "connect" and not whole and not (
+                        held is not None and decoder.name in self._named):
                     unread = (prefill, doc, attempt_id)
                 elif not whole:
                     metrics.abandoned.inc(reason="decode_failed")
@@ -224,6 +243,12 @@ class RequestFlow:
                              code="retry_budget")
         raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
                          code="upstream_failed")
+
+    def _current(self, state: RoutingState) -> RoutingState:
+        """The request's snapshot, or the live one when the decoder set changed since
+        (eldr.proxy.control.elastic): indices of the old set would name other decoders."""
+        live = self.live.state
+        return live if state.worker_names != live.worker_names else state
 
     def _prefill_inputs(self, body: dict, kind: str, state: RoutingState,
                         whole: bool) -> tuple[list, bytes | None]:
@@ -249,25 +274,131 @@ class RequestFlow:
         return headers
 
     def _route(self, state: RoutingState, attempt_id: str, doc: dict | None,
-               excluded: list[Instance], faults: Strikes, whole: bool) -> Decision:
-        """:meth:`_decide`, counting a prefill no decoder will read as abandoned."""
+               excluded: list[Instance], faults: Strikes, whole: bool,
+               prompt: RequestPrompt) -> Decision:
+        """The decoder of an attempt whose prefill answered (``doc``), or of a short
+        prompt served whole (``doc`` None): the prefill's signature when it has one, else
+        the prompt's prediction, else by load. A prefill no decoder will read is counted
+        as abandoned."""
+        t0 = time.perf_counter()
+        if doc is None:
+            kv_params = pt = None
+            reading, _ = self._predict(state, prompt)
+            if reading is None:
+                reading = Reading(None, None, 0, "none", "short_prompt")
+        else:
+            kv_params, pt, reading = self._read_prefill(state, doc)
+            if reading.problem is not None and reading.problem != "not_used":
+                predicted, _ = self._predict(state, prompt)
+                if predicted is not None:  # the prompt stands in for the missing signature
+                    reading = Reading(predicted.signature, predicted.profile,
+                                      pt if pt is not None else predicted.context_tokens,
+                                      "prompt", None)
         try:
-            return self._decide(state, attempt_id, doc, excluded, faults)
+            return self._decide(state, attempt_id, reading, kv_params, pt, excluded, faults,
+                                t0)
         except ProxyError:
             if not whole:
                 self.metrics.abandoned.inc(reason="no_decoder")
             raise
 
+    def _predict(self, state: RoutingState, prompt: RequestPrompt) -> tuple[Reading | None, str]:
+        """The policy's inputs predicted from the prompt (None: it reads none, or they
+        cannot be predicted), counted by outcome when the policy reads any."""
+        if not (state.needs_signature or state.needs_profile):
+            return None, "not_used"
+        reading, result = predict_reading(state, prompt)
+        self.metrics.predictions.inc(result=result)
+        return reading, result
+
+    def _decide(self, state: RoutingState, request_id: str, reading: Reading,
+                kv_params: dict | None, pt: int | None, excluded: list[Instance],
+                faults: Strikes | None, t0: float) -> Decision:
+        """The policy's choice among the healthy decoders not yet tried by this request,
+        on ``reading``'s inputs; metrics count the decision and what it was made from."""
+        metrics = self.metrics
+        tracker = self.pool.tracker
+        healthy = self.pool.decode_available()
+        if excluded:
+            mask = healthy.copy()
+            mask[[i.index for i in excluded if not i.removed]] = False
+            if mask.any():  # else: retry on a decoder that failed rather than on none
+                healthy = mask
+        route = RouteRequest(request_id, signature=reading.signature, profile=reading.profile,
+                             context_tokens=reading.context_tokens)
+        try:
+            decided = state.policy.decide(route, tracker.loads,
+                                          None if healthy.all() else healthy)
+        except NoHealthyWorkerError:
+            raise ProxyError(503, "no healthy decode instance", code="no_decoder") from None
+        k = decided.worker
+        if decided.fallback:
+            metrics.fallbacks.inc(reason=reading.problem or "unbound")
+        if decided.band_size is not None:
+            metrics.band.observe(decided.band_size)
+        used = reading.signature is not None or reading.profile is not None
+        metrics.route_inputs.inc(source=("prompt" if reading.source == "prompt" else "prefill")
+                                 if used else "none")
+        metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
+        metrics.latency.observe(time.perf_counter() - t0)
+        return Decision(k, route, reading, kv_params, pt, faults)
+
+    # -- decode-first ----------------------------------------------------------------------
+    def _hold(self, state: RoutingState, attempt_id: str, prompt: RequestPrompt,
+              excluded: list[Instance], faults: Strikes) -> Decision:
+        """Decode-first: the attempt's decoder, chosen on the prompt's prediction (by load
+        without one) before any prefill, and held: dispatched to the policy, its breaker
+        and its load, exactly as a decode in flight, until the decode takes it over or
+        :meth:`_unhold` gives it back."""
+        t0 = time.perf_counter()
+        reading, _ = self._predict(state, prompt)
+        if reading is None:
+            reading = Reading(None, None, 0, "none", "decode_first")
+        decision = self._decide(state, attempt_id, reading, None, None, excluded, faults, t0)
+        decoder = self.pool.decode[decision.worker]
+        state.policy.on_dispatch(decision.request, decision.worker)
+        decoder.breaker.on_dispatch()
+        self.pool.begin(decoder)
+        return decision
+
+    def _unhold(self, state: RoutingState, decision: Decision) -> None:
+        """Give back a held decoder whose decode will not be sent (its prefill failed, the
+        client left): released ``cancelled``, the decoder not blamed."""
+        decoder = self.pool.decode[decision.worker]
+        self.pool.end(decoder)
+        state.policy.on_release(decision.request.request_id, "cancelled")
+        decoder.breaker.on_abandon()
+
+    async def _prefill_for(self, state: RoutingState, held: Decision, body: dict, kind: str,
+                           data: bytes | None, hashes, headers, faults: Strikes
+                           ) -> tuple[Instance, dict]:
+        """Decode-first: the prefill of an attempt whose decoder is held, naming that
+        decoder in its ``kv_transfer_params`` when the connector needs it
+        (``decode_kv_params``); the decoder is given back if the prefill fails."""
+        named = self._named.get(state.worker_names[held.worker])
+        try:
+            if named is not None:
+                data = prefill_body(body, kind, {**self._kv_params(state), **named})
+            return await self._prefill(data, kind, hashes, headers, faults)
+        except BaseException:  # failed, poison, or the client left: nothing to decode
+            self._unhold(state, held)
+            raise
+
     async def _dispatch(self, state: RoutingState, attempt: DecodeAttempt, doc: dict | None,
-                        whole: bool):
+                        whole: bool, *, held: bool = False):
         """Dispatch the attempt to its decoder and decode it: the client's response.
 
         The dispatch is released exactly once, whatever the outcome, to the policy it was
         dispatched to (``state``'s). A decoder's 4xx is relayed (after freeing the KV its
-        prefill holds); a failure before the first byte raises ``RetryDecode``."""
+        prefill holds); a failure before the first byte raises ``RetryDecode``. ``held``:
+        decode-first's decision, already dispatched when it was held (its load is handed
+        over to the decode's own)."""
         decision, decoder, request = attempt.decision, attempt.decoder, attempt.request
-        state.policy.on_dispatch(decision.request, decision.worker)
-        decoder.breaker.on_dispatch()
+        if held:
+            self.pool.end(decoder)  # the relay counts the decode itself, at once
+        else:
+            state.policy.on_dispatch(decision.request, decision.worker)
+            decoder.breaker.on_dispatch()
         outcome: Outcome = "failed"
         try:
             resp, outcome = await self.relay.decode(attempt)
@@ -430,45 +561,10 @@ class RequestFlow:
         report_failure(self.pool, self.metrics, inst, kind, detail)
         return inst, kind
 
-    # -- route -----------------------------------------------------------------------------
-    def _decide(self, state: RoutingState, request_id: str, doc: dict | None,
-                excluded: list[Instance], faults: Strikes | None = None) -> Decision:
-        """The decoder of one attempt. ``doc``: the prefill's answer, or None for a short
-        prompt served whole (no signature: the policy routes it by load; no KV to relay)."""
-        t0 = time.perf_counter()
-        metrics = self.metrics
-        if doc is None:
-            kv_params = pt = None
-            reading = Reading(None, None, 0, "none", "short_prompt")
-        else:
-            kv_params, pt, reading = self._read_prefill(state, doc)
-        tracker = self.pool.tracker
-        healthy = self.pool.decode_available()
-        if excluded:
-            mask = healthy.copy()
-            mask[[i.index for i in excluded if not i.removed]] = False
-            if mask.any():  # else: retry on a decoder that failed rather than on none
-                healthy = mask
-        route = RouteRequest(request_id, signature=reading.signature, profile=reading.profile,
-                             context_tokens=reading.context_tokens)
-        try:
-            decided = state.policy.decide(route, tracker.loads,
-                                          None if healthy.all() else healthy)
-        except NoHealthyWorkerError:
-            raise ProxyError(503, "no healthy decode instance", code="no_decoder") from None
-        k = decided.worker
-        if decided.fallback:
-            metrics.fallbacks.inc(reason=reading.problem or "unbound")
-        if decided.band_size is not None:
-            metrics.band.observe(decided.band_size)
-        metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
-        metrics.latency.observe(time.perf_counter() - t0)
-        return Decision(k, route, reading, kv_params, pt, faults)
-
-    def _read_prefill(self, state: RoutingState, doc: dict) -> tuple[dict, int | None, Reading]:
-        """(kv_transfer_params for the decoder, the prompt's tokens, the routing inputs) of
-        a prefill answer."""
-        metrics = self.metrics
+    # -- the prefill answer ------------------------------------------------------------------
+    def _kv_of(self, doc: dict) -> tuple[dict, int | None]:
+        """(kv_transfer_params for the decoder, the prompt's tokens) of a prefill answer;
+        the engines' model shape is recorded from its payload."""
         kv_params, payload = split_kv_params(doc)
         kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
         if payload is not None:
@@ -476,6 +572,14 @@ class RequestFlow:
         usage = doc.get("usage")
         pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
+        return kv_params, pt
+
+    def _read_prefill(self, state: RoutingState, doc: dict) -> tuple[dict, int | None, Reading]:
+        """(kv_transfer_params for the decoder, the prompt's tokens, the routing inputs) of
+        a prefill answer."""
+        metrics = self.metrics
+        kv_params, pt = self._kv_of(doc)
+        payload = split_kv_params(doc)[1]
         reading = read_inputs(doc, payload, state, pt)
         if reading.problem != "not_used":
             metrics.signatures.inc(source=reading.source)
