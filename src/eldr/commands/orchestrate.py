@@ -241,10 +241,10 @@ class Orchestrator:
         if not isinstance(body, dict) or "prompt" not in body:
             return _error(400, "request body must be a JSON object with a 'prompt'")
         rid = f"orch-{uuid.uuid4().hex}"
-        reservation: dict | None = None
+        held: dict = {}  # "reservation", once reserved: released whatever happens next
         outcome = "failed"
         try:
-            reservation, resp, outcome = await self._serve(request, body, rid)
+            resp, outcome = await self._serve(request, body, rid, held)
             return resp
         except SelectionUnavailable as exc:
             return _error(exc.status, str(exc))
@@ -252,35 +252,36 @@ class Orchestrator:
             outcome = "cancelled"
             raise
         finally:
-            if reservation is not None:
-                release = asyncio.ensure_future(self.api.release(reservation["id"], outcome))
+            if "reservation" in held:
+                release = asyncio.ensure_future(self.api.release(held["reservation"]["id"],
+                                                                 outcome))
                 if outcome == "cancelled":  # this task is being cancelled: in the background
                     self._background.add(release)
                     release.add_done_callback(self._background.discard)
                 else:
                     await release
 
-    async def _serve(self, request, body: dict, rid: str):
-        """(reservation or None, the client's response, outcome) of one completion."""
+    async def _serve(self, request, body: dict, rid: str, held: dict):
+        """(the client's response, outcome) of one completion; the reservation, once made,
+        goes into ``held``."""
         from eldr.proxy.request import split_kv_params
         from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body
 
         prefill = next(self._prefills)
         headers = {"Content-Type": "application/json", "X-Request-Id": rid}
-        reservation = None
         if self.config.select_on == "tokens":
             ids = await self._token_ids(prefill, body)
             if isinstance(ids, int):  # the prefill engine's error status
-                return None, _error(ids, "the prompt could not be tokenized"), "failed"
-            reservation = (await self.api.reserve({"token_ids": ids,
-                                                   "request_id": rid}))["reservation"]
+                return _error(ids, "the prompt could not be tokenized"), "failed"
+            held["reservation"] = (await self.api.reserve(
+                {"token_ids": ids, "request_id": rid}))["reservation"]
         _status, doc, answer = await self._post(
             prefill + "/v1/completions",
             prefill_body(body, "completions", PREFILL_KV_PARAMS), headers)
         if doc is None:  # the prefill failed: nothing to decode
-            return reservation, answer, "failed"
+            return answer, "failed"
         relay, payload = split_kv_params(doc)
-        if reservation is None:
+        if "reservation" not in held:
             ask: dict = {"request_id": rid}
             if payload is not None:
                 ask["eldr"] = payload
@@ -288,14 +289,15 @@ class Orchestrator:
             pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0:
                 ask["prompt_tokens"] = pt
-            reservation = (await self.api.reserve(ask))["reservation"]
+            held["reservation"] = (await self.api.reserve(ask))["reservation"]
+        reservation = held["reservation"]
         await self.api.prefill_complete(reservation["id"])
         decode = dict(body)
         decode.pop("kv_transfer_params", None)
         if relay is not None:
             decode["kv_transfer_params"] = relay
         resp, ok = await self._decode(request, reservation, decode, headers)
-        return reservation, resp, "completed" if ok else "failed"
+        return resp, "completed" if ok else "failed"
 
     async def _token_ids(self, prefill: str, body: dict) -> list[int] | int:
         prompt = body["prompt"]
