@@ -374,3 +374,25 @@ def test_fuzzed_artifact_documents_load_or_fail_with_one_value_error(fitted, tmp
             assert "\n" not in str(exc)
 
     check()
+
+
+def test_artifacts_without_a_prompt_predictor_section_still_load(fitted, tmp_path):
+    """Version 2 artifacts written before the prompt predictor have no such key."""
+    out = artifact.save(fitted, tmp_path / "art")
+    doc = json.loads((out / "artifact.json").read_text())
+    assert doc["version"] == 2 and doc["prompt_predictor"] is None
+    del doc["prompt_predictor"]
+    (out / "artifact.json").write_text(json.dumps(doc))
+    back = artifact.load(out)
+    assert back.prompt_predictor is None
+    with pytest.raises(ValueError, match="no prompt predictor"):
+        back.route_inputs_from_prompt([1, 2, 3])
+
+
+def test_a_prompt_predictor_section_without_its_file_is_refused(fitted, tmp_path):
+    out = artifact.save(fitted, tmp_path / "art")
+    doc = json.loads((out / "artifact.json").read_text())
+    doc["prompt_predictor"] = {"hash": "x"}
+    (out / "artifact.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="made by another eldr"):
+        artifact.load(out)

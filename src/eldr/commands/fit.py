@@ -31,6 +31,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="request pairs ranked per candidate in the greedy layer search "
                    "(default 20000; 0 = all pairs)")
     p.add_argument("--seed", type=int, default=0, help="seed for pair sampling and K-means")
+    g = p.add_argument_group("prompt predictor (routing before prefill; fitted when the trace "
+                             "has prompt_token_ids)")
+    g.add_argument("--no-prompt-predictor", action="store_true",
+                   help="do not fit the prompt predictor")
+    g.add_argument("--tokenizer", metavar="PATH",
+                   help="the tokenizer.json (or model folder; 'tiny' for the shipped tiny "
+                   "MoE) that made the trace's token ids: its fingerprint and vocabulary "
+                   "size go into the artifact (default: unknown fingerprint, vocabulary = "
+                   "the ids seen)")
+    g.add_argument("--prompt-bits", type=int, nargs="+", metavar="B",
+                   help="candidate hash sizes 2**B (default 15 16 17 18)")
+    g.add_argument("--prompt-ranks", type=int, nargs="+", metavar="R",
+                   help="candidate ranks of the target basis (default 8 16 32 64)")
+    g.add_argument("--prompt-alphas", type=float, nargs="+", metavar="A",
+                   help="candidate ridge penalties, relative (default 0.01 ... 3)")
+    g.add_argument("--prompt-weightings", nargs="+", metavar="W", choices=("tfidf", "tf"),
+                   help="candidate feature weightings: tfidf, tf (default both)")
     p.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="artifact directory to write (replaced atomically if it exists)")
 
@@ -49,6 +66,15 @@ def run(args: argparse.Namespace) -> int:
         ids = [f"decode-{k}" for k in range(args.decoders)]
     else:
         ids = args.workers
+    options = {name: tuple(value) for name, value in (
+        ("bits", args.prompt_bits), ("ranks", args.prompt_ranks),
+        ("alphas", args.prompt_alphas), ("weightings", args.prompt_weightings))
+        if value is not None}
+    tokenizer = args.tokenizer
+    if tokenizer == "tiny":
+        from eldr.capture import tiny_moe_dir
+
+        tokenizer = tiny_moe_dir()
     t0 = time.perf_counter()
     trace = load(args.trace)
     print(trace.describe())
@@ -60,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         trace, worker_ids=ids, tau=args.tau, representation=args.representation,
         layers=args.layers, balanced=not args.vanilla, n_init=args.n_init,
         selection_max_pairs=args.selection_max_pairs or None, random_state=args.seed,
-        on_stage=stage,
+        prompt_predictor=not args.no_prompt_predictor, tokenizer=tokenizer,
+        prompt_options=options, on_stage=stage,
     )
     out = artifact.save(art, args.output)
     stats = art.fit_stats
@@ -74,5 +101,14 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['n_iter']} iterations")
     print(f"fit time {stats['fit_seconds']:.2f}s (encoder {stats['encoder_seconds']:.2f}s, "
           f"K-means {stats['kmeans_seconds']:.2f}s); tau = {art.tau}")
+    pp = art.prompt_predictor
+    if pp is not None:
+        fp = pp.tokenizer_fingerprint[:12] or "unknown"
+        print(f"prompt predictor: 2**{pp.bits_} buckets ({pp.weighting_}), rank {pp.rank_}, "
+              f"alpha {pp.alpha_:g}, cross-validated R^2 {pp.cv_r2_:.3f} on "
+              f"{pp.num_requests_} prompts, {pp.nbytes / 2**20:.1f} MiB, tokenizer {fp}, "
+              f"vocabulary {pp.vocab_size}")
+    elif not args.no_prompt_predictor and trace.prompt_token_ids is None:
+        print("prompt predictor: not fitted (the trace has no prompt_token_ids)")
     print(f"wrote {out}")
     return 0

@@ -16,13 +16,16 @@ from pathlib import Path
 import numpy as np
 
 from eldr.fileio import NpzReader, open_regular
+from eldr.fit.prompt import PromptPredictor
 from eldr.fit.signature import REPRESENTATIONS, SignatureEncoder
 
 __all__ = ["ARRAYS_FILE", "JSON_FILE", "MAX_ARRAYS_BYTES", "MAX_JSON_BYTES",
-           "artifact_fields", "check_tau", "check_worker_ids", "read_arrays"]
+           "MAX_PROMPT_BYTES", "PROMPT_FILE", "artifact_fields", "check_tau",
+           "check_worker_ids", "read_arrays"]
 
 JSON_FILE = "artifact.json"
 ARRAYS_FILE = "arrays.npz"
+PROMPT_FILE = "prompt.npz"  # the optional prompt predictor's arrays
 _UNIT_TOL = 1e-3  # centroid norms must be 1 within this (float32 storage)
 
 
@@ -63,22 +66,24 @@ def _get(doc: dict, path: str, kind):
 
 MAX_JSON_BYTES = 16 << 20  # artifact.json larger than this is refused unread
 MAX_ARRAYS_BYTES = 1 << 30  # arrays.npz: the file, and what its arrays declare in all
+MAX_PROMPT_BYTES = 256 << 20  # prompt.npz (the fit keeps the predictor under 48 MB)
 
 
-def read_arrays(path: Path, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
-                ) -> dict[str, np.ndarray]:
+def read_arrays(path: Path, shapes: dict[str, tuple[tuple[int, ...], np.dtype]], *,
+                max_bytes: int = MAX_ARRAYS_BYTES) -> dict[str, np.ndarray]:
     """The arrays named in ``shapes`` (name → (shape, dtype)), each checked on its header."""
+    what = path.name
     try:
-        fh = open_regular(path, max_bytes=MAX_ARRAYS_BYTES, what=ARRAYS_FILE)
+        fh = open_regular(path, max_bytes=max_bytes, what=what)
     except FileNotFoundError:
-        raise ValueError(f"missing {ARRAYS_FILE}") from None
+        raise ValueError(f"missing {what}") from None
     with fh:
         if fh.read(2) != b"PK":
-            raise ValueError(f"{ARRAYS_FILE} is not a readable array file (not a zip archive)")
+            raise ValueError(f"{what} is not a readable array file (not a zip archive)")
         fh.seek(0)
-        with NpzReader(fh, max_bytes=MAX_ARRAYS_BYTES, where=ARRAYS_FILE) as npz:
+        with NpzReader(fh, max_bytes=max_bytes, where=what) as npz:
             if set(npz.names) != set(shapes):
-                raise ValueError(f"{ARRAYS_FILE} holds {sorted(npz.names)}, expected "
+                raise ValueError(f"{what} holds {sorted(npz.names)}, expected "
                                  f"{sorted(shapes)}")
             return {name: npz.read(name, _exactly(name, *shapes[name])) for name in shapes}
 
@@ -91,10 +96,13 @@ def _exactly(name: str, shape: tuple[int, ...], dtype: np.dtype):
     return check
 
 
-def artifact_fields(doc: dict, read: Callable[[dict], dict[str, np.ndarray]]) -> dict:
+def artifact_fields(doc: dict, read: Callable[[dict], dict[str, np.ndarray]],
+                    read_prompt: Callable[[dict], dict[str, np.ndarray]] | None = None
+                    ) -> dict:
     """The keyword arguments of a ``RoutingArtifact`` from its validated document;
     ``read(shapes)`` reads the arrays once the document says what their shapes must be
-    (``shapes``: name → (shape, dtype), as :func:`read_arrays` takes them)."""
+    (``shapes``: name → (shape, dtype), as :func:`read_arrays` takes them);
+    ``read_prompt(shapes)`` the prompt predictor's, when the document has one."""
     name = _get(doc, "model.name", str)
     L, E, k = (_get(doc, f"model.{f}", int) for f in ("num_layers", "num_experts", "top_k"))
     if min(L, E, k) <= 0 or k > E:
@@ -154,7 +162,29 @@ def artifact_fields(doc: dict, read: Callable[[dict], dict[str, np.ndarray]]) ->
             raise ValueError("profile_mean must hold probabilities in [0, 1]")
         if not np.isfinite(profiles).all() or (profiles > 0).any():
             raise ValueError("decoder_profiles must be finite log-probabilities (<= 0)")
+    prompt = None
+    if doc.get("prompt_predictor") is not None:
+        prompt = _prompt_predictor(doc["prompt_predictor"], (L, E, k), read_prompt)
     return {"model": name, "num_layers": L, "num_experts": E, "top_k": k, "encoder": encoder,
             "centroids": centroids, "worker_ids": tuple(ids), "tau": tau,
             "balanced": balanced, "fit_stats": fit_stats, "profile_alpha": alpha,
-            "profile_mean": mean, "decoder_profiles": profiles}
+            "profile_mean": mean, "decoder_profiles": profiles, "prompt_predictor": prompt}
+
+
+def _prompt_predictor(pdoc, model: tuple[int, int, int],
+                      read_prompt: Callable[[dict], dict[str, np.ndarray]] | None
+                      ) -> PromptPredictor:
+    """The optional prompt predictor: document checked, (L, E, k) equal to the model's,
+    arrays read with exactly the shapes the document implies, values checked."""
+    try:
+        pdoc = PromptPredictor.check_document(pdoc)
+    except ValueError as exc:
+        raise ValueError(f"artifact.json: {exc}") from None
+    theirs = (pdoc["num_layers"], pdoc["num_experts"], pdoc["top_k"])
+    if theirs != model:
+        raise ValueError(f"prompt_predictor is for L={theirs[0]} E={theirs[1]} k={theirs[2]}, "
+                         f"the artifact for L={model[0]} E={model[1]} k={model[2]}")
+    if read_prompt is None:
+        raise ValueError("the artifact has a prompt predictor but no reader for its arrays")
+    arrays = read_prompt(PromptPredictor.array_shapes(pdoc))
+    return PromptPredictor.from_state(pdoc, arrays)

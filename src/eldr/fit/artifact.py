@@ -10,7 +10,12 @@ An artifact is a directory with two files (format in ``docs/fit-and-routing.md``
   version 2 also the cost policy's parts: ``profile_mean`` (L, E) float32, the mean
   per-token decode profile the profile predictor shrinks toward (by ``cost.alpha`` in the
   JSON), and ``decoder_profiles`` (K, L, E) float32, each cluster's mean ``log(1 − p)``
-  (:func:`eldr.fit.predictor.decoder_profiles`). Version 1 artifacts (no cost parts) load.
+  (:func:`eldr.fit.predictor.decoder_profiles`). Version 1 artifacts (no cost parts) load;
+- ``prompt.npz`` (optional, with a ``prompt_predictor`` section in the JSON): the prompt
+  predictor (:mod:`eldr.fit.prompt`), ``idf`` (2**bits,), ``weights`` (2**bits, rank),
+  ``basis`` (rank, L·E) and ``mean`` (L·E,), all float32. A separate file, so an artifact
+  without it is exactly a version 2 artifact, and an older eldr reads one with it
+  (ignoring the predictor): no version bump.
 
 :func:`save` writes a temporary directory next to the target and renames it into place,
 so a reader never sees half an artifact. :func:`load` validates everything it reads and
@@ -37,6 +42,8 @@ from eldr.fit._artifact_io import (
     JSON_FILE,
     MAX_ARRAYS_BYTES,
     MAX_JSON_BYTES,
+    MAX_PROMPT_BYTES,
+    PROMPT_FILE,
     artifact_fields,
     check_tau,
     check_worker_ids,
@@ -45,6 +52,7 @@ from eldr.fit._artifact_io import (
 from eldr.fit.calibration import Calibration, FitSettings, calibrate
 from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.predictor import shrink
+from eldr.fit.prompt import PromptPredictor, tokenizer_fingerprint, tokenizer_vocab_size
 from eldr.fit.signature import SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
 
@@ -73,6 +81,7 @@ class RoutingArtifact:
     profile_alpha: float | None = None  # predictor shrinkage α (cost policy), or None
     profile_mean: np.ndarray | None = None  # (L, E) float32 mean decode profile, or None
     decoder_profiles: np.ndarray | None = None  # (K, L, E) float32 cluster log(1 − p)
+    prompt_predictor: PromptPredictor | None = None  # prompt ids → prefill profile, or None
 
     def predict_profile(self, counts: np.ndarray, prompt_len: int) -> np.ndarray:
         """(L, E) float32 per-token profile of prefill ``counts`` (L, E) for the cost
@@ -80,6 +89,30 @@ class RoutingArtifact:
         c = np.asarray(counts, dtype=np.float32)
         return shrink(c / np.float32(max(int(prompt_len), 1)), self.profile_alpha or 0.0,
                       self.profile_mean)
+
+    def route_inputs_from_prompt(self, token_ids, *, tokenizer_fingerprint: str | None = None
+                                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Routing inputs of a request whose prefill signature is not (yet) known, from its
+        prompt token ids alone: ``(signature (d,) float32 unit row, profile (L, E)
+        float32)``, what ``RouteRequest.signature`` / ``RouteRequest.profile`` take.
+
+        The prompt predictor's expected prefill profile stands in for
+        ``counts / prompt_len``: the signature is the encoder applied to it (exact analogue
+        of the real signature for ``count``, ``count_idf`` and ``sqrt_count``, which are
+        scale-free after normalisation; ``binary`` sees every expert with a non-zero
+        prediction), the profile is :meth:`predict_profile`'s shrinkage of it.
+        ``tokenizer_fingerprint`` (optional): the caller's tokenizer, refused if it is
+        not the predictor's. ValueError when the artifact has no predictor, or the prompt
+        is empty or holds unknown ids.
+        """
+        pred = self.prompt_predictor
+        if pred is None:
+            raise ValueError("this routing artifact has no prompt predictor (fit it from a "
+                             "trace with prompt_token_ids)")
+        pred.check_tokenizer(tokenizer_fingerprint)
+        pre = pred.predict(token_ids)
+        signature = self.encoder.transform(pre)
+        return signature, shrink(pre, self.profile_alpha or 0.0, self.profile_mean)
 
     @property
     def num_workers(self) -> int:
@@ -140,6 +173,9 @@ def fit_artifact(
     selection_max_pairs: int | None = 20_000,
     max_pairs: int | None = None,
     profile_predictor: bool = True,
+    prompt_predictor: bool = True,
+    tokenizer: str | os.PathLike | bytes | None = None,
+    prompt_options: dict | None = None,
     random_state: int | None = 0,
     on_stage=None,
 ) -> RoutingArtifact:
@@ -152,8 +188,13 @@ def fit_artifact(
     48-layer fit within the paper's 10 s budget, and every candidate is ranked on the
     same pairs, so the comparisons between layers are paired. The reported ρ uses
     ``max_pairs`` pairs (``None``: all). ``profile_predictor=False`` (a trace without
-    decode counts): α = 0, the prefill profile. ``on_stage(name)`` (optional) is called
-    when a stage starts, for progress.
+    decode counts): α = 0, the prefill profile. ``prompt_predictor``: also fit the prompt
+    predictor (:mod:`eldr.fit.prompt`) when the trace has ``prompt_token_ids`` (skipped
+    otherwise, and when it has fewer than 6 non-empty prompts); ``tokenizer`` (a
+    ``tokenizer.json``, a model folder or its bytes) gives it its fingerprint and
+    vocabulary size; ``prompt_options``: keyword settings of
+    :class:`~eldr.fit.prompt.PromptPredictor` (bits, ranks, alphas, weightings, folds,
+    max_bytes). ``on_stage(name)`` (optional) is called when a stage starts, for progress.
     """
     ids = tuple(str(w) for w in worker_ids)
     check_worker_ids(ids)
@@ -176,13 +217,26 @@ def fit_artifact(
         on_stage("cluster profiles (cost policy)")
     cluster_profiles = cal.cluster_profiles(km.labels_, len(ids))
     t2 = time.perf_counter()
+    prompt = None
+    if prompt_predictor and trace.prompt_token_ids is not None \
+            and int((trace.prompt_lens > 0).sum()) >= 6:
+        if on_stage:
+            on_stage("prompt predictor (hashed n-grams, ridge)")
+        fp, vocab = "", None
+        if tokenizer is not None:
+            fp, vocab = tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer)
+        prompt = PromptPredictor(random_state=random_state, **(prompt_options or {})).fit(
+            trace, vocab_size=vocab, tokenizer_fingerprint=fp)
     m = trace.meta
+    stats = _fit_stats(cal, km, (t0, t1, t2))
+    stats["prompt_predictor"] = None if prompt is None else prompt.summary()
     return RoutingArtifact(
         model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
         encoder=cal.encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),
         worker_ids=ids, tau=tau, balanced=balanced,
-        fit_stats=_fit_stats(cal, km, (t0, t1, t2)), profile_alpha=cal.profile_alpha,
+        fit_stats=stats, profile_alpha=cal.profile_alpha,
         profile_mean=cal.profile_mean, decoder_profiles=cluster_profiles,
+        prompt_predictor=prompt,
     )
 
 
@@ -226,6 +280,8 @@ def _document(art: RoutingArtifact) -> dict:
                     "balanced": bool(art.balanced)},
         "arrays": {"idf": list(enc["idf"].shape), "centroids": list(art.centroids.shape)},
         "cost": None if art.profile_alpha is None else {"alpha": float(art.profile_alpha)},
+        "prompt_predictor": (None if art.prompt_predictor is None
+                             else art.prompt_predictor.state()[0]),
         "fit": art.fit_stats,
     }
 
@@ -241,7 +297,7 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
         if not target.is_dir():
             raise ValueError(f"{target}: exists and is not a directory")
         foreign = sorted(p.name for p in target.iterdir()
-                         if p.name not in (JSON_FILE, ARRAYS_FILE))
+                         if p.name not in (JSON_FILE, ARRAYS_FILE, PROMPT_FILE))
         if foreign:
             raise ValueError(f"{target}: not an artifact directory (holds {foreign[:3]}); "
                              "refusing to replace it")
@@ -256,15 +312,21 @@ def save(artifact: RoutingArtifact, directory: str | os.PathLike) -> Path:
                                                     dtype=np.float32)
         with open(tmp / ARRAYS_FILE, "wb") as fh:
             np.savez(fh, **arrays)
+        if artifact.prompt_predictor is not None:
+            with open(tmp / PROMPT_FILE, "wb") as fh:
+                np.savez(fh, **artifact.prompt_predictor.state()[1])
     return target
 
 
 # -- load -----------------------------------------------------------------------------------
 def load(directory: str | os.PathLike, *,
-         expect_model: TraceMeta | Trace | None = None) -> RoutingArtifact:
+         expect_model: TraceMeta | Trace | None = None,
+         expect_tokenizer: str | None = None) -> RoutingArtifact:
     """Read and validate an artifact written by :func:`save`. Never unpickles anything.
 
     ``expect_model`` (a trace or its meta): refuse the artifact unless (L, E, k) match.
+    ``expect_tokenizer`` (a :func:`~eldr.fit.prompt.tokenizer_fingerprint`): refuse an
+    artifact whose prompt predictor was fitted for another tokenizer.
     Defensive like the trace loader: regular files only (a FIFO is refused without
     blocking), sizes capped before reading, ``artifact.json`` validated before
     ``arrays.npz`` is opened, and each array's header must declare exactly the shape the
@@ -291,9 +353,15 @@ def load(directory: str | os.PathLike, *,
                          f"(this eldr reads versions {list(_READABLE_VERSIONS)})")
     try:
         art = RoutingArtifact(**artifact_fields(
-            doc, lambda shapes: read_arrays(d / ARRAYS_FILE, shapes)))
+            doc, lambda shapes: read_arrays(d / ARRAYS_FILE, shapes),
+            lambda shapes: read_arrays(d / PROMPT_FILE, shapes, max_bytes=MAX_PROMPT_BYTES)))
     except ValueError as exc:
         raise ValueError(f"{d}: {exc}") from exc
     if expect_model is not None:
         art.check_model(expect_model)
+    if expect_tokenizer is not None and art.prompt_predictor is not None:
+        try:
+            art.prompt_predictor.check_tokenizer(expect_tokenizer)
+        except ValueError as exc:
+            raise ValueError(f"{d}: {exc}") from None
     return art

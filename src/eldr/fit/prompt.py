@@ -1,0 +1,578 @@
+"""Predict a request's prefill expert profile from its prompt alone (docs/fit-and-routing.md).
+
+ELDR's signature exists only after prefill; a router that picks the decoder before (or
+while) prefill runs needs it earlier. The prompt itself predicts its experts: the prefill
+profile ``counts / prompt_len`` (L, E) is the mean over the prompt's tokens of each
+token's expert choices, and a token's choices depend mostly on the token and its
+neighbours. :class:`PromptPredictor` learns that map from a captured trace (prompt token
+ids + prefill counts):
+
+- features: unigrams and bigrams of token ids, hashed (:func:`ngram_hashes`, a fixed
+  64-bit multiplicative hash, the same in every process; never Python's ``hash()``) into
+  ``2**bits`` buckets, weighted ``log(1 + tf) · idf`` and L2-normalised (TF-IDF);
+- model: ridge regression onto the centred profiles in a reduced target basis (the top
+  ``rank`` right singular vectors of the training profiles). It is solved in the dual
+  (an R × R kernel of the requests), so fitting costs O(R² · buckets used), and stored in
+  the primal: ``weights_`` (2**bits, rank), so a prediction gathers one row per distinct
+  n-gram of the prompt;
+- output: ``mean_ + (x @ weights_) @ basis_``, negative entries clipped to 0 and each
+  layer's row rescaled to sum to ``top_k``, as a real profile's rows do. Before clipping
+  the rows already sum to ``top_k``: every basis row lies in the span of centred
+  profiles, whose layer rows sum to 0.
+
+``bits``, ``rank`` and the ridge ``alpha`` are chosen by k-fold cross-validated R² of the
+profile on the calibration requests (the kernel is computed once per ``bits`` for all
+folds), candidates whose stored arrays would exceed ``max_bytes`` skipped, then the model
+is refitted on every request.
+
+A predictor belongs to one tokenizer: it carries the SHA-256 of its ``tokenizer.json``
+(:func:`tokenizer_fingerprint`, "" when unknown) and its vocabulary size; token ids
+outside ``[0, vocab_size)`` are refused, and :meth:`PromptPredictor.check_tokenizer`
+refuses another tokenizer's fingerprint. Synthetic traces draw their token ids uniformly:
+a predictor fitted on one carries no information (evaluate on captured traces only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from eldr.traces.trace import Trace
+
+__all__ = ["HASH_NAME", "WEIGHTINGS", "PromptPredictor", "ngram_hashes", "tokenizer_fingerprint",
+           "tokenizer_vocab_size"]
+
+HASH_NAME = "mul64-unigram-bigram-v1"  # names the feature hash below; stored, checked
+WEIGHTINGS = ("tfidf", "tf")  # feature weightings (_feature_row)
+_MAX_BITS = 24
+_MAX_TOKENIZER_BYTES = 256 << 20
+# Odd 64-bit multipliers (golden-ratio and a MurmurHash3 finaliser constant).
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_S32 = np.uint64(32)
+
+
+# -- tokenizer identity ------------------------------------------------------------------
+def _tokenizer_bytes(source: str | os.PathLike | bytes) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no tokenizer.json there")
+    if path.stat().st_size > _MAX_TOKENIZER_BYTES:
+        raise ValueError(f"{path}: larger than {_MAX_TOKENIZER_BYTES >> 20} MiB, refused")
+    return path.read_bytes()
+
+
+def tokenizer_fingerprint(tokenizer_json_path_or_bytes: str | os.PathLike | bytes) -> str:
+    """SHA-256 (hex) of a tokenizer's ``tokenizer.json`` bytes: a file, a model folder
+    holding one, or the bytes themselves. Two tokenizers with the same file map text to
+    the same ids; any change to the file (vocabulary, merges, normaliser) changes it."""
+    return hashlib.sha256(_tokenizer_bytes(tokenizer_json_path_or_bytes)).hexdigest()
+
+
+def tokenizer_vocab_size(tokenizer_json_path_or_bytes: str | os.PathLike | bytes) -> int:
+    """1 + the largest token id of a ``tokenizer.json`` (model vocabulary and added
+    tokens): every id that tokenizer can produce is below it."""
+    raw = _tokenizer_bytes(tokenizer_json_path_or_bytes)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        vocab = doc.get("model", {}).get("vocab", {})
+        if isinstance(vocab, dict):
+            ids = [int(v) for v in vocab.values()]
+        else:  # Unigram: a list of [piece, score], the id is the position
+            ids = [len(vocab) - 1] if vocab else []
+        ids += [int(t["id"]) for t in doc.get("added_tokens", []) or []]
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, KeyError,
+            ValueError) as exc:
+        raise ValueError(f"not a readable tokenizer.json ({exc})") from None
+    if not ids or min(ids) < 0:
+        raise ValueError("tokenizer.json has no vocabulary")
+    return max(ids) + 1
+
+
+# -- features ----------------------------------------------------------------------------
+def _check_ids(token_ids, vocab_size: int | None) -> np.ndarray:
+    """(P,) int64 token ids, or ValueError naming the problem."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"token ids must be a 1-D sequence, got shape {ids.shape}")
+    if ids.size == 0:
+        raise ValueError("empty prompt: no token ids")
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"unknown token id {bad}: outside [0, {vocab_size}) of this "
+                         "predictor's tokenizer")
+    return ids.astype(np.int64, copy=False)
+
+
+def ngram_hashes(token_ids: np.ndarray) -> np.ndarray:
+    """(2P − 1,) uint64 hashes of a prompt's P unigrams then P − 1 bigrams.
+
+    Keys: a unigram is its id ``t`` (< 2**32); a bigram ``(a, b)`` is ``(a + 1) << 32 | b``
+    (≥ 2**32, so no bigram key equals a unigram key). Each key is mixed by multiply,
+    xor-shift, multiply (mod 2**64); the bucket of ``bits`` is the top ``bits`` bits,
+    ``h >> (64 − bits)``, so a coarser bucketing is a shift of a finer one. Ids must be
+    valid (non-negative, < 2**31); :meth:`PromptPredictor.predict` checks them first.
+    """
+    t = np.asarray(token_ids).astype(np.uint64)
+    keys = np.empty(2 * t.size - 1, dtype=np.uint64)
+    keys[:t.size] = t
+    np.bitwise_or((t[:-1] + np.uint64(1)) << _S32, t[1:], out=keys[t.size:])
+    keys *= _M1
+    keys ^= keys >> _S32
+    keys *= _M2
+    return keys
+
+
+def _bucket_counts(hashes: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct buckets (sorted, intp) and their counts of one prompt's hashes."""
+    b = np.sort(hashes >> np.uint64(64 - bits)).astype(np.intp)
+    starts = np.flatnonzero(np.concatenate(([True], b[1:] != b[:-1])))
+    counts = np.diff(np.append(starts, b.size))
+    return b[starts], counts
+
+
+def _feature_row(hashes: np.ndarray, bits: int, idf: np.ndarray, weighting: str
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(buckets, float32 weights) of one prompt: ``tfidf``: log(1 + tf) · idf,
+    L2-normalised (zero stays zero); ``tf``: tf / number of n-grams (the profile is a mean
+    over tokens, so a model linear in relative frequencies can match it exactly when each
+    n-gram's experts are fixed)."""
+    buckets, counts = _bucket_counts(hashes, bits)
+    if weighting == "tf":
+        return buckets, counts.astype(np.float32) / np.float32(hashes.size)
+    w = np.log1p(counts.astype(np.float32)) * idf[buckets]
+    norm = np.sqrt(np.dot(w, w))
+    if norm > 0:
+        w /= norm
+    return buckets, w
+
+
+def _finish(y: np.ndarray, top_k: int) -> np.ndarray:
+    """(..., L, E) in place: clip at 0, rescale each layer row to sum to ``top_k`` (an
+    all-zero row becomes uniform)."""
+    np.maximum(y, 0, out=y)
+    sums = y.sum(axis=-1, keepdims=True)
+    zero = sums <= 0
+    if zero.any():
+        y[np.broadcast_to(zero, y.shape)] = 1.0
+        sums = np.where(zero, y.shape[-1], sums)
+    y *= np.float32(top_k) / sums
+    return y
+
+
+def _target_basis(yc: np.ndarray) -> np.ndarray:
+    """(r, L·E) right singular vectors of centred targets with non-negligible singular
+    values (the rest are arbitrary directions outside the targets' span: they would break
+    the zero layer sums of the basis)."""
+    _, sv, vt = np.linalg.svd(yc, full_matrices=False)
+    keep = sv > 1e-6 * sv[0] if sv.size and sv[0] > 0 else np.zeros(sv.size, dtype=bool)
+    if not keep.any():  # every target the same: a zero direction, predictions = the mean
+        return np.zeros((1, yc.shape[1]))
+    return vt[keep]
+
+
+# -- the kernel ------------------------------------------------------------------------------
+class _Design:
+    """Sparse rows (R requests × 2**bits buckets) as sorted COO, for kernels and X^T A."""
+
+    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], num_buckets: int) -> None:
+        self.num_rows = len(rows)
+        self.num_buckets = num_buckets
+        r = np.concatenate([np.full(b.size, i, dtype=np.intp) for i, (b, _) in enumerate(rows)])
+        c = np.concatenate([b for b, _ in rows])
+        v = np.concatenate([w for _, w in rows]).astype(np.float32)
+        used, col = np.unique(c, return_inverse=True)
+        order = np.argsort(col, kind="stable")
+        self.used = used  # (U,) bucket of each compact column
+        self.rows, self.cols, self.vals = r[order], col[order], v[order]
+        self.bounds = np.searchsorted(self.cols, np.arange(used.size + 1))
+        self.chunk = max(1, (1 << 24) // max(self.num_rows, 1))  # ≤ 64 MB dense blocks
+
+    def _blocks(self):
+        for c0 in range(0, self.used.size, self.chunk):
+            c1 = min(c0 + self.chunk, self.used.size)
+            s0, s1 = self.bounds[c0], self.bounds[c1]
+            d = np.zeros((self.num_rows, c1 - c0), dtype=np.float32)
+            d[self.rows[s0:s1], self.cols[s0:s1] - c0] = self.vals[s0:s1]
+            yield c0, c1, d
+
+    def gram(self) -> np.ndarray:
+        """(R, R) float64 X X^T."""
+        k = np.zeros((self.num_rows, self.num_rows))
+        for _, _, d in self._blocks():
+            k += d @ d.T
+        return k
+
+    def transpose_times(self, a: np.ndarray) -> np.ndarray:
+        """(2**bits, r) float64 X^T a for a (R, r)."""
+        out = np.zeros((self.num_buckets, a.shape[1]))
+        for c0, c1, d in self._blocks():
+            out[self.used[c0:c1]] = d.T @ a
+        return out
+
+    def mean_row(self) -> np.ndarray:
+        """(2**bits,) float64 mean feature row x̄."""
+        out = np.zeros(self.num_buckets)
+        np.add.at(out, self.used[self.cols], self.vals)
+        return out / max(self.num_rows, 1)
+
+
+def _center(k: np.ndarray, train: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Kernel rows ``rows`` × columns ``train`` of the features centred on ``train``."""
+    ktt = k[np.ix_(train, train)]
+    col_mean = ktt.mean(axis=0)
+    krt = k[np.ix_(rows, train)]
+    return krt - krt.mean(axis=1, keepdims=True) - col_mean[None, :] + col_mean.mean()
+
+
+# -- the estimator --------------------------------------------------------------------------
+class PromptPredictor:
+    """Prompt token ids → (L, E) expected per-token prefill profile (module docstring).
+
+    Parameters (settings only; scikit-learn contract):
+    bits: candidate bucket counts 2**bits of the hashed n-grams.
+    ranks: candidate ranks of the target basis.
+    alphas: candidate ridge penalties, relative to the mean squared norm of the centred
+        feature rows (so one grid serves both weightings).
+    weightings: candidate feature weightings, ``tfidf`` and/or ``tf`` (:data:`WEIGHTINGS`).
+    folds: cross-validation folds for the choice (≥ 2).
+    max_bytes: candidates whose stored arrays exceed this are skipped (the artifact's
+        budget for the predictor).
+    random_state: seed of the fold assignment.
+
+    Fitted: ``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``,
+    ``tokenizer_fingerprint`` (the interface names), ``bits_``, ``weighting_``, ``rank_``,
+    ``alpha_``,
+    ``idf_`` (2**bits,) float32, ``weights_`` (2**bits, rank) float32, ``basis_`` (rank,
+    L·E) float32, ``mean_`` (L·E,) float32, ``cv_r2_`` (the chosen candidate's
+    cross-validated R²), ``grid_`` [{bits, rank, alpha, r2}], ``num_requests_``,
+    ``fit_seconds_``.
+    """
+
+    def __init__(self, *, bits: Sequence[int] = (15, 16, 17, 18),
+                 ranks: Sequence[int] = (8, 16, 32, 64),
+                 alphas: Sequence[float] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+                 weightings: Sequence[str] = WEIGHTINGS, folds: int = 3,
+                 max_bytes: int = 48 << 20, random_state: int | None = 0) -> None:
+        self.bits = tuple(int(b) for b in bits)
+        self.ranks = tuple(int(r) for r in ranks)
+        self.alphas = tuple(float(a) for a in alphas)
+        if not self.bits or any(not 8 <= b <= _MAX_BITS for b in self.bits):
+            raise ValueError(f"bits must be non-empty values in [8, {_MAX_BITS}], got {bits}")
+        if not self.ranks or any(r < 1 for r in self.ranks):
+            raise ValueError(f"ranks must be non-empty positive integers, got {ranks}")
+        if not self.alphas or any(not (np.isfinite(a) and a > 0) for a in self.alphas):
+            raise ValueError(f"alphas must be non-empty positive numbers, got {alphas}")
+        self.weightings = tuple(str(w) for w in weightings)
+        if not self.weightings or any(w not in WEIGHTINGS for w in self.weightings):
+            raise ValueError(f"weightings must be non-empty, from {WEIGHTINGS}, got {weightings}")
+        if int(folds) < 2:
+            raise ValueError(f"folds must be >= 2, got {folds}")
+        if int(max_bytes) <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.folds = int(folds)
+        self.max_bytes = int(max_bytes)
+        self.random_state = random_state
+
+    # -- interface attributes ---------------------------------------------------------------
+    @property
+    def num_buckets(self) -> int:
+        self._check_fitted()
+        return 1 << self.bits_
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the fitted arrays (what the artifact stores)."""
+        self._check_fitted()
+        return int(self.idf_.nbytes + self.weights_.nbytes + self.basis_.nbytes
+                   + self.mean_.nbytes)
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "weights_"):
+            raise ValueError("PromptPredictor is not fitted: call fit(trace) first")
+
+    def _size(self, bits: int, rank: int, num_targets: int) -> int:
+        return 4 * ((1 << bits) * (1 + rank) + (rank + 1) * num_targets)
+
+    # -- fit ----------------------------------------------------------------------------------
+    def fit(self, trace: Trace, *, vocab_size: int | None = None,
+            tokenizer_fingerprint: str = "") -> PromptPredictor:
+        """Fit on a trace with ``prompt_token_ids`` (requests with empty prompts are
+        skipped). ``vocab_size``: the tokenizer's (default: 1 + the largest id seen, so
+        larger ids are refused); ``tokenizer_fingerprint``: :func:`tokenizer_fingerprint`
+        of the tokenizer that made the ids ("" = unknown, never refused)."""
+        if not isinstance(trace, Trace):
+            raise ValueError(f"fit expects an eldr Trace, got {type(trace).__name__}")
+        if trace.prompt_token_ids is None:
+            raise ValueError(f"trace ({trace.meta.source}) has no prompt_token_ids: a prompt "
+                             "predictor needs a capture that kept them")
+        keep = np.flatnonzero(trace.prompt_lens > 0)
+        prompts = [trace.prompt_tokens(int(r)) for r in keep]
+        counts = trace.prefill_counts[keep].astype(np.float64)
+        profiles = counts / trace.prompt_lens[keep].astype(np.float64)[:, None, None]
+        return self.fit_prompts(prompts, profiles, top_k=trace.meta.top_k,
+                                vocab_size=vocab_size,
+                                tokenizer_fingerprint=tokenizer_fingerprint)
+
+    def fit_prompts(self, prompts: Sequence[np.ndarray], profiles: np.ndarray, *, top_k: int,
+                    vocab_size: int | None = None,
+                    tokenizer_fingerprint: str = "") -> PromptPredictor:
+        """Fit on R prompts (token id arrays) and their (R, L, E) per-token prefill
+        profiles (each layer row summing to ``top_k``)."""
+        t0 = time.perf_counter()
+        y = np.asarray(profiles, dtype=np.float64)
+        if y.ndim != 3 or y.shape[0] != len(prompts):
+            raise ValueError(f"profiles must be (R, L, E) with R = {len(prompts)} prompts, "
+                             f"got shape {y.shape}")
+        if not np.isfinite(y).all() or (y < 0).any():
+            raise ValueError("profiles must be finite and non-negative")
+        R, L, E = y.shape
+        min_requests = 2 * self.folds
+        if R < min_requests:
+            raise ValueError(f"a prompt predictor needs at least {min_requests} requests with "
+                             f"a prompt, got {R}")
+        if not isinstance(tokenizer_fingerprint, str):
+            raise ValueError("tokenizer_fingerprint must be a string")
+        ids = [_check_ids(p, None) for p in prompts]
+        seen = max(int(p.max()) for p in ids) + 1
+        vocab = seen if vocab_size is None else int(vocab_size)
+        if vocab < seen:
+            raise ValueError(f"vocab_size={vocab} but the prompts hold token id {seen - 1}")
+        if vocab > 1 << 31:
+            raise ValueError(f"vocab_size {vocab} is beyond 2**31")
+        hashes = [ngram_hashes(p) for p in ids]
+        target = y.reshape(R, L * E)
+
+        rng = np.random.default_rng(self.random_state)
+        fold = rng.permutation(R) % self.folds
+        grid, per_bits = [], {}
+        for bits, weighting in ((b, w) for b in self.bits for w in self.weightings):
+            idf, rows = self._features(hashes, bits, weighting)
+            k = _Design(rows, 1 << bits).gram()
+            per_bits[bits, weighting] = (idf, rows)
+            ranks = [r for r in self.ranks
+                     if self._size(bits, r, L * E) <= self.max_bytes]
+            if not ranks:
+                continue
+            sse = {(r, a): 0.0 for r in ranks for a in self.alphas}
+            sst = 0.0
+            for f in range(self.folds):
+                tr, va = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+                mean = target[tr].mean(axis=0)
+                yc = target[tr] - mean
+                basis = _target_basis(yc)
+                kc = _center(k, tr, tr)
+                scale = max(float(np.trace(kc)) / tr.size, 1e-12)
+                lam, q = np.linalg.eigh(kc)
+                lam = np.maximum(lam, 0.0) / scale
+                g = q.T @ (yc @ basis.T)  # (R_t, rank_max)
+                kq = _center(k, tr, va) @ q / scale
+                truth = target[va].reshape(-1, L, E)
+                sst += float(((target[va] - mean) ** 2).sum())
+                for a in self.alphas:
+                    z = (kq / (lam + a)) @ g
+                    for r in ranks:
+                        rr = min(r, basis.shape[0])
+                        pred = (mean + z[:, :rr] @ basis[:rr]).reshape(-1, L, E)
+                        pred = _finish(pred, top_k)
+                        sse[(r, a)] += float(((pred - truth) ** 2).sum())
+            for (r, a), err in sse.items():
+                grid.append({"bits": bits, "weighting": weighting, "rank": r, "alpha": a,
+                             "r2": 1.0 - err / sst if sst > 0 else 0.0})
+        if not grid:
+            raise ValueError(f"no candidate fits max_bytes={self.max_bytes} (bits "
+                             f"{self.bits}, ranks {self.ranks})")
+        best = max(grid, key=lambda g: (g["r2"], -g["bits"], -g["rank"], g["alpha"]))
+
+        bits, rank, alpha = best["bits"], best["rank"], best["alpha"]
+        weighting = best["weighting"]
+        idf, rows = per_bits[bits, weighting]
+        design = _Design(rows, 1 << bits)
+        k = design.gram()
+        everyone = np.arange(R)
+        mean = target.mean(axis=0)
+        yc = target - mean
+        basis = _target_basis(yc)[:rank]
+        kc = _center(k, everyone, everyone)
+        scale = max(float(np.trace(kc)) / R, 1e-12)
+        lam, q = np.linalg.eigh(kc)
+        # ridge with penalty alpha · scale (alpha relative to the mean self-similarity)
+        a_dual = (q / (np.maximum(lam, 0.0) + alpha * scale)) @ (q.T @ (yc @ basis.T))
+        weights = design.transpose_times(a_dual) - np.outer(design.mean_row(), a_dual.sum(0))
+        # prediction = mean + (x - x̄) W B = (mean - x̄ W B) + x W B: fold x̄ W B into mean_
+        intercept = mean - (design.mean_row() @ weights) @ basis
+
+        self.num_layers, self.num_experts, self.top_k = L, E, int(top_k)
+        self.vocab_size = vocab
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.bits_, self.rank_, self.alpha_ = bits, int(basis.shape[0]), alpha
+        self.weighting_ = weighting
+        self.idf_ = idf.astype(np.float32)
+        self.weights_ = weights.astype(np.float32)
+        self.basis_ = np.ascontiguousarray(basis, dtype=np.float32)
+        self.mean_ = intercept.astype(np.float32)
+        self.cv_r2_ = float(best["r2"])
+        self.grid_ = grid
+        self.num_requests_ = R
+        self.fit_seconds_ = time.perf_counter() - t0
+        return self
+
+    @staticmethod
+    def _features(hashes: list[np.ndarray], bits: int, weighting: str
+                  ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """IDF (2**bits,) float32 over the prompts, and each prompt's feature row."""
+        df = np.zeros(1 << bits, dtype=np.int64)
+        for h in hashes:
+            df[_bucket_counts(h, bits)[0]] += 1
+        n = len(hashes)
+        idf = (np.log((n + 1.0) / (df + 1.0)) + 1.0).astype(np.float32)
+        return idf, [_feature_row(h, bits, idf, weighting) for h in hashes]
+
+    # -- predict ------------------------------------------------------------------------------
+    def check_tokenizer(self, fingerprint: str | None) -> None:
+        """Refuse another tokenizer: ValueError when both fingerprints are known and
+        differ (an unknown one, "" or None, on either side is accepted)."""
+        self._check_fitted()
+        if fingerprint and self.tokenizer_fingerprint and fingerprint != \
+                self.tokenizer_fingerprint:
+            raise ValueError(
+                f"prompt predictor was fitted for tokenizer {self.tokenizer_fingerprint[:12]}…, "
+                f"not {fingerprint[:12]}… (another model or vocabulary): refit it")
+
+    def predict(self, token_ids) -> np.ndarray:
+        """(P,) int token ids -> (L, E) float32 expected per-token prefill profile (each
+        layer's row sums to ``top_k``). ValueError on an empty prompt, ids outside
+        ``[0, vocab_size)``, non-integer input."""
+        self._check_fitted()
+        ids = _check_ids(token_ids, self.vocab_size)
+        buckets, w = _feature_row(ngram_hashes(ids), self.bits_, self.idf_, self.weighting_)
+        z = w @ self.weights_[buckets]
+        y = self.mean_ + z @ self.basis_
+        return _finish(y.reshape(self.num_layers, self.num_experts), self.top_k)
+
+    def predict_many(self, prompts: Sequence) -> np.ndarray:
+        """(R, L, E) float32: :meth:`predict` of each prompt."""
+        self._check_fitted()
+        out = np.empty((len(prompts), self.num_layers, self.num_experts), dtype=np.float32)
+        for i, p in enumerate(prompts):
+            out[i] = self.predict(p)
+        return out
+
+    def predict_trace(self, trace: Trace) -> np.ndarray:
+        """(R, L, E) float32 predicted profiles of a trace's prompts (needs
+        ``prompt_token_ids``; an empty prompt is refused like :meth:`predict`)."""
+        if trace.prompt_token_ids is None:
+            raise ValueError("trace has no prompt_token_ids")
+        return self.predict_many([trace.prompt_tokens(r) for r in range(trace.num_requests)])
+
+    # -- persistence ------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """JSON-able: the choice, its cross-validated R², the grid, size and fit time."""
+        self._check_fitted()
+        return {"bits": self.bits_, "weighting": self.weighting_, "rank": self.rank_,
+                "alpha": self.alpha_, "cv_r2": round(self.cv_r2_, 6),
+                "num_requests": self.num_requests_,
+                "bytes": self.nbytes, "fit_seconds": round(self.fit_seconds_, 4),
+                "grid": [{**g, "r2": round(g["r2"], 6)} for g in self.grid_]}
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON-able document, arrays): everything :meth:`from_state` rebuilds it from."""
+        self._check_fitted()
+        doc = {"hash": HASH_NAME, "num_layers": self.num_layers,
+               "num_experts": self.num_experts, "top_k": self.top_k,
+               "vocab_size": self.vocab_size,
+               "tokenizer_fingerprint": self.tokenizer_fingerprint,
+               "bits": self.bits_, "weighting": self.weighting_, "rank": self.rank_,
+               "alpha": self.alpha_,
+               "fit": {k: v for k, v in self.summary().items() if k != "grid"}}
+        arrays = {"idf": self.idf_, "weights": self.weights_, "basis": self.basis_,
+                  "mean": self.mean_}
+        return doc, arrays
+
+    @staticmethod
+    def array_shapes(doc: dict) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """name -> (shape, dtype) the arrays of a validated :meth:`state` document have."""
+        b, r, n = 1 << doc["bits"], doc["rank"], doc["num_layers"] * doc["num_experts"]
+        f4 = np.dtype("<f4")
+        return {"idf": ((b,), f4), "weights": ((b, r), f4), "basis": ((r, n), f4),
+                "mean": ((n,), f4)}
+
+    @staticmethod
+    def check_document(doc) -> dict:
+        """The :meth:`state` document validated (types and ranges), or ValueError."""
+        if not isinstance(doc, dict):
+            raise ValueError("prompt_predictor must be an object")
+        if doc.get("hash") != HASH_NAME:
+            raise ValueError(f"prompt_predictor.hash {doc.get('hash')!r} is not "
+                             f"{HASH_NAME!r} (made by another eldr)")
+        for name in ("num_layers", "num_experts", "top_k", "vocab_size", "bits", "rank"):
+            v = doc.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"prompt_predictor.{name} must be a positive integer, "
+                                 f"got {v!r}")
+        if not 8 <= doc["bits"] <= _MAX_BITS:
+            raise ValueError(f"prompt_predictor.bits must be in [8, {_MAX_BITS}], got "
+                             f"{doc['bits']}")
+        if doc["vocab_size"] > 1 << 31 or doc["top_k"] > doc["num_experts"]:
+            raise ValueError("prompt_predictor: implausible vocab_size or top_k")
+        if doc["rank"] > 4096 or doc["num_layers"] * doc["num_experts"] > 1 << 22:
+            raise ValueError("prompt_predictor: implausibly large rank or model")
+        if doc.get("weighting") not in WEIGHTINGS:
+            raise ValueError(f"prompt_predictor.weighting must be one of {WEIGHTINGS}, got "
+                             f"{doc.get('weighting')!r}")
+        fp = doc.get("tokenizer_fingerprint")
+        if not isinstance(fp, str) or len(fp) > 128:
+            raise ValueError("prompt_predictor.tokenizer_fingerprint must be a short string")
+        a = doc.get("alpha")
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (
+                np.isfinite(a) and a > 0):
+            raise ValueError(f"prompt_predictor.alpha must be a positive number, got {a!r}")
+        return doc
+
+    @classmethod
+    def from_state(cls, doc: dict, arrays: dict[str, np.ndarray]) -> PromptPredictor:
+        """Rebuild a fitted predictor, validating the document and every array."""
+        doc = cls.check_document(doc)
+        shapes = cls.array_shapes(doc)
+        for name, (shape, dtype) in shapes.items():
+            arr = arrays.get(name)
+            if arr is None or arr.shape != shape or arr.dtype != dtype:
+                got = None if arr is None else (arr.shape, str(arr.dtype))
+                raise ValueError(f"prompt predictor array {name}: expected {shape} {dtype}, "
+                                 f"got {got}")
+            if not np.isfinite(arr).all():
+                raise ValueError(f"prompt predictor array {name} contains NaN or Inf")
+        if (arrays["idf"] < 0).any():
+            raise ValueError("prompt predictor idf must be non-negative")
+        p = cls(bits=(doc["bits"],), ranks=(doc["rank"],), alphas=(float(doc["alpha"]),),
+                weightings=(doc["weighting"],))
+        p.num_layers, p.num_experts, p.top_k = doc["num_layers"], doc["num_experts"], \
+            doc["top_k"]
+        p.vocab_size, p.tokenizer_fingerprint = doc["vocab_size"], doc["tokenizer_fingerprint"]
+        p.bits_, p.rank_, p.alpha_ = doc["bits"], doc["rank"], float(doc["alpha"])
+        p.weighting_ = doc["weighting"]
+        p.idf_, p.weights_ = arrays["idf"], arrays["weights"]
+        p.basis_, p.mean_ = arrays["basis"], arrays["mean"]
+        fit = doc.get("fit") if isinstance(doc.get("fit"), dict) else {}
+        cv = fit.get("cv_r2")
+        p.cv_r2_ = float(cv) if isinstance(cv, (int, float)) and not isinstance(cv, bool) \
+            else float("nan")
+        p.grid_ = fit.get("grid", []) if isinstance(fit.get("grid"), list) else []
+        n = fit.get("num_requests")
+        p.num_requests_ = n if isinstance(n, int) and not isinstance(n, bool) else 0
+        secs = fit.get("fit_seconds")
+        p.fit_seconds_ = float(secs) if isinstance(secs, (int, float)) else float("nan")
+        return p

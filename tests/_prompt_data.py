@@ -1,0 +1,37 @@
+"""A toy captured-like trace whose prompt tokens determine their experts (prompt tests)."""
+
+import numpy as np
+
+from eldr.traces.trace import Trace, TraceMeta
+
+L, E, K_TOP, VOCAB = 3, 8, 2, 48
+
+
+def token_trace(R=90, seed=0, vocab=VOCAB):
+    """Three domains, each with its own 16 token ids; each token id selects fixed experts
+    per layer (so the prefill profile is the mean of its tokens' choices), decode tokens
+    follow the domain's experts."""
+    rng = np.random.default_rng(seed)
+    experts = np.stack([np.stack([np.random.default_rng(t).choice(E, K_TOP, replace=False)
+                                  for _ in range(L)]) for t in range(vocab)])  # (V, L, k)
+    dom = np.arange(R) % 3
+    lens = rng.integers(4, 24, R)
+    outs = rng.integers(2, 6, R)
+    tokens, pre = [], np.zeros((R, L, E), dtype=np.int32)
+    dec = np.zeros((R, L, E), dtype=np.int32)
+    width = vocab // 3
+    for r in range(R):
+        ids = rng.integers(dom[r] * width, (dom[r] + 1) * width, lens[r])
+        tokens.append(ids)
+        for t in ids:
+            for layer in range(L):
+                pre[r, layer, experts[t, layer]] += 1
+        for _ in range(outs[r] - 1):
+            t = rng.integers(dom[r] * width, (dom[r] + 1) * width)
+            for layer in range(L):
+                dec[r, layer, experts[t, layer]] += 1
+    return Trace(meta=TraceMeta("toy", L, E, K_TOP, source="test"), prefill_counts=pre,
+                 decode_counts=dec, prompt_lens=lens.astype(np.int64),
+                 output_lens=outs.astype(np.int64), domains=dom.astype(np.int32),
+                 domain_names=("a", "b", "c"),
+                 prompt_token_ids=np.concatenate(tokens).astype(np.int32))

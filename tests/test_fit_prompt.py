@@ -1,0 +1,326 @@
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from _prompt_data import K_TOP, VOCAB, E, L, token_trace
+from eldr.cli import main
+from eldr.fit import artifact
+from eldr.fit.artifact import fit_artifact
+from eldr.fit.prompt import (
+    PromptPredictor,
+    ngram_hashes,
+    tokenizer_fingerprint,
+    tokenizer_vocab_size,
+)
+from eldr.traces.trace import save as save_trace
+
+SMALL = {"bits": (10, 12), "ranks": (4, 8), "alphas": (0.01, 0.1, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return token_trace(160)
+
+
+@pytest.fixture(scope="module")
+def fitted(trace):
+    return PromptPredictor(**SMALL).fit(trace.subset(np.arange(120)), vocab_size=VOCAB,
+                                        tokenizer_fingerprint="ab" * 32)
+
+
+def _profiles(trace):
+    return trace.prefill_counts / trace.prompt_lens[:, None, None].astype(np.float64)
+
+
+def test_predictions_are_profiles_rows_summing_to_top_k(fitted, trace):
+    p = fitted.predict(trace.prompt_tokens(130))
+    assert p.shape == (L, E) and p.dtype == np.float32
+    assert (p >= 0).all()
+    np.testing.assert_allclose(p.sum(axis=1), K_TOP, rtol=1e-5)
+    assert (fitted.num_layers, fitted.num_experts, fitted.top_k) == (L, E, K_TOP)
+    assert fitted.vocab_size == VOCAB and fitted.tokenizer_fingerprint == "ab" * 32
+
+
+def test_held_out_profiles_are_predicted_far_better_than_the_mean(fitted, trace):
+    """Each token id fixes its experts here, so the prompt determines the profile."""
+    held = trace.subset(np.arange(120, 160))
+    truth = _profiles(held)
+    mean = _profiles(trace.subset(np.arange(120))).mean(axis=0)
+    pred = fitted.predict_trace(held)
+    r2 = 1 - ((pred - truth) ** 2).sum() / ((truth - mean) ** 2).sum()
+    assert r2 > 0.8
+    assert fitted.cv_r2_ > 0.7
+    # the chosen candidate is the grid's best
+    assert fitted.cv_r2_ == max(g["r2"] for g in fitted.grid_)
+    assert {g["bits"] for g in fitted.grid_} == {10, 12}
+
+
+def test_rows_sum_to_top_k_before_clipping(fitted):
+    """The basis spans centred profiles (layer rows summing to 0), so the linear
+    prediction keeps each layer's sum at top_k; clipping only rescales."""
+    np.testing.assert_allclose(fitted.mean_.reshape(L, E).sum(1), K_TOP, rtol=1e-4)
+    np.testing.assert_allclose(fitted.basis_.reshape(-1, L, E).sum(2), 0, atol=1e-5)
+
+
+def test_ngram_hashes_are_pinned_and_unigrams_differ_from_bigrams():
+    mask = (1 << 64) - 1
+
+    def mix(key):
+        h = key * 0x9E3779B97F4A7C15 & mask
+        h ^= h >> 32
+        return h * 0xC2B2AE3D27D4EB4F & mask
+
+    ids = np.array([5, 0, 7])
+    expected = [mix(5), mix(0), mix(7), mix((6 << 32) | 0), mix((1 << 32) | 7)]
+    assert ngram_hashes(ids).tolist() == expected
+    assert ngram_hashes(np.array([3])).tolist() == [mix(3)]
+    # coarser buckets are a shift of finer ones
+    h = ngram_hashes(np.arange(100))
+    np.testing.assert_array_equal(h >> np.uint64(64 - 10), (h >> np.uint64(64 - 12)) >> 2)
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([], "empty prompt"),
+    (np.array([], dtype=np.int64), "empty prompt"),
+    ([1.5, 2.0], "must be integers"),
+    (["a"], "must be integers"),
+    ([[1, 2]], "1-D"),
+    ([1, -1], "unknown token id -1"),
+    ([1, VOCAB], f"unknown token id {VOCAB}"),
+])
+def test_bad_prompts_are_refused_naming_the_problem(fitted, ids, match):
+    with pytest.raises(ValueError, match=match):
+        fitted.predict(ids)
+
+
+def test_token_ids_may_be_any_integer_sequence(fitted, trace):
+    ids = trace.prompt_tokens(3)
+    ref = fitted.predict(ids)
+    for other in (ids.astype(np.int64), ids.astype(np.uint16), [int(t) for t in ids]):
+        np.testing.assert_array_equal(fitted.predict(other), ref)
+
+
+def test_tokenizer_fingerprint_and_vocabulary(tmp_path):
+    doc = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}},
+           "added_tokens": [{"id": 7, "content": "<eos>"}]}
+    raw = json.dumps(doc).encode()
+    (tmp_path / "tokenizer.json").write_bytes(raw)
+    fp = hashlib.sha256(raw).hexdigest()
+    assert tokenizer_fingerprint(raw) == fp
+    assert tokenizer_fingerprint(tmp_path) == fp
+    assert tokenizer_fingerprint(tmp_path / "tokenizer.json") == fp
+    assert tokenizer_fingerprint(raw + b" ") != fp
+    assert tokenizer_vocab_size(tmp_path) == 8
+    unigram = {"model": {"type": "Unigram", "vocab": [["a", -1.0], ["b", -2.0]]}}
+    assert tokenizer_vocab_size(json.dumps(unigram).encode()) == 2
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        tokenizer_fingerprint(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"not a readable tokenizer\.json"):
+        tokenizer_vocab_size(b"{not json")
+    with pytest.raises(ValueError, match="no vocabulary"):
+        tokenizer_vocab_size(b"{}")
+
+
+def test_another_tokenizer_is_refused(fitted):
+    fitted.check_tokenizer("ab" * 32)
+    fitted.check_tokenizer("")  # unknown: accepted
+    fitted.check_tokenizer(None)
+    with pytest.raises(ValueError, match="another model or vocabulary"):
+        fitted.check_tokenizer("cd" * 32)
+
+
+def test_state_round_trip_predicts_the_same_bits(fitted, trace):
+    doc, arrays = fitted.state()
+    back = PromptPredictor.from_state(json.loads(json.dumps(doc)), arrays)
+    for r in (0, 50, 140):
+        ids = trace.prompt_tokens(r)
+        np.testing.assert_array_equal(back.predict(ids), fitted.predict(ids))
+    assert back.nbytes == fitted.nbytes
+    assert back.cv_r2_ == pytest.approx(fitted.cv_r2_, abs=1e-6)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d, a: d.update(hash="other"), "made by another eldr"),
+    (lambda d, a: d.update(bits=30), "bits must be in"),
+    (lambda d, a: d.update(rank=True), "rank must be a positive integer"),
+    (lambda d, a: d.update(weighting="bm25"), "weighting must be one of"),
+    (lambda d, a: d.update(alpha=-1), "alpha must be a positive"),
+    (lambda d, a: d.update(tokenizer_fingerprint=7), "tokenizer_fingerprint"),
+    (lambda d, a: a.update(weights=a["weights"][:-1]), "array weights"),
+    (lambda d, a: a.update(basis=a["basis"].astype(np.float64)), "array basis"),
+    (lambda d, a: a["mean"].__setitem__(0, np.nan), "NaN or Inf"),
+    (lambda d, a: a["idf"].__setitem__(0, -1), "idf must be non-negative"),
+    (lambda d, a: a.pop("idf"), "array idf"),
+])
+def test_damaged_states_are_refused(fitted, edit, match):
+    doc, arrays = fitted.state()
+    doc = json.loads(json.dumps(doc))
+    arrays = {k: v.copy() for k, v in arrays.items()}
+    edit(doc, arrays)
+    with pytest.raises(ValueError, match=match):
+        PromptPredictor.from_state(doc, arrays)
+
+
+def test_candidates_over_the_size_budget_are_skipped(trace):
+    small = trace.subset(np.arange(60))
+    size = lambda bits, rank: 4 * ((1 << bits) * (1 + rank) + (rank + 1) * L * E)  # noqa: E731
+    budget = size(10, 8)
+    p = PromptPredictor(bits=(10, 12), ranks=(4, 8), alphas=(0.1,),
+                        max_bytes=budget).fit(small)
+    assert {(g["bits"], g["rank"]) for g in p.grid_} == {(10, 4), (10, 8)}
+    assert p.nbytes <= budget
+    with pytest.raises(ValueError, match="no candidate fits max_bytes"):
+        PromptPredictor(bits=(12,), ranks=(8,), max_bytes=1000).fit(small)
+
+
+def test_fit_refuses_what_it_cannot_use(trace):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="no prompt_token_ids"):
+        PromptPredictor().fit(replace(trace, prompt_token_ids=None))
+    with pytest.raises(ValueError, match="at least 6 requests"):
+        PromptPredictor().fit(trace.subset(np.arange(5)))
+    with pytest.raises(ValueError, match="hold token id"):
+        PromptPredictor(**SMALL).fit(trace.subset(np.arange(30)), vocab_size=3)
+    with pytest.raises(ValueError, match="not fitted"):
+        PromptPredictor().predict([1, 2])
+    for bad in ({"bits": (4,)}, {"ranks": ()}, {"alphas": (0,)}, {"folds": 1},
+                {"weightings": ("bm25",)}, {"max_bytes": 0}):
+        with pytest.raises(ValueError):
+            PromptPredictor(**bad)
+
+
+def test_fits_are_deterministic(trace):
+    small = trace.subset(np.arange(60))
+    a = PromptPredictor(**SMALL).fit(small)
+    b = PromptPredictor(**SMALL).fit(small)
+    np.testing.assert_array_equal(a.weights_, b.weights_)
+    np.testing.assert_array_equal(a.predict(small.prompt_tokens(0)),
+                                  b.predict(small.prompt_tokens(0)))
+
+
+# -- in the routing artifact -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def art(trace):
+    return fit_artifact(trace, worker_ids=["w0", "w1", "w2"], n_init=1, prompt_options=SMALL)
+
+
+def test_the_artifact_fits_saves_and_loads_the_predictor(art, trace, tmp_path):
+    assert art.prompt_predictor is not None
+    assert art.fit_stats["prompt_predictor"]["cv_r2"] == pytest.approx(
+        art.prompt_predictor.cv_r2_, abs=1e-6)
+    out = artifact.save(art, tmp_path / "art")
+    assert sorted(p.name for p in out.iterdir()) == ["arrays.npz", "artifact.json",
+                                                     "prompt.npz"]
+    back = artifact.load(out)
+    ids = trace.prompt_tokens(7)
+    np.testing.assert_array_equal(back.prompt_predictor.predict(ids),
+                                  art.prompt_predictor.predict(ids))
+    s, p = back.route_inputs_from_prompt(ids)
+    s0, p0 = art.route_inputs_from_prompt(ids)
+    np.testing.assert_array_equal(s, s0)
+    np.testing.assert_array_equal(p, p0)
+    artifact.save(back, out)  # an artifact directory with prompt.npz is replaced
+
+
+def test_route_inputs_from_prompt_are_what_route_request_takes(art, trace):
+    ids = trace.prompt_tokens(11)
+    sig, prof = art.route_inputs_from_prompt(ids)
+    assert sig.dtype == np.float32 and sig.shape == (art.layers.size * E,)
+    assert np.linalg.norm(sig) == pytest.approx(1.0, rel=1e-5)
+    assert prof.dtype == np.float32 and prof.shape == (L, E)
+    pre = art.prompt_predictor.predict(ids)
+    # the signature is the encoder on the predicted profile; the profile its shrinkage
+    np.testing.assert_array_equal(sig, art.encoder.transform(pre))
+    np.testing.assert_array_equal(prof, art.predict_profile(pre, 1))
+    # the predicted signature picks the same worker as the real one for most prompts
+    same = 0
+    for r in range(trace.num_requests):
+        real = art.encoder.transform(trace.prefill_counts[r])
+        pred, _ = art.route_inputs_from_prompt(trace.prompt_tokens(r))
+        same += int((art.centroids @ real).argmax() == (art.centroids @ pred).argmax())
+    assert same >= 0.9 * trace.num_requests
+    with pytest.raises(ValueError, match="empty prompt"):
+        art.route_inputs_from_prompt([])
+    with pytest.raises(ValueError, match="unknown token id"):
+        art.route_inputs_from_prompt([VOCAB + 5])
+    # a predictor of unknown tokenizer ("") accepts any fingerprint
+    art.route_inputs_from_prompt(ids, tokenizer_fingerprint="ff" * 32)
+
+
+def test_without_prompt_ids_or_when_turned_off_there_is_no_predictor(trace):
+    from dataclasses import replace
+
+    for a in (fit_artifact(replace(trace, prompt_token_ids=None), worker_ids=["a", "b"],
+                           n_init=1),
+              fit_artifact(trace, worker_ids=["a", "b"], n_init=1, prompt_predictor=False)):
+        assert a.prompt_predictor is None
+        assert a.fit_stats["prompt_predictor"] is None
+        with pytest.raises(ValueError, match="no prompt predictor"):
+            a.route_inputs_from_prompt([1, 2])
+
+
+def test_load_refuses_a_predictor_for_another_tokenizer(trace, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {f"t{i}": i for i in range(VOCAB + 10)}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    a = fit_artifact(trace, worker_ids=["a", "b"], n_init=1, tokenizer=tok,
+                     prompt_options=SMALL)
+    fp = tokenizer_fingerprint(tok)
+    assert a.prompt_predictor.tokenizer_fingerprint == fp
+    assert a.prompt_predictor.vocab_size == VOCAB + 10
+    a.prompt_predictor.predict([VOCAB + 9])  # in that vocabulary, unseen in the trace
+    out = artifact.save(a, tmp_path / "art")
+    assert artifact.load(out, expect_tokenizer=fp).prompt_predictor is not None
+    with pytest.raises(ValueError, match="another model or vocabulary"):
+        artifact.load(out, expect_tokenizer="0" * 64)
+    with pytest.raises(ValueError, match="another model or vocabulary"):
+        a.route_inputs_from_prompt([1, 2], tokenizer_fingerprint="0" * 64)
+    a.route_inputs_from_prompt([1, 2], tokenizer_fingerprint=fp)
+
+
+def test_a_damaged_prompt_file_is_refused_in_one_line(art, tmp_path):
+    out = artifact.save(art, tmp_path / "art")
+    (out / "prompt.npz").unlink()
+    with pytest.raises(ValueError, match=r"missing prompt\.npz"):
+        artifact.load(out)
+    out = artifact.save(art, tmp_path / "art2")
+    doc, arrays = art.prompt_predictor.state()
+    arrays = dict(arrays, weights=arrays["weights"][:, :1].copy())
+    with open(out / "prompt.npz", "wb") as fh:
+        np.savez(fh, **arrays)
+    with pytest.raises(ValueError, match="weights has shape"):
+        artifact.load(out)
+    out = artifact.save(art, tmp_path / "art3")
+    with open(out / "prompt.npz", "wb") as fh:
+        np.savez(fh, **dict(art.prompt_predictor.state()[1], extra=np.zeros(1)))
+    with pytest.raises(ValueError, match=r"prompt\.npz holds"):
+        artifact.load(out)
+    out = artifact.save(art, tmp_path / "art4")
+    doc = json.loads((out / "artifact.json").read_text())
+    doc["prompt_predictor"]["num_experts"] = E * 2
+    (out / "artifact.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="prompt_predictor is for"):
+        artifact.load(out)
+
+
+def test_eldr_fit_fits_the_predictor_with_its_tokenizer(trace, tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    save_trace(trace, path)
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(VOCAB)}}}))
+    base = ["fit", str(path), "-K", "2", "--n-init", "1", "--prompt-bits", "10",
+            "--prompt-ranks", "4", "8"]
+    assert main([*base, "--tokenizer", str(tok), "-o", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "prompt predictor: 2**10 buckets" in out and "vocabulary 48" in out
+    a = artifact.load(tmp_path / "a", expect_tokenizer=tokenizer_fingerprint(tok))
+    assert a.prompt_predictor.bits_ == 10 and a.prompt_predictor.rank_ <= 8
+    assert main([*base, "--no-prompt-predictor", "-o", str(tmp_path / "b")]) == 0
+    assert artifact.load(tmp_path / "b").prompt_predictor is None
+    assert main([*base, "--tokenizer", str(tmp_path / "none"), "-o",
+                 str(tmp_path / "c")]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
