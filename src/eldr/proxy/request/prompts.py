@@ -315,6 +315,9 @@ def predict_reading(state, prompt: RequestPrompt) -> tuple[Reading | None, str]:
     except ValueError:
         return None, "invalid"
     want_sig, want_profile = state.needs_signature, state.needs_profile
+    signature = np.asarray(signature, dtype=np.float32).reshape(-1)  # (d,), as payloads give
+    if not np.isfinite(signature).all():
+        return None, "invalid"
     if want_profile:
         bind = getattr(state.policy, "bind", None)
         if bind is not None:
