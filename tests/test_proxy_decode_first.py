@@ -222,3 +222,31 @@ def test_decode_kv_params_need_decode_first_and_objects():
     ok = ServeConfig(**base, decode_first=True, decode_kv_params=NAMED)
     assert ok.decoder_kv_params()["w-other"] == {"remote_host": "10.0.0.2",
                                                  "remote_port": 7002}
+
+
+def test_a_decoder_removed_during_a_held_prefill_does_not_move_the_held_one():
+    """The held decoder is kept as itself: removing a decoder before it in the pool (its
+    index moves down) while the prefill runs sends the decode where it was held."""
+    async def go():
+        async with cluster(decode_first=True, admin_token="t" * 16, decode_kv_params=NAMED,
+                           engine_kw={"payload": "none"}) as (router, client, prefills,
+                                                              decoders):
+            with_prompt(router)
+            prefills[0].hold = asyncio.Event()
+            task = asyncio.ensure_future(client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": LAW_IDS}))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if prefills[0].requests:
+                    break
+            await router.elastic.remove("w-code")  # index 0 goes; w-other becomes 0
+            names = [d.name for d in router.pool.decode]
+            prefills[0].hold.set()
+            r = await task
+            return router, names, r.status, r.headers["X-Eldr-Decoder"], decoders
+
+    router, names, status, decoder, decoders = run(go())
+    assert names == ["w-other"]
+    assert (status, decoder) == (200, "w-other")
+    assert len(decoders[1].requests) == 1 and not decoders[0].requests
+    assert _idle(router)

@@ -186,7 +186,7 @@ class RequestFlow:
                 if not self.guards.may_retry(faults, last):
                     break
                 metrics.retries.inc()
-            prefill, doc, held = None, None, None
+            prefill, doc, held, holder = None, None, None, None
             if unread is None:
                 # Engines key requests by this id: a client's id may be shared or replayed,
                 # so each attempt gets one of ours (the client's stays in answers and logs).
@@ -194,9 +194,9 @@ class RequestFlow:
                 self._check_decoders()
                 if first:  # the decoder first, held while its prefill runs
                     state = self._current(state)
-                    held = self._hold(state, attempt_id, prompt, excluded, faults)
+                    held, holder = self._hold(state, attempt_id, prompt, excluded, faults)
                     prefill, doc = await self._prefill_for(
-                        state, held, body, kind, prefill_data, hashes, headers, faults)
+                        state, held, holder, body, kind, prefill_data, hashes, headers, faults)
                 elif not whole:
                     prefill, doc = await self._prefill(prefill_data, kind, hashes, headers,
                                                        faults)
@@ -207,10 +207,11 @@ class RequestFlow:
                 state = self._current(state)
                 decision = self._route(state, attempt_id, doc, excluded, faults, whole,
                                        prompt)
-            else:
+            else:  # the held decoder (its index may have moved: a removal during the prefill)
                 kv_params, pt = self._kv_of(doc)
-                decision = dataclasses.replace(held, kv_params=kv_params, prompt_tokens=pt)
-            decoder = self.pool.decode[decision.worker]
+                decision = dataclasses.replace(held, worker=holder.index, kv_params=kv_params,
+                                               prompt_tokens=pt)
+            decoder = holder or self.pool.decode[decision.worker]
             reply = {"X-Request-Id": rid,
                      "X-Eldr-Prefill": prefill.name if prefill is not None else "none",
                      "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
@@ -345,11 +346,13 @@ class RequestFlow:
 
     # -- decode-first ----------------------------------------------------------------------
     def _hold(self, state: RoutingState, attempt_id: str, prompt: RequestPrompt,
-              excluded: list[Instance], faults: Strikes) -> Decision:
+              excluded: list[Instance], faults: Strikes) -> tuple[Decision, Instance]:
         """Decode-first: the attempt's decoder, chosen on the prompt's prediction (by load
         without one) before any prefill, and held: dispatched to the policy, its breaker
         and its load, exactly as a decode in flight, until the decode takes it over or
-        :meth:`_unhold` gives it back."""
+        :meth:`_unhold` gives it back. The decoder is returned as itself: a removal of
+        another decoder during the prefill moves indices, never the held one (its request
+        in flight keeps it in the pool)."""
         t0 = time.perf_counter()
         reading, _ = self._predict(state, prompt)
         if reading is None:
@@ -359,29 +362,28 @@ class RequestFlow:
         state.policy.on_dispatch(decision.request, decision.worker)
         decoder.breaker.on_dispatch()
         self.pool.begin(decoder)
-        return decision
+        return decision, decoder
 
-    def _unhold(self, state: RoutingState, decision: Decision) -> None:
+    def _unhold(self, state: RoutingState, decision: Decision, decoder: Instance) -> None:
         """Give back a held decoder whose decode will not be sent (its prefill failed, the
         client left): released ``cancelled``, the decoder not blamed."""
-        decoder = self.pool.decode[decision.worker]
         self.pool.end(decoder)
         state.policy.on_release(decision.request.request_id, "cancelled")
         decoder.breaker.on_abandon()
 
-    async def _prefill_for(self, state: RoutingState, held: Decision, body: dict, kind: str,
-                           data: bytes | None, hashes, headers, faults: Strikes
-                           ) -> tuple[Instance, dict]:
+    async def _prefill_for(self, state: RoutingState, held: Decision, decoder: Instance,
+                           body: dict, kind: str, data: bytes | None, hashes, headers,
+                           faults: Strikes) -> tuple[Instance, dict]:
         """Decode-first: the prefill of an attempt whose decoder is held, naming that
         decoder in its ``kv_transfer_params`` when the connector needs it
         (``decode_kv_params``); the decoder is given back if the prefill fails."""
-        named = self._named.get(state.worker_names[held.worker])
+        named = self._named.get(decoder.name)
         try:
             if named is not None:
                 data = prefill_body(body, kind, {**self._kv_params(state), **named})
             return await self._prefill(data, kind, hashes, headers, faults)
         except BaseException:  # failed, poison, or the client left: nothing to decode
-            self._unhold(state, held)
+            self._unhold(state, held, decoder)
             raise
 
     async def _dispatch(self, state: RoutingState, attempt: DecodeAttempt, doc: dict | None,
