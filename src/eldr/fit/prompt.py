@@ -251,6 +251,8 @@ class PromptPredictor:
     folds: cross-validation folds for the choice (≥ 2).
     max_bytes: candidates whose stored arrays exceed this are skipped (the artifact's
         budget for the predictor).
+    tolerance: the cheapest candidate (fewest buckets, then lowest rank, then largest α)
+        whose cross-validated R² is within this of the best is chosen.
     random_state: seed of the fold assignment.
 
     Fitted: ``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``,
@@ -264,9 +266,10 @@ class PromptPredictor:
 
     def __init__(self, *, bits: Sequence[int] = (15, 16, 17, 18),
                  ranks: Sequence[int] = (8, 16, 32, 64),
-                 alphas: Sequence[float] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+                 alphas: Sequence[float] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
                  weightings: Sequence[str] = WEIGHTINGS, folds: int = 3,
-                 max_bytes: int = 48 << 20, random_state: int | None = 0) -> None:
+                 max_bytes: int = 48 << 20, tolerance: float = 0.002,
+                 random_state: int | None = 0) -> None:
         self.bits = tuple(int(b) for b in bits)
         self.ranks = tuple(int(r) for r in ranks)
         self.alphas = tuple(float(a) for a in alphas)
@@ -283,8 +286,11 @@ class PromptPredictor:
             raise ValueError(f"folds must be >= 2, got {folds}")
         if int(max_bytes) <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if not (np.isfinite(tolerance) and tolerance >= 0):
+            raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
         self.folds = int(folds)
         self.max_bytes = int(max_bytes)
+        self.tolerance = float(tolerance)
         self.random_state = random_state
 
     # -- interface attributes ---------------------------------------------------------------
@@ -395,7 +401,11 @@ class PromptPredictor:
         if not grid:
             raise ValueError(f"no candidate fits max_bytes={self.max_bytes} (bits "
                              f"{self.bits}, ranks {self.ranks})")
-        best = max(grid, key=lambda g: (g["r2"], -g["bits"], -g["rank"], g["alpha"]))
+        # the cheapest candidate (fewest buckets, lowest rank, most regularised) within
+        # ``tolerance`` of the best R²: a bigger predictor must earn its bytes and its µs
+        top = max(g["r2"] for g in grid)
+        best = min((g for g in grid if g["r2"] >= top - self.tolerance),
+                   key=lambda g: (g["bits"], g["rank"], -g["alpha"], -g["r2"]))
 
         bits, rank, alpha = best["bits"], best["rank"], best["alpha"]
         weighting = best["weighting"]
@@ -458,8 +468,14 @@ class PromptPredictor:
         ``[0, vocab_size)``, non-integer input."""
         self._check_fitted()
         ids = _check_ids(token_ids, self.vocab_size)
-        buckets, w = _feature_row(ngram_hashes(ids), self.bits_, self.idf_, self.weighting_)
-        z = w @ self.weights_[buckets]
+        hashes = ngram_hashes(ids)
+        if self.weighting_ == "tf":  # Σ_b (count_b / n) W[b] = Σ over n-grams W[b] / n:
+            # no aggregation (sort) needed
+            rows = (hashes >> np.uint64(64 - self.bits_)).astype(np.intp)
+            z = self.weights_[rows].sum(axis=0) / np.float32(hashes.size)
+        else:
+            buckets, w = _feature_row(hashes, self.bits_, self.idf_, self.weighting_)
+            z = w @ self.weights_[buckets]
         y = self.mean_ + z @ self.basis_
         return _finish(y.reshape(self.num_layers, self.num_experts), self.top_k)
 

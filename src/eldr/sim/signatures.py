@@ -15,6 +15,12 @@ The last two need the trace's per-token ``prefill_topk`` and ``prompt_token_ids`
 fitted encoder. The simulator records, per request, whether the routed signature equals
 the exact one (``requests["signature_exact"]``): always for ``sigcache``, only for
 requests without a prefix hit for ``fresh``.
+
+Routing BEFORE prefill: :func:`prompt_inputs` gives every request the signature and the
+cost policy's profile predicted from its prompt token ids alone by a fitted
+:class:`eldr.fit.prompt.PromptPredictor` (what ``RoutingArtifact.route_inputs_from_prompt``
+returns), to pass to ``simulate(signatures=..., profiles=...)`` in place of the prefill
+ones (``benchmarks/bench_prompt_predictor.py --simulate`` compares the two).
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from __future__ import annotations
 import numpy as np
 
 from eldr.cache.sigcache import SignatureCache
+from eldr.fit.predictor import shrink
 from eldr.traces.trace import Trace
 
-__all__ = ["SIGNATURE_SOURCES", "OnlineSignatures"]
+__all__ = ["SIGNATURE_SOURCES", "OnlineSignatures", "prompt_inputs"]
 
 SIGNATURE_SOURCES = ("trace", "fresh", "sigcache")
 
@@ -69,3 +76,31 @@ class OnlineSignatures:
             counts[self.layers] = cache.request_counts(hashes, self._topk(r, start),
                                                        num_cached_tokens=start)
         return self.encoder.transform(counts)
+
+
+def prompt_inputs(trace: Trace, encoder, predictor, *, profile_alpha: float | None = None,
+                  profile_mean: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Routing inputs of every request of ``trace`` predicted from its prompt alone.
+
+    Returns ``signatures`` (R, d) float32 (the fitted ``encoder`` applied to the predicted
+    prefill profile) and ``profiles`` (R, L, E) float32 (its shrinkage by ``profile_alpha``
+    toward ``profile_mean``, as the artifact's ``predict_profile`` does for real counts).
+    A request with an empty prompt has nothing to predict from: an all-zero signature (the
+    eldr policies' "no information", routed by load) and a uniform profile.
+    """
+    if trace.prompt_token_ids is None:
+        raise ValueError(f"trace ({trace.meta.source}) has no prompt_token_ids: it cannot be "
+                         "routed on prompt predictions")
+    m = trace.meta
+    if (predictor.num_layers, predictor.num_experts, predictor.top_k) != (
+            m.num_layers, m.num_experts, m.top_k):
+        raise ValueError("prompt predictor and trace are for different models")
+    pre = np.full((trace.num_requests, m.num_layers, m.num_experts),
+                  m.top_k / m.num_experts, dtype=np.float32)
+    has_prompt = trace.prompt_lens > 0
+    for r in np.flatnonzero(has_prompt):
+        pre[r] = predictor.predict(trace.prompt_tokens(int(r)))
+    signatures = encoder.transform(pre)
+    signatures[~has_prompt] = 0.0
+    profiles = shrink(pre, profile_alpha or 0.0, profile_mean)
+    return np.ascontiguousarray(signatures, dtype=np.float32), profiles.astype(np.float32)

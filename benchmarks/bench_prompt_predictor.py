@@ -1,0 +1,236 @@
+"""Benchmark the prompt predictor (issue 23; docs/fit-and-routing.md, "The prompt predictor").
+
+1. Held-out quality on a CAPTURED trace (synthetic traces draw token ids uniformly, so a
+   prompt predictor has nothing to learn there: they are refused). The trace is split in
+   two (seeded); the signature encoder and the predictor are fitted on one half; on the
+   other half, for the predicted signature (``prompt``), the real prefill signature
+   (``prefill``) and the raw TF-IDF of the prompt's tokens (``tfidf``): ρ against decode
+   patterns, and routed locality: the held-out requests grouped into ``--groups``
+   decoders by balanced K-means on each signature, the expected distinct experts per layer
+   of one decode step of each decoder's batch, against round robin (random balanced
+   splits) (:mod:`eldr.fit.prompt_eval`). R² of the predicted prefill profile.
+2. Size: the ``prompt.npz`` an artifact fitted on the whole trace gains, and the largest a
+   48 × 128 predictor may be (the fit's 48 MB budget).
+3. Prediction cost: ``PromptPredictor.predict`` for a 48 × 128 top-8 model and a
+   2,048-token prompt (ids from a 151,936-token vocabulary, Qwen3's), p50 / p99 over
+   ``--calls`` calls after warm-up, at (bits, rank) = (16, 32), (18, 32) and the largest
+   within budget (18, 46); and ``route_inputs_from_prompt`` (prediction + signature +
+   cost-policy profile) at (16, 32). Wall clock on a shared machine: p99 is noisy.
+4. ``--simulate``: the simulator on the tiny-MoE CPU preset (docs/simulator.md, the
+   comparison there: 8 prefill and 4 decode workers, 10 s warm-up + 60 s): ``eldr`` and
+   ``eldr_cost`` routed on the prefill signature/profile and on the prompt predictions
+   (:func:`eldr.sim.signatures.prompt_inputs`), and jsq, p2c, round_robin, at ``--qps``,
+   seeds ``--seeds``; means over seeds of the median TPOT.
+
+Run: ``python benchmarks/bench_prompt_predictor.py [--trace T.npz] [--simulate]``
+(default trace: the shipped tiny-MoE capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np
+
+from eldr.fit.prompt import PromptPredictor
+
+
+def quality(trace, args) -> None:
+    from eldr.fit.prompt_eval import evaluate_prompt_predictor
+
+    t0 = time.perf_counter()
+    ev = evaluate_prompt_predictor(trace, heldout=args.heldout, num_groups=args.groups,
+                                   random_state=args.seed)
+    p = ev.predictor
+    print(f"\n1. held-out quality: fitted on {ev.num_fit}, evaluated on {ev.num_heldout} "
+          f"requests, {args.groups} decoders ({time.perf_counter() - t0:.1f} s)")
+    print(f"   predictor chosen by 3-fold CV on the fit half: 2**{p.bits_} buckets, "
+          f"{p.weighting_}, rank {p.rank_}, alpha {p.alpha_:g} (CV R^2 {p.cv_r2_:.3f}, fit "
+          f"{p.fit_seconds_:.1f} s)")
+    print(f"   R^2 of the predicted prefill profile: {ev.r2:.3f}")
+    rr = next(iter(ev.locality.values())).round_robin
+    print(f"   {'routing input':<22} {'rho':>7} {'distinct/layer/step':>20} "
+          f"{'vs round robin':>15}")
+    names = {"prompt": "prompt predictor", "prefill": "prefill signature",
+             "tfidf": "token TF-IDF"}
+    for key, name in names.items():
+        loc = ev.locality[key]
+        print(f"   {name:<22} {ev.rho[key]:7.3f} {loc.clustered:20.2f} "
+              f"{-100 * loc.reduction:+14.1f}%")
+    print(f"   {'round robin':<22} {'':>7} {rr:20.2f}")
+
+
+def size(trace, args) -> None:
+    from eldr.fit import artifact
+
+    tok = None
+    if trace.meta.model == "tiny_moe":
+        from eldr.capture import tiny_moe_dir
+
+        tok = tiny_moe_dir()
+    art = artifact.fit_artifact(trace, worker_ids=[f"d{i}" for i in range(4)],
+                                tokenizer=tok, random_state=args.seed)
+    with tempfile.TemporaryDirectory() as d:
+        out = artifact.save(art, os.path.join(d, "art"))
+        added = os.path.getsize(out / "prompt.npz")
+        rest = os.path.getsize(out / "arrays.npz") + os.path.getsize(out / "artifact.json")
+    p = art.prompt_predictor
+    largest = 4 * ((1 << 18) * (1 + 46) + 47 * 48 * 128)
+    print(f"\n2. artifact size: the whole-trace fit chose 2**{p.bits_} buckets, rank "
+          f"{p.rank_}: prompt.npz adds {added / 2**20:.2f} MiB to {rest / 2**20:.3f} MiB; a "
+          f"48x128 predictor is at most {largest / 2**20:.1f} MiB (2**18 x rank 46, the "
+          f"fit's 48 MB budget)")
+
+
+def _random_predictor(bits: int, rank: int, L: int, E: int, k: int, vocab: int,
+                      rng) -> PromptPredictor:
+    doc = {"hash": "mul64-unigram-bigram-v1", "num_layers": L, "num_experts": E,
+           "top_k": k, "vocab_size": vocab, "tokenizer_fingerprint": "", "bits": bits,
+           "weighting": "tfidf", "rank": rank, "alpha": 0.1}
+    mean = rng.dirichlet(np.ones(E), size=L).astype(np.float32) * k
+    basis = rng.standard_normal((rank, L, E)).astype(np.float32)
+    basis -= basis.mean(axis=2, keepdims=True)
+    arrays = {"idf": (1 + rng.random(1 << bits)).astype(np.float32),
+              "weights": (0.01 * rng.standard_normal((1 << bits, rank))).astype(np.float32),
+              "basis": basis.reshape(rank, L * E), "mean": mean.reshape(-1)}
+    return PromptPredictor.from_state(doc, arrays)
+
+
+def _percentiles(fn, calls: int) -> tuple[float, float]:
+    for _ in range(min(200, calls)):
+        fn()
+    out = np.empty(calls)
+    for i in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        out[i] = time.perf_counter_ns() - t0
+    return float(np.percentile(out, 50) / 1e3), float(np.percentile(out, 99) / 1e3)
+
+
+def cost(args) -> None:
+    from eldr.fit.artifact import RoutingArtifact
+    from eldr.fit.signature import SignatureEncoder
+
+    L, E, k, vocab, P = 48, 128, 8, 151_936, 2048
+    rng = np.random.default_rng(args.seed)
+    ids = rng.integers(0, vocab, P)
+    print(f"\n3. prediction cost, {L}x{E} top-{k}, a {P}-token prompt, {args.calls} calls "
+          "(wall clock, after 200 warm-up calls)")
+    for bits, rank in ((16, 32), (18, 32), (18, 46)):
+        p = _random_predictor(bits, rank, L, E, k, vocab, rng)
+        p50, p99 = _percentiles(lambda p=p: p.predict(ids), args.calls)
+        print(f"   predict, 2**{bits} buckets, rank {rank} ({p.nbytes / 2**20:5.1f} MiB): "
+              f"p50 {p50:7.1f} us, p99 {p99:7.1f} us")
+    p = _random_predictor(16, 32, L, E, k, vocab, rng)
+    enc = SignatureEncoder.from_state({
+        "representation": "count_idf", "num_layers": L, "num_experts": E,
+        "layers": list(range(0, L, 3)), "idf": rng.random((L, E)), "rho": 0.5})
+    art = RoutingArtifact(model="bench", num_layers=L, num_experts=E, top_k=k, encoder=enc,
+                          centroids=np.eye(4, 16 * E, dtype=np.float32),
+                          worker_ids=("a", "b", "c", "d"), tau=0.1, profile_alpha=0.2,
+                          profile_mean=np.full((L, E), k / E, dtype=np.float32),
+                          prompt_predictor=p)
+    p50, p99 = _percentiles(lambda: art.route_inputs_from_prompt(ids), args.calls)
+    print(f"   route_inputs_from_prompt (16-layer mask, alpha 0.2), 2**16 x 32: p50 "
+          f"{p50:7.1f} us, p99 {p99:7.1f} us")
+    short = ids[:256]
+    p50, p99 = _percentiles(lambda: p.predict(short), args.calls)
+    print(f"   predict, a 256-token prompt, 2**16 x 32: p50 {p50:7.1f} us, p99 {p99:7.1f} us")
+
+
+def simulate(trace, args) -> None:
+    from eldr.reproduce.setup import fit_setup
+    from eldr.sim import SimConfig
+    from eldr.sim import simulate as run
+    from eldr.sim.signatures import prompt_inputs
+    from eldr.sim.steptime import routing_resources
+
+    baselines = ["jsq", "p2c", "round_robin"]
+    rows: dict = {}
+    t0 = time.perf_counter()
+    for seed in args.seeds:
+        setup = fit_setup(trace, "task", calib_requests=min(1000, trace.num_requests // 2),
+                          seed=seed, selection_max_pairs=20_000, max_pairs=50_000)
+        cal = setup.calibration
+        pred = PromptPredictor(random_state=seed).fit(setup.calib)
+        pred.vocab_size = max(pred.vocab_size, int(setup.eval.prompt_token_ids.max()) + 1)
+        sigs, profs = prompt_inputs(setup.eval, setup.encoder, pred,
+                                    profile_alpha=cal.profile_alpha,
+                                    profile_mean=cal.profile_mean)
+        for qps in args.qps:
+            cfg = SimConfig(model="tiny-moe", hardware="cpu", num_prefill=8, num_decode=4,
+                            qps=qps, warmup_s=args.warmup, duration_s=args.duration,
+                            seed=seed)
+            for name in [*baselines, "eldr", "eldr_cost"]:
+                variants = [None, (sigs, profs)] if name.startswith("eldr") else [None]
+                for predicted in variants:
+                    pol = setup.policy(name, 4, tau=0.1, seed=seed, **routing_resources(cfg))
+                    inputs = setup.inputs(pol)
+                    if predicted is not None:
+                        if "signatures" in inputs:
+                            inputs["signatures"] = predicted[0]
+                        if "profiles" in inputs:
+                            inputs["profiles"] = predicted[1]
+                    res = run(setup.eval, cfg, pol, tokens=setup.tokens, **inputs)
+                    key = name if predicted is None else f"{name}@prompt"
+                    rows.setdefault((qps, key), []).append(res.summary()["tpot_median_ms"])
+        print(f"   seed {seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\n4. simulator, tiny-MoE CPU preset, 8 prefill / 4 decode, {args.warmup:g} s + "
+          f"{args.duration:g} s, seeds {args.seeds}: median TPOT (ms), mean over seeds")
+    keys = [*baselines, "eldr", "eldr@prompt", "eldr_cost", "eldr_cost@prompt"]
+    print(f"   {'req/s':>6} " + " ".join(f"{k:>16}" for k in keys)
+          + f" {'cost wins?':>11} {'prompt - prefill':>17}")
+    for qps in args.qps:
+        m = {k: float(np.mean(rows[(qps, k)])) for k in keys}
+        best = min(m[b] for b in baselines)
+        wins = m["eldr_cost"] < best
+        gap = 100 * (m["eldr_cost@prompt"] - m["eldr_cost"]) / m["eldr_cost"]
+        print(f"   {qps:>6g} " + " ".join(f"{m[k]:16.3f}" for k in keys)
+              + f" {'yes' if wins else 'no':>11} {gap:+16.2f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", help="a captured trace with prompt_token_ids (default: the "
+                    "shipped tiny-MoE capture)")
+    ap.add_argument("--heldout", type=float, default=0.5)
+    ap.add_argument("--groups", type=int, default=8, help="decoders for routed locality")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calls", type=int, default=5000, help="timed calls per cost figure")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--simulate", action="store_true", help="also run section 4")
+    ap.add_argument("--qps", type=float, nargs="+", default=[40, 100, 160, 220, 260])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--warmup", type=float, default=10.0)
+    args = ap.parse_args()
+    if not args.skip_quality or args.simulate:
+        from eldr.traces.trace import load
+
+        if args.trace is None:
+            from eldr.capture import tiny_moe_trace_path
+
+            args.trace = tiny_moe_trace_path()
+        trace = load(args.trace)
+        print(trace.describe())
+        if trace.meta.source.startswith("synthetic"):
+            raise SystemExit("synthetic traces draw token ids uniformly: a prompt predictor "
+                             "cannot be evaluated on one; give a captured trace")
+        if trace.prompt_token_ids is None:
+            raise SystemExit(f"{args.trace} has no prompt_token_ids (re-capture it)")
+    if not args.skip_quality:
+        quality(trace, args)
+        size(trace, args)
+    cost(args)
+    if args.simulate:
+        simulate(trace, args)
+
+
+if __name__ == "__main__":
+    main()
