@@ -145,7 +145,9 @@ def _learn_metrics(url: str) -> dict:
                           for s in ("shift", "rho", "distinct")),
             **{r: _metric(page, "eldr_learn_fits_total", result=r)
                for r in ("accepted", "refused", "failed")},
-            "with_decode": _metric(page, "eldr_learn_buffer_requests", kind="with_decode")}
+            "with_decode": _metric(page, "eldr_learn_buffer_requests", kind="with_decode"),
+            **{r: _metric(page, "eldr_learn_requests_total", result=r)
+               for r in ("collected", "partial")}}
 
 
 def _send(url: str, prompts: list[str]) -> None:
@@ -239,6 +241,10 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     # both domains). The waves and the elastic phase are NOT the first calibration's mix:
     # they use words it never saw, and MMD on a 48-request reference may see that. So the
     # false-alarm check runs here, on CALM_WINDOWS windows of the calibrated mix.
+    # Every prompt of that mix was sent before and its KV is in the connector's store: the
+    # prefill would load it and count only the tail (not learned from, "partial"). An
+    # empty store makes these whole-prompt prefills, so the windows are really tested.
+    empty_store(tmp / "kv")
     settled = _learn_metrics(learner)
     mix = _prompts((A, B), slice(0, len(WORDS[A])))
     pick = np.random.default_rng(0).permutation(len(mix))[:CALM_WINDOWS * DRIFT_WINDOW]
@@ -246,8 +252,12 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     time.sleep(2)  # the last window's test runs in a thread after the answers
     calm = _learn_metrics(learner)
     print(f"4. calm: {CALM_WINDOWS * DRIFT_WINDOW} requests of the calibrated mix; {calm}")
+    assert calm["collected"] - settled["collected"] >= (CALM_WINDOWS - 1) * DRIFT_WINDOW, \
+        f"too few calm requests collected to test: {settled} -> {calm}"
     assert calm["drifts"] == settled["drifts"], \
-        f"drift declared on the calibration's own mix: {settled} -> {calm}"
+        f"drift declared on the calibration's own mix: {settled} -> {calm}\n" + "\n".join(
+            line for line in log_path.read_text(errors="replace").splitlines()
+            if "learn: " in line and "learn: collected" not in line)
     t1 = time.monotonic()
     shift = _until(learner, lambda m: (m["swaps"] > calm["swaps"]
                                        and m["drifts"] > calm["drifts"])
