@@ -16,7 +16,7 @@ def token_trace(R=90, seed=0, vocab=VOCAB):
                                   for _ in range(L)]) for t in range(vocab)])  # (V, L, k)
     dom = np.arange(R) % 3
     lens = rng.integers(4, 24, R)
-    outs = rng.integers(2, 6, R)
+    outs = rng.integers(16, 40, R)
     tokens, pre = [], np.zeros((R, L, E), dtype=np.int32)
     dec = np.zeros((R, L, E), dtype=np.int32)
     width = vocab // 3

@@ -1,4 +1,6 @@
-"""``eldr score TRACE``: signature quality ρ per representation, and the premise check."""
+"""``eldr score TRACE``: signature quality ρ per representation, the premise check, and
+(when the trace is a capture with prompt token ids) the prompt predictor beside the prefill
+signature on held-out requests."""
 
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pairs sampled during the greedy layer search (default 20000; 0 = all)")
     p.add_argument("--seed", type=int, default=0, help="seed for pair sampling")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    p.add_argument("--no-prompt", action="store_true",
+                   help="skip the prompt predictor's held-out evaluation")
+    p.add_argument("--prompt-heldout", type=float, default=0.5, metavar="F",
+                   help="share of requests held out from the prompt predictor's fit "
+                   "(default 0.5)")
+    p.add_argument("--prompt-groups", type=int, metavar="K",
+                   help="decoders the held-out requests are grouped into for routed "
+                   "locality (default: held-out requests / 16, 2 to 8)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
         "mean": float(finite.mean()) if finite.size else None,
         "quartiles": np.percentile(finite, [25, 50, 75]).tolist() if finite.size else None,
     }
+    prompt, prompt_note = _prompt_section(trace, args)
     if args.json:
         print(json.dumps({"trace": trace.describe(), "representations": results,
-                          "prefill_decode_pearson": premise}, indent=2))
+                          "prefill_decode_pearson": premise, "prompt_predictor": prompt,
+                          "prompt_predictor_note": prompt_note}, indent=2))
         return 0
     print(trace.describe())
     print(f"\n{'representation':<14} {'rho':>7} {'rho(all L)':>10} {'N*':>4}  layers")
@@ -82,4 +94,47 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nprefill-decode Pearson per request (n={premise['requests']}): mean "
               f"{premise['mean']:.3f}, quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} "
               f"(paper: 0.70-0.92 by model)")
+    _print_prompt(prompt, prompt_note)
     return 0
+
+
+def _prompt_section(trace, args) -> tuple[dict | None, str | None]:
+    """(held-out evaluation as a dict, None), or (None, why it was not run)."""
+    if args.no_prompt:
+        return None, "skipped (--no-prompt)"
+    if trace.prompt_token_ids is None:
+        return None, "the trace has no prompt_token_ids"
+    if trace.meta.source.startswith("synthetic"):
+        return None, ("synthetic trace: its token ids are drawn uniformly, so a prompt "
+                      "predictor has nothing to learn; evaluate it on a captured trace")
+    from eldr.fit.prompt_eval import evaluate_prompt_predictor
+
+    usable = int(((trace.prompt_lens > 0) & (trace.decode_lens > 0)).sum())
+    groups = args.prompt_groups
+    if groups is None:
+        groups = int(min(8, max(2, round(args.prompt_heldout * usable) // 16)))
+    try:
+        ev = evaluate_prompt_predictor(trace, heldout=args.prompt_heldout, num_groups=groups,
+                                       random_state=args.seed)
+    except ValueError as exc:
+        return None, f"not evaluated: {exc}"
+    return ev.as_dict(), None
+
+
+def _print_prompt(res: dict | None, note: str | None) -> None:
+    if res is None:
+        print(f"\nprompt predictor: {note}")
+        return
+    p = res["predictor"]
+    print(f"\nprompt predictor (routing before prefill), fitted on {res['num_fit']} requests, "
+          f"held-out {res['num_heldout']}: 2**{p['bits']} buckets ({p['weighting']}), rank "
+          f"{p['rank']}, alpha {p['alpha']:g}; R^2 of the prefill profile {res['r2']:.3f}")
+    print(f"{'routing input':<18} {'rho':>7} {'distinct/layer/step':>20} "
+          f"{'vs round robin':>15}   ({res['num_groups']} decoders)")
+    names = {"prompt": "prompt predictor", "prefill": "prefill signature",
+             "tfidf": "token TF-IDF"}
+    for key, name in names.items():
+        print(f"{name:<18} {res['rho'][key]:7.4f} "
+              f"{res['distinct_experts_per_step'][key]:20.2f} "
+              f"{-100 * res['reduction_vs_round_robin'][key]:+14.1f}%")
+    print(f"{'round robin':<18} {'':>7} {res['round_robin']:20.2f}")
