@@ -3,6 +3,7 @@ them, the prediction standing in where a prefill signature is missing (stock vLL
 prefills, short prompts), and the fallbacks counted."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 TINY = tokenizer_dir_for("tiny_moe")
+TINY_PATH = Path(TINY)
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CODE_IDS = [11, 12, 13]  # the fake predictor's "code" prompt (token ids)
@@ -291,3 +293,99 @@ def test_metrics_page_lists_route_inputs():
     page = run(go())
     assert 'eldr_route_inputs_total{source="prefill"} 1.0' in page
     assert 'eldr_prompt_predictions_total{result="ok"} 0.0' in page
+
+
+# -- a real artifact with a prompt predictor --------------------------------------------------
+def _prompt_trace(R: int = 48, seed: int = 0):
+    """Two domains of token ids (0-39 and 40-79); each token id picks fixed experts, so a
+    prompt's tokens determine its prefill counts (what the predictor learns)."""
+    from eldr.traces.trace import Trace, TraceMeta
+
+    L_, E_, k = 3, 8, 2
+    rng = np.random.default_rng(seed)
+    # token t picks k distinct experts per layer, among 0-3 (t < 40) or 4-7
+    picks = np.stack([[rng.permutation(4)[:k] + 4 * (t >= 40) for _ in range(L_)]
+                      for t in range(80)])  # (80, L, k)
+    dom = np.arange(R) % 2
+    lens = rng.integers(6, 20, R)
+    tokens = []
+    pre = np.zeros((R, L_, E_), dtype=np.int32)
+    dec = np.zeros((R, L_, E_), dtype=np.int32)
+    for r in range(R):
+        ids = rng.integers(dom[r] * 40, dom[r] * 40 + 40, lens[r])
+        tokens.append(ids)
+        for j, t in enumerate(ids):
+            for layer in range(L_):
+                pre[r, layer, picks[t, layer]] += 1
+                if j < 3:  # 4 output tokens: 3 decode steps, the first 3 tokens' experts
+                    dec[r, layer, picks[t, layer]] += 1
+    return Trace(meta=TraceMeta("toy", L_, E_, k, source="test"), prefill_counts=pre,
+                 decode_counts=dec, prompt_lens=lens.astype(np.int64),
+                 output_lens=np.full(R, 4, dtype=np.int64), domains=dom.astype(np.int32),
+                 domain_names=("a", "b"),
+                 prompt_token_ids=np.concatenate(tokens).astype(np.int32))
+
+
+@pytest.fixture(scope="module")
+def predicting_artifact(tmp_path_factory):
+    art_mod = pytest.importorskip("eldr.fit.artifact")
+    pytest.importorskip("eldr.fit.prompt")
+    art = art_mod.fit_artifact(_prompt_trace(), worker_ids=("w-code", "w-other"), tau=0.0,
+                               tokenizer=TINY, random_state=0)
+    if getattr(art, "prompt_predictor", None) is None:
+        pytest.skip("this eldr fits no prompt predictor")
+    out = tmp_path_factory.mktemp("art") / "artifact"
+    art_mod.save(art, out)
+    return out
+
+
+def test_serve_refuses_a_tokenizer_the_predictor_was_not_fitted_with(predicting_artifact,
+                                                                     tmp_path, capsys):
+    import json as _json
+
+    from eldr.cli import main
+
+    other = tmp_path / "other"
+    other.mkdir()
+    doc = _json.loads((TINY_PATH / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab[first + "x"] = vocab.pop(first)  # one token renamed: another vocabulary
+    (other / "tokenizer.json").write_text(_json.dumps(doc))
+    rc = main(["serve", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10",
+               "--decode", "http://127.0.0.1:11", "--artifact", str(predicting_artifact),
+               "--policy", "eldr", "--tokenizer", str(other), "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "not the one the artifact's prompt predictor was fitted with" in err[0]
+
+
+def test_a_real_predictor_routes_stock_prefills(predicting_artifact):
+    """The artifact's own predictor behind the router: each prompt (token ids) reaches the
+    decoder whose centroid is nearest its predicted signature."""
+    from eldr.fit import artifact as art_mod
+    from eldr.proxy.request.decision import build_state
+
+    art = art_mod.load(predicting_artifact)
+    prompts = [list(range(i, i + 12)) for i in (0, 45, 20, 60)]
+    want = []
+    for ids in prompts:
+        sig, _ = art.route_inputs_from_prompt(np.asarray(ids))
+        want.append(("w-code", "w-other")[int(np.argmax(
+            np.asarray(art.centroids) @ np.asarray(sig).reshape(-1)))])
+
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}) as (router, client, _, _d):
+            config = dataclasses.replace(router.config, artifact=str(predicting_artifact),
+                                         tokenizer=TINY)
+            state = build_state(config)
+            router.swap(state, config)
+            got = []
+            for ids in prompts:
+                r = await client.post("/v1/completions", json={"model": "tiny", "prompt": ids})
+                got.append(r.headers["X-Eldr-Decoder"])
+            return router, got
+
+    router, got = run(go())
+    assert got == want and set(got) == {"w-code", "w-other"}
+    assert _m(router, "route_inputs", source="prompt") == len(prompts)
