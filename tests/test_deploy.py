@@ -546,3 +546,20 @@ def test_eldr_cluster_stops_with_exit_code_1_when_the_cluster_cannot_go_on(monke
     assert command.run(args) == 1 and Cluster.stopped
     err = capsys.readouterr().err
     assert "error: no decode engine left (decode-0 given up); stopping" in err
+
+
+def test_router_command_gives_the_router_the_tokenizer_and_chat_template(tmp_path):
+    urls = {"prefill0": "http://p:1", "decode0": "http://d:1"}
+    template = tmp_path / "chat_template.jinja"
+    cmd = router_command(_spec(), urls, "/art", 1, template)
+    assert cmd[cmd.index("--tokenizer") + 1] == str(Path(tiny_moe_dir()).absolute())
+    assert cmd[cmd.index("--chat-template") + 1] == str(template)
+    # the operator's own choice wins, and nothing is passed twice
+    own = router_command(_spec(serve_args=("--tokenizer", "/mine")), urls, "/art", 1, None)
+    assert own.count("--tokenizer") == 1 and own[-1] == "/mine"
+    assert "--chat-template" not in own
+    # a model folder without tokenizer.json: no --tokenizer
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((Path(tiny_moe_dir()) / "config.json").read_bytes())
+    assert "--tokenizer" not in router_command(ClusterSpec(model=str(bare)), urls, None, 1)

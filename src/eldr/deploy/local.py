@@ -177,10 +177,17 @@ class ClusterSpec:
 
 
 def router_command(spec: ClusterSpec, engine_urls: dict[str, str], artifact: str | None,
-                   port: int) -> list[str]:
+                   port: int, chat_template: Path | None = None) -> list[str]:
     """``eldr serve``'s command line in front of ``engine_urls`` ({name: url}, prefill
-    engines named ``prefill*``)."""
+    engines named ``prefill*``). The router gets the model's tokenizer and the engines'
+    chat template (``chat_template``, when the cluster wrote one), so it can route on an
+    artifact's prompt predictor before prefill, unless ``serve_args`` name their own."""
     cmd = [sys.executable, "-m", "eldr", "serve", "--host", spec.host, "--port", str(port)]
+    given = set(spec.serve_args)
+    if "--tokenizer" not in given and (Path(spec.model) / "tokenizer.json").is_file():
+        cmd += ["--tokenizer", str(Path(spec.model).absolute())]
+    if "--chat-template" not in given and chat_template is not None:
+        cmd += ["--chat-template", str(chat_template)]
     for name, url in engine_urls.items():
         cmd += ["--prefill" if name.startswith("prefill") else "--decode", url]
     if artifact is not None:
@@ -360,6 +367,7 @@ class LocalCluster:
         if not has_chat_template(spec.model):
             template = self.workdir / "chat_template.jinja"
             template.write_text(CHAT_TEMPLATE)
+        self.chat_template = template
         pythonpath = plugin_pythonpath(self.workdir)
         cores = sorted(os.sched_getaffinity(0))
         roles = [f"prefill-{i}" for i in range(spec.num_prefill)] + \
@@ -406,8 +414,11 @@ class LocalCluster:
                 return None  # no trace of this model: eldr_cost runs without an artifact
             trace = str(tiny_moe_trace_path())
         out = self.workdir / "artifact"
-        done = subprocess.run([sys.executable, "-m", "eldr", "fit", trace, "--decoders",
-                               str(spec.num_decode), "-o", str(out)],
+        fit = [sys.executable, "-m", "eldr", "fit", trace, "--decoders", str(spec.num_decode),
+               "-o", str(out)]
+        if (Path(spec.model) / "tokenizer.json").is_file():  # the prompt predictor's
+            fit += ["--tokenizer", str(Path(spec.model).absolute())]
+        done = subprocess.run(fit,
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise ValueError(f"eldr fit {trace} failed: {done.stderr.strip()[-500:]}")
@@ -417,7 +428,8 @@ class LocalCluster:
     def _start_router(self, pythonpath: str) -> None:
         spec = self.spec
         port = spec.port or free_port(spec.host)
-        cmd = router_command(spec, self.engine_urls, self.artifact, port)
+        cmd = router_command(spec, self.engine_urls, self.artifact, port,
+                             getattr(self, "chat_template", None))
         self.router = ChildProcess("router", cmd, {**os.environ, "PYTHONPATH": pythonpath},
                                    self.logs / "router.log")
         self.router.start()
