@@ -349,10 +349,17 @@ class Selection:
         return doc
 
     def _lookup(self, rid: str) -> tuple[int, int, int]:
-        where = self.table.parse_id(rid)
-        if where is None or not self.table.is_current(*where):
+        """(row, index, gen) of reservation ``rid``; ours is expired first if its deadline
+        passed since the last sweep (an answer never shows a dead reservation active)."""
+        t = self.table
+        where = t.parse_id(rid)
+        if where is None or not t.is_current(*where):
             raise ProxyError(404, f"no reservation {rid!r} (unknown, or ended long ago)",
                              code="reservation_not_found")
+        row, index, _gen = where
+        if row == self.row and t.state[row, index] == ACTIVE and \
+                t.effective_deadline(row, index) < time.monotonic():
+            self.sweep()
         return where
 
     def _check_active(self, rid: str, where: tuple[int, int, int], action: str) -> None:
