@@ -94,3 +94,50 @@ def test_a_damaged_state_is_an_error(tmp_path):
     (tmp_path / "buffer" / "learn.json").write_text("{nope")
     with pytest.raises(ValueError, match="not valid JSON"):
         buffer_io.load(tmp_path / "buffer")
+
+
+def _with_prompt(rng, prompt_len: int, **kw):
+    """A record of ``prompt_len`` tokens whose prompt ids are given (kept as a bag)."""
+    counts = np.zeros((L, E), dtype=np.int32)
+    for layer in range(L):
+        top = np.argsort(rng.random((prompt_len, E)), axis=1)[:, :K]
+        counts[layer] = np.bincount(top.ravel(), minlength=E)
+    ids = rng.integers(0, 500, size=prompt_len)
+    given = kw.pop("prompt_ids", ids)
+    return make_record(counts, top_k=K, decoder="decode-0", time=1.0, prompt_ids=given,
+                       **kw), ids
+
+
+def test_a_prompt_is_kept_as_a_sorted_bag_of_hashed_ngrams_never_as_ids(tmp_path):
+    from eldr.fit.prompt import ngram_hashes
+
+    rng = np.random.default_rng(5)
+    rec, ids = _with_prompt(rng, 9)
+    assert rec.prompt_hashes.dtype == np.uint64 and rec.prompt_hashes.size == 2 * 9 - 1
+    assert np.array_equal(rec.prompt_hashes, np.sort(ngram_hashes(ids)))
+    assert rec.max_token_id == int(ids.max())
+    assert not np.isin(ids.astype(np.uint64), rec.prompt_hashes).any()  # no raw ids
+    # ids that do not match the counted tokens, or are not valid ids: no bag, record kept
+    for bad in (ids[:-1], np.array([-1] * 9), ids.astype(float)):
+        r, _ = _with_prompt(np.random.default_rng(5), 9, prompt_ids=bad)
+        assert r.prompt_hashes is None and r.max_token_id is None and r.prompt_tokens == 9
+    # round trip through the buffer directory, beside records without a bag
+    plain = records(rng, [0, 1])
+    recs = [rec, *plain, _with_prompt(rng, 4)[0]]
+    buffer_io.save(tmp_path / "buffer", recs, model="m", top_k=K, num_seen=4,
+                   num_dropped=0, state={})
+    assert (tmp_path / "buffer" / "prompts.npz").is_file()
+    back, _ = buffer_io.load(tmp_path / "buffer")
+    for a, b in zip(back, recs, strict=True):
+        assert (a.prompt_hashes is None) == (b.prompt_hashes is None)
+        assert a.max_token_id == b.max_token_id
+        if a.prompt_hashes is not None:
+            assert np.array_equal(a.prompt_hashes, b.prompt_hashes)
+    # a buffer without any bag writes no prompts file; a damaged one is an error
+    buffer_io.save(tmp_path / "plain", plain, model="m", top_k=K, num_seen=2,
+                   num_dropped=0, state={})
+    assert not (tmp_path / "plain" / "prompts.npz").exists()
+    np.savez(tmp_path / "buffer" / "prompts.npz", hashes=np.zeros(3, np.uint64),
+             offsets=np.array([0, 1]), max_ids=np.array([1]))
+    with pytest.raises(ValueError, match="prompt bags inconsistent"):
+        buffer_io.load(tmp_path / "buffer")

@@ -8,17 +8,24 @@ the project's format (docs/trace-format.md), so ``eldr fit``, ``eldr score`` and
 simulator read it like any other:
 
 - ``prompt_lens[r]`` is the number of tokens the prefill counted (``k`` selections per
-  layer each): with a prefix-cache hit fewer than the prompt, exactly as the signature saw;
+  layer each), the whole prompt: the router does not offer counts of part of a prompt
+  (:func:`eldr.proxy.control.learning.read_parts`);
 - a request WITH decode counts has ``output_lens[r] = decode tokens + 1`` (the trace's
   token convention); one WITHOUT has ``decode_counts[r] = 0`` and ``output_lens[r] = 1``
   (no decode routing observed). ``decode_known`` says which is which, and the generated
   length the answer reported (if any) is kept beside the trace;
 - ``domains`` / ``domain_names`` name the decoder each request went to.
 
+A record may also keep its prompt as the prompt predictor sees it
+(:mod:`eldr.fit.prompt`): the sorted bag of its hashed unigrams and bigrams
+(:func:`~eldr.fit.prompt.ngram_hashes`) and its largest token id, never the token ids or
+the text. The order of the n-grams is gone, so the prompt cannot be read back in order.
+
 On disk (:func:`save`, :func:`load`) the buffer is a directory ``DIR/buffer`` holding
-``trace.npz`` (a valid trace) and ``learn.json`` (what the format has no field for:
+``trace.npz`` (a valid trace), ``learn.json`` (what the format has no field for:
 ``decode_known``, reported output tokens, completion times, counters and the learner's
-state). The directory is written whole next to the old one and renamed into place, so a
+state) and, when any record has them, ``prompts.npz`` (the hashed n-gram bags, flat, with
+offsets). The directory is written whole next to the old one and renamed into place, so a
 reader (or a restart after a crash) sees the old buffer or the new one, never a mix.
 """
 
@@ -53,6 +60,9 @@ class Record:
     time: float  # completion time (time.time())
     decode_counts: np.ndarray | None = None  # (L, E) int32 decode selections, or None
     output_tokens: int | None = None  # generated tokens the answer reported, or None
+    # the prompt's hashed unigrams and bigrams (2P - 1,) uint64, sorted (order gone), or None
+    prompt_hashes: np.ndarray | None = None
+    max_token_id: int | None = None  # the prompt's largest token id (the vocabulary seen)
 
 
 def _per_layer_tokens(counts: np.ndarray, top_k: int, what: str) -> int:
@@ -67,12 +77,14 @@ def _per_layer_tokens(counts: np.ndarray, top_k: int, what: str) -> int:
 
 def make_record(prefill_counts, *, top_k: int, decoder: str, time: float,
                 tokens: int | None = None, decode_counts=None,
-                output_tokens: int | None = None) -> Record:
+                output_tokens: int | None = None, prompt_ids=None) -> Record:
     """A validated :class:`Record`; ``ValueError`` names what is inconsistent.
 
     ``tokens`` (the payload's counted tokens) must match the counts (k per layer each);
     decode counts that do not hold ``k`` selections per decoded token on every layer are
-    refused with the record (the caller may retry without them).
+    refused with the record (the caller may retry without them). ``prompt_ids``: the
+    prompt's token ids, kept only as their hashed n-gram bag, and only when they are as
+    many as the counted tokens and valid ids (else the record is kept without them).
     """
     c = np.asarray(prefill_counts)
     if c.ndim != 2 or not np.issubdtype(c.dtype, np.integer) or (c.size and c.min() < 0):
@@ -92,7 +104,22 @@ def make_record(prefill_counts, *, top_k: int, decoder: str, time: float,
         d = d.astype(np.int32)
     if output_tokens is not None and (isinstance(output_tokens, bool) or output_tokens < 1):
         output_tokens = None
-    return Record(c.astype(np.int32), counted, str(decoder), float(time), d, output_tokens)
+    bag, top = _prompt_bag(prompt_ids, counted)
+    return Record(c.astype(np.int32), counted, str(decoder), float(time), d, output_tokens,
+                  bag, top)
+
+
+def _prompt_bag(prompt_ids, counted: int) -> tuple[np.ndarray | None, int | None]:
+    """(sorted hashed n-gram bag, largest id) of valid prompt ids of ``counted`` tokens."""
+    if prompt_ids is None:
+        return None, None
+    from eldr.fit.prompt import ngram_hashes
+
+    ids = np.asarray(prompt_ids)
+    if ids.ndim != 1 or ids.size != counted or ids.size == 0 or ids.dtype.kind not in "iu" \
+            or int(ids.min()) < 0 or int(ids.max()) >= 1 << 31:
+        return None, None
+    return np.sort(ngram_hashes(ids.astype(np.int64))), int(ids.max())
 
 
 def records_to_trace(records, *, model: str, top_k: int) -> tuple[Trace, np.ndarray]:
@@ -186,6 +213,8 @@ def save(buffer_dir: str | os.PathLike, records: list[Record], *, model: str,
             doc.update(decode_known=[int(x) for x in known],
                        output_tokens=[r.output_tokens for r in records],
                        times=[round(r.time, 3) for r in records])
+            if any(r.prompt_hashes is not None for r in records):
+                _save_prompts(tmp / _PROMPTS, records)
         (tmp / "learn.json").write_text(json.dumps(doc) + "\n")
     return target
 
@@ -230,7 +259,49 @@ def load(buffer_dir: str | os.PathLike) -> tuple[list[Record], dict]:
         records.append(Record(trace.prefill_counts[i], int(trace.prompt_lens[i]), decoder,
                               float(times[i]),
                               trace.decode_counts[i] if known[i] else None, out))
+    if (target / _PROMPTS).exists():
+        records = _load_prompts(target / _PROMPTS, records)
     return records, doc
+
+
+_PROMPTS = "prompts.npz"
+
+
+def _save_prompts(path: Path, records: list[Record]) -> None:
+    """``hashes`` (flat uint64), ``offsets`` (R + 1,) int64 and ``max_ids`` (R,) int64
+    (-1: that record has no prompt bag)."""
+    bags = [r.prompt_hashes if r.prompt_hashes is not None else np.empty(0, np.uint64)
+            for r in records]
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([b.size for b in bags])
+    max_ids = np.array([-1 if r.max_token_id is None else r.max_token_id for r in records],
+                       dtype=np.int64)
+    with open(path, "wb") as fh:
+        np.savez(fh, hashes=np.concatenate(bags).astype(np.uint64), offsets=offsets,
+                 max_ids=max_ids)
+
+
+def _load_prompts(path: Path, records: list[Record]) -> list[Record]:
+    """``records`` with their prompt bags from ``path``; ValueError naming a damaged file."""
+    from dataclasses import replace
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            hashes, offsets, max_ids = z["hashes"], z["offsets"], z["max_ids"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"{path}: not a learn buffer's prompt bags ({exc})") from None
+    R = len(records)
+    if hashes.dtype != np.uint64 or hashes.ndim != 1 or offsets.shape != (R + 1,) or \
+            max_ids.shape != (R,) or offsets[0] != 0 or offsets[-1] != hashes.size or \
+            (np.diff(offsets) < 0).any():
+        raise ValueError(f"{path}: prompt bags inconsistent with the {R} buffered requests")
+    out = []
+    for i, r in enumerate(records):
+        bag = hashes[offsets[i]:offsets[i + 1]]
+        has = bag.size > 0 and max_ids[i] >= 0
+        out.append(replace(r, prompt_hashes=bag.copy() if has else None,
+                           max_token_id=int(max_ids[i]) if has else None))
+    return out
 
 
 def restore(buffer: LearnBuffer, buffer_dir: str | os.PathLike) -> dict:

@@ -163,6 +163,8 @@ class LiveLearning:
             parts = {**parts, "counts": np.asarray(parts["counts"], np.int64)}
             if parts["decode_counts"] is not None:
                 parts["decode_counts"] = np.asarray(parts["decode_counts"], np.int64)
+            if parts.get("prompt_ids") is not None:
+                parts["prompt_ids"] = np.asarray(parts["prompt_ids"], np.int64)
             result = self._record(parts)
         except Exception:  # a bug of ours or a garbled record: logged, nothing else
             log.exception("learn: recording a forwarded request failed")
@@ -180,13 +182,15 @@ class LiveLearning:
         dec_counts, out = p["decode_counts"], p["output_tokens"]
         try:
             record = make_record(counts, top_k=k, decoder=p["decoder"], time=p["time"],
-                                 tokens=tokens, decode_counts=dec_counts, output_tokens=out)
+                                 tokens=tokens, decode_counts=dec_counts, output_tokens=out,
+                                 prompt_ids=p.get("prompt_ids"))
         except ValueError:
             if dec_counts is None:
                 return "inconsistent"
             try:  # decode counts of another shape or top-k: the prompt's still count
                 record = make_record(counts, top_k=k, decoder=p["decoder"], time=p["time"],
-                                     tokens=tokens, output_tokens=out)
+                                     tokens=tokens, output_tokens=out,
+                                     prompt_ids=p.get("prompt_ids"))
             except ValueError:
                 return "inconsistent"
         if buf.top_k is None:
@@ -247,6 +251,25 @@ def _prompt_tokens(doc: dict) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
+_MAX_PROMPT_IDS = 1 << 20  # longer id lists in a prefill answer are ignored, not learned
+
+
+def _prompt_ids(doc: dict) -> np.ndarray | None:
+    """The prompt's token ids a prefill answer carries when asked (vLLM's
+    ``return_token_ids``: ``choices[0].prompt_token_ids`` for completions, top-level
+    ``prompt_token_ids`` for chat), as (P,) int64; None when absent or not a list of
+    non-negative ints."""
+    ids = doc.get("prompt_token_ids")
+    choices = doc.get("choices")
+    if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        ids = choices[0].get("prompt_token_ids")
+    if not isinstance(ids, list) or not ids or len(ids) > _MAX_PROMPT_IDS:
+        return None
+    if not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
+        return None
+    return np.array(ids, dtype=np.int64)
+
+
 def read_parts(state: RoutingState, doc: dict, decoder: str, resp, decode,
                shape=None) -> dict | str:
     """What a completed request gives the learner (``counts`` (L, E), ``top_k`` or None,
@@ -273,6 +296,7 @@ def read_parts(state: RoutingState, doc: dict, decoder: str, resp, decode,
             (decoded + 1 if isinstance(decoded, int) else None),
             "decode_counts": getattr(decode, "counts", None), "steps": int(steps),
             "mean_distinct": float(decode.mean_distinct) if steps else None,
+            "prompt_ids": _prompt_ids(doc),
             "time": time.time()}
 
 
@@ -307,9 +331,10 @@ class ForwardLearning:
             if isinstance(parts, str):
                 self.forwarded.inc(result=parts)
                 return
-            dec = parts["decode_counts"]
+            dec, ids = parts["decode_counts"], parts["prompt_ids"]
             parts.update(counts=np.asarray(parts["counts"]).tolist(),
-                         decode_counts=None if dec is None else np.asarray(dec).tolist())
+                         decode_counts=None if dec is None else np.asarray(dec).tolist(),
+                         prompt_ids=None if ids is None else ids.tolist())
             sent = self._send({"op": "learn", "parts": parts})
             self.forwarded.inc(result="dropped" if sent is False else "sent")
         except Exception:  # learning must not fail a request
