@@ -5,7 +5,9 @@ around the proxy's requests, /health and /metrics show both), the workers of
 ``--workers N`` sharing it, and every bad request answered with a clear 4xx."""
 
 import asyncio
+import dataclasses
 
+import numpy as np
 import pytest
 
 from _proxy_fakes import FakeEngine, cluster, domain_counts, run
@@ -312,7 +314,11 @@ def test_a_full_reservation_table_is_a_429_not_a_5xx():
     ("POST", "/v1/eldr/select", b"{not json", 400, "not valid JSON"),
     ("POST", "/v1/eldr/select", b"", 400, "must be a JSON object"),
     ("POST", "/v1/eldr/select", b"[1]", 400, "must be a JSON object"),
-    ("POST", "/v1/eldr/select", b'{"prompt": "hi"}', 400, "unknown field(s) ['prompt']"),
+    ("POST", "/v1/eldr/select", b'{"text": "hi"}', 400, "unknown field(s) ['text']"),
+    ("POST", "/v1/eldr/select", b'{"prompt": ""}', 400, "'prompt' must be a non-empty"),
+    ("POST", "/v1/eldr/select", b'{"prompt": "a", "token_ids": [1]}', 400,
+     "'prompt' cannot be given with 'token_ids'"),
+    ("POST", "/v1/eldr/select", b'{"messages": "hi"}', 400, "list of chat messages"),
     ("POST", "/v1/eldr/select", b'{"ttl": 5}', 400, "unknown field(s) ['ttl']"),
     ("POST", "/v1/eldr/select", b'{"token_ids": []}', 400, "non-empty list"),
     ("POST", "/v1/eldr/select", b'{"token_ids": "1 2"}', 400, "non-empty list"),
@@ -397,3 +403,72 @@ def test_stopping_the_router_releases_what_it_held():
 
     active, loads = run(go())
     assert active == 0 and loads == [0.0, 0.0]
+
+
+def _two_domain_trace(R: int = 48, seed: int = 0):
+    """Token ids 0-39 pick experts 0-3, ids 40-79 experts 4-7 (each id fixed experts per
+    layer): a prompt's ids determine its prefill counts, what a prompt predictor learns."""
+    from eldr.traces.trace import Trace, TraceMeta
+
+    L_, E_, k = 3, 8, 2
+    rng = np.random.default_rng(seed)
+    picks = np.stack([[rng.permutation(4)[:k] + 4 * (t >= 40) for _ in range(L_)]
+                      for t in range(80)])  # (80, L, k)
+    dom = np.arange(R) % 2
+    lens = rng.integers(6, 20, R)
+    tokens, pre = [], np.zeros((R, L_, E_), dtype=np.int32)
+    dec = np.zeros_like(pre)  # 3 decode steps: the experts of the first 3 tokens
+    for r in range(R):
+        ids = rng.integers(dom[r] * 40, dom[r] * 40 + 40, lens[r])
+        tokens.append(ids)
+        for j, t in enumerate(ids):
+            for layer in range(L_):
+                pre[r, layer, picks[t, layer]] += 1
+                if j < 3:
+                    dec[r, layer, picks[t, layer]] += 1
+    return Trace(meta=TraceMeta("toy", L_, E_, k, source="test"), prefill_counts=pre,
+                 decode_counts=dec, prompt_lens=lens.astype(np.int64),
+                 output_lens=np.full(R, 4, dtype=np.int64), domains=dom.astype(np.int32),
+                 domain_names=("a", "b"),
+                 prompt_token_ids=np.concatenate(tokens).astype(np.int32))
+
+
+def test_a_real_prompt_predictor_selects_on_token_ids_and_on_text(tmp_path):
+    art_mod = pytest.importorskip("eldr.fit.artifact")
+    pytest.importorskip("tokenizers")
+    from eldr.proxy.request.decision import build_state
+    from eldr.proxy.request.prompts import PromptTokenizer, tokenizer_dir_for
+
+    tiny = tokenizer_dir_for("tiny_moe")
+    art = art_mod.fit_artifact(_two_domain_trace(), worker_ids=("w-code", "w-other"),
+                               tau=0.0, tokenizer=tiny, random_state=0)
+    if getattr(art, "prompt_predictor", None) is None:
+        pytest.skip("this eldr fits no prompt predictor")
+    art_mod.save(art, tmp_path / "artifact")
+    prompts = [list(range(i, i + 12)) for i in (0, 45, 20, 60)]
+    text = "def add(a, b): return a + b"
+    text_ids = PromptTokenizer(tiny).encode(text, add_special_tokens=True)
+
+    def nearest(ids) -> str:
+        sig, _ = art.route_inputs_from_prompt(np.asarray(ids))
+        return ("w-code", "w-other")[int(np.argmax(np.asarray(art.centroids) @
+                                                   np.asarray(sig).reshape(-1)))]
+
+    async def go():
+        async with cluster(policy="eldr", admin_token=TOKEN) as (router, client, _p, _d):
+            config = dataclasses.replace(router.config, artifact=str(tmp_path / "artifact"),
+                                         tokenizer=tiny)
+            router.swap(build_state(config), config)
+            ids = [(await _post(client, "/v1/eldr/select", {"token_ids": p}))[1]
+                   for p in prompts]
+            by_text = await _post(client, "/v1/eldr/reserve", {"prompt": text})
+            outside = await _post(client, "/v1/eldr/select", {"token_ids": [10 ** 9]})
+            return ids, by_text, outside
+
+    ids, by_text, outside = run(go())
+    assert [d["worker"] for d in ids] == [nearest(p) for p in prompts]
+    assert {d["worker"] for d in ids} == {"w-code", "w-other"}
+    assert all(d["input"] == "token_ids" and d["fallback"] is None for d in ids)
+    assert by_text[0] == 201 and by_text[1]["input"] == "prompt"
+    assert by_text[1]["worker"] == nearest(text_ids)
+    assert outside[0] == 400 and "cannot be routed" in outside[1]["error"]["message"]

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["PREFIX", "SelectionApi"]
 
 PREFIX = "/v1/eldr"
-_SELECT_FIELDS = ("token_ids", "eldr", "kv_transfer_params", "prompt_tokens", "candidates")
+_SELECT_FIELDS = ("token_ids", "prompt", "messages", "eldr", "kv_transfer_params",
+                  "prompt_tokens", "candidates")
 _RESERVE_FIELDS = (*_SELECT_FIELDS, "request_id", "ttl")
 _MAX_TOKEN_IDS = 1 << 20  # ids in one prompt (a body is capped by --max-body-bytes anyway)
 
@@ -203,6 +204,22 @@ def parse_query(body: dict, *, reserve: bool) -> Query:
             bad = next(t for t in token_ids if not (_is_int(t) and t >= 0))
             raise _bad("token_ids", f"must hold integers >= 0, found {bad!r}")
         token_ids = np.asarray(token_ids, dtype=np.int64)
+    text = None
+    given = [k for k in ("token_ids", "prompt", "messages") if body.get(k) is not None]
+    if len(given) > 1:
+        raise _bad(given[1], f"cannot be given with '{given[0]}': one prompt at a time")
+    if body.get("prompt") is not None:
+        prompt = body["prompt"]
+        if not (isinstance(prompt, str) and prompt) and not (
+                isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+            raise _bad("prompt", "must be a non-empty string or a list of token ids")
+        text = {"prompt": prompt}
+    elif body.get("messages") is not None:
+        messages = body["messages"]
+        if not (isinstance(messages, list) and messages and
+                all(isinstance(m, dict) for m in messages)):
+            raise _bad("messages", "must be a non-empty list of chat messages (objects)")
+        text = {"messages": messages}
     payload = body.get("eldr")
     kvp = body.get("kv_transfer_params")
     if kvp is not None:
@@ -227,5 +244,5 @@ def parse_query(body: dict, *, reserve: bool) -> Query:
     if request_id is not None and not (isinstance(request_id, str) and
                                        0 < len(request_id) <= 256):
         raise _bad("request_id", "must be a string of 1-256 characters")
-    return Query(token_ids=token_ids, payload=payload, prompt_tokens=prompt_tokens,
+    return Query(token_ids=token_ids, text=text, payload=payload, prompt_tokens=prompt_tokens,
                  candidates=candidates, request_id=request_id, ttl=_ttl(body))

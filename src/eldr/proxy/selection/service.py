@@ -70,6 +70,8 @@ class Query:
     """One select or reserve request, checked (eldr.proxy.selection.routes parses it)."""
 
     token_ids: np.ndarray | None = None  # (P,) int64 prompt token ids, or None
+    # {"prompt": text or ids} or {"messages": [...]}: tokenized by the router, or None
+    text: dict | None = None
     payload: object = None  # the capture plugin's eldr payload, or None
     prompt_tokens: int | None = None  # the prompt's length (the decoder's context), if known
     candidates: tuple[str, ...] | None = None  # decoder names to choose among (None: all)
@@ -81,7 +83,7 @@ class Query:
 class _Choice:
     worker: int  # decoder index in the pool
     route: RouteRequest  # what the policy decided with
-    source: str  # "payload", "token_ids" or "none": what the decision was made from
+    source: str  # "payload", "token_ids", "prompt" or "none": what it was made from
     fallback: str | None  # why it was routed by load only (None: it was not)
     band_size: int | None
     cost: float | None
@@ -132,7 +134,7 @@ class Selection:
     def _register_metrics(self, reg) -> None:
         self.m_decisions = reg.counter(
             "eldr_selection_decisions_total", "Selection API decisions (select and reserve) "
-            "by decoder and by what they were made from (payload, token_ids, none).",
+            "by decoder and by what they were made from (payload, token_ids, prompt, none).",
             ("decoder", "input"))
         self.m_fallbacks = reg.counter(
             "eldr_selection_fallbacks_total", "Selection API decisions made by load only "
@@ -246,22 +248,28 @@ class Selection:
                 return (reading.signature, reading.profile, reading.context_tokens,
                         "payload", None)
             problem = reading.problem
-        if query.token_ids is not None:
+        ids, source = query.token_ids, "token_ids"
+        if ids is None and query.text is not None:
+            ids, why = _tokenize(state, query.text)
+            source = "prompt"
+            if ids is None:
+                return None, None, context, source, problem or why
+        if ids is not None:
             predict = _prompt_predict(state)
             if predict is None:
-                return None, None, context or len(query.token_ids), "token_ids", \
-                    problem or "no_prompt_predictor"
+                return None, None, context or len(ids), source, problem or "no_prompt_predictor"
             try:
-                signature, profile = predict(query.token_ids)
+                signature, profile = predict(ids)
             except ValueError as exc:  # empty prompt, ids outside the vocabulary
-                raise ProxyError(400, f"'token_ids' cannot be routed: {exc}",
-                                 code="invalid_token_ids", param="token_ids") from None
+                raise ProxyError(400, f"the prompt cannot be routed: {exc}",
+                                 code="invalid_token_ids", param=source) from None
+            signature = np.asarray(signature, dtype=np.float32).reshape(-1)
             if want_profile and profile is not None:
                 bind = getattr(state.policy, "bind", None)
                 if bind is not None:
                     bind(*np.shape(profile))
             return (signature if want_sig else None, profile if want_profile else None,
-                    context or len(query.token_ids), "token_ids", None)
+                    context or len(ids), source, None)
         if query.payload is not None:
             return None, None, context, "payload", problem or "unusable"
         return None, None, context, "none", "no_input"
@@ -447,6 +455,30 @@ class Selection:
     def num_active(self) -> int:
         """Active reservations of every worker."""
         return int((self.table.state == ACTIVE).sum())
+
+
+def _tokenize(state: RoutingState, text: dict) -> tuple[np.ndarray | None, str | None]:
+    """((P,) token ids of a ``{"prompt"}`` or ``{"messages"}`` body with the router's
+    tokenizer (chat template included), None) or (None, why not: ``no_prompt_predictor``,
+    ``no_tokenizer``, ``no_chat_template``); ``ProxyError`` 400 for a prompt that has no
+    tokens or is not one text."""
+    from eldr.proxy.request.prompts import Untokenizable, prompt_token_ids
+
+    routing = getattr(state, "prompt", None)  # eldr.proxy.request.prompts.PromptRouting
+    if routing is None:
+        return None, "no_prompt_predictor"
+    field = "messages" if "messages" in text else "prompt"
+    try:
+        return prompt_token_ids(text, "chat" if field == "messages" else "completions",
+                                routing.tokenizer), None
+    except Untokenizable as exc:
+        if exc.reason in ("no_tokenizer", "no_chat_template"):
+            return None, exc.reason
+        raise ProxyError(400, f"'{field}' cannot be tokenized: {exc}",
+                         code="invalid_request", param=field) from None
+    except (ValueError, RecursionError) as exc:  # a template that fails on these messages
+        raise ProxyError(400, f"'{field}' cannot be rendered and tokenized: {exc}",
+                         code="invalid_request", param=field) from None
 
 
 def _prompt_predict(state: RoutingState):
