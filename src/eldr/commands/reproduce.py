@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "± figures (default 2; 1: no intervals)")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes (default: number of CPUs, at most 4)")
+    p.add_argument("--cluster", metavar="ADDRESS", help="run the simulations on the Dask "
+                   "distributed cluster whose scheduler is at ADDRESS (tcp://host:8786) "
+                   "instead of local processes; needs the cluster extra (docs/cluster.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from eldr.reproduce.plots import require_matplotlib
 
     require_matplotlib()  # the report ends in plots: fail now, not after the whole run
+    if args.cluster is not None and args.jobs is not None:
+        raise ValueError("--jobs sets local worker processes: not with --cluster, whose "
+                         "workers have their own threads")
     plan = QUICK if args.quick else FULL
     workloads = None
     if args.workloads:
@@ -95,7 +101,14 @@ def run(args: argparse.Namespace) -> int:
 
     log(f"eldr reproduce ({plan.name}): {len(plan.workloads)} workload(s), rates "
         f"{list(plan.rates)}, {plan.warmup_s:g}+{plan.duration_s:g} s per point")
-    results = run_plan(plan, jobs=jobs, trace=trace, log=log)
+    if args.cluster is None:
+        results = run_plan(plan, jobs=jobs, trace=trace, log=log)
+    else:  # connected before the set-up: an unreachable address fails in seconds
+        from eldr.reproduce.dask_cluster import connect
+
+        with connect(args.cluster) as cluster:
+            log(f"connected to {cluster}")
+            results = run_plan(plan, trace=trace, log=log, cluster=cluster)
     path = write_report(results, args.out)
     print(headline_text(Analysis(results)))
     print(f"\nreport: {path} ({time.perf_counter() - t0:.0f} s)")

@@ -3,8 +3,9 @@
 :func:`run_plan` builds the traces and the routing set-ups
 (:func:`eldr.reproduce.building.build_setups`), turns each :class:`~eldr.reproduce.plan.Task`
 of :func:`eldr.reproduce.plan.plan_tasks` into a self-contained :class:`SimJob`
-(:func:`make_job`) and runs them through joblib (worker processes, or a dask / ray
-cluster), and returns tidy rows in :class:`Results`.
+(:func:`make_job`) and runs them through joblib (local worker processes) or on a Dask
+cluster (:mod:`eldr.reproduce.dask_cluster`, docs/cluster.md), and returns tidy rows in
+:class:`Results`.
 
 Every run of one (workload, rate, seed) replays the SAME arrivals and tokens (seeded), so
 the policies are compared on identical input. A task's seed is
@@ -36,8 +37,8 @@ from eldr.routing import decode_patterns
 from eldr.sim import SimConfig, TokenBank, simulate
 from eldr.sim.steptime import routing_resources
 
-__all__ = ["Results", "SimJob", "make_job", "replayed_arrivals", "run_job", "run_plan",
-           "run_task"]
+__all__ = ["Results", "SimJob", "make_job", "prime_setups", "replayed_arrivals", "run_job",
+           "run_plan", "run_task", "run_tasks"]
 
 
 @dataclass(frozen=True)
@@ -152,16 +153,21 @@ class Results:
 
 
 def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
-             progress: bool = True, backend: str | None = None) -> Results:
-    """Build set-ups and run every task of ``plan`` through :class:`joblib.Parallel`, then
-    add grid seeds round by round.
+             progress: bool = True, backend: str | None = None, cluster=None) -> Results:
+    """Build set-ups and run every task of ``plan`` through :class:`joblib.Parallel` (or
+    on ``cluster``), then add grid seeds round by round.
 
     ``jobs`` worker processes (joblib's ``n_jobs``; 1 runs in this process); ``backend``:
-    a joblib backend name (``None``: joblib's default, local processes; ``"dask"`` or
-    ``"ray"`` send the same jobs to a cluster once registered). Every set-up's decode-token
-    rows are built once into a memory-mapped file of a temporary folder, and its held-out
-    arrays moved to files there (:func:`build_setups` with ``folder``), so all processes
-    map one copy; other large arrays go to workers as joblib memory maps in that folder.
+    a joblib backend name (``None``: joblib's default, local processes). Every set-up's
+    decode-token rows are built once into a memory-mapped file of a temporary folder, and
+    its held-out arrays moved to files there (:func:`build_setups` with ``folder``), so
+    all processes map one copy; other large arrays go to workers as joblib memory maps in
+    that folder.
+
+    ``cluster``: a connected :class:`eldr.reproduce.dask_cluster.DaskCluster` (``jobs``
+    and ``backend`` are then unused): the same tasks run on its workers, each set-up
+    scattered to them in turn, since a remote worker cannot read this machine's
+    temporary folder. The rows are those of a local run but for the wall-time columns.
 
     Seeds: after the plan's tasks (``grid_min_seeds`` per grid cell), every grid cell whose
     widest interval is above ``target_half_width`` and that has fewer than
@@ -175,28 +181,29 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
         setups = build_setups(plan, trace=trace, log=log, folder=tmp)
         t1 = time.perf_counter()
         tasks = plan_tasks(plan)
-        for t in tasks:  # fit every centroid set once, here, not in each worker
-            st = setups[t.workload]
-            st.prime(t.policy, t.num_decode, t.kind)
-            if t.ep > 1 and t.placement != "contiguous":
-                st.placement(t.num_decode, t.ep, t.placement)
+        prime_setups(setups, tasks)  # every centroid set once, here
         for n, st in enumerate(setups.values()):  # fitted: the parent is done with it
             map_to_files(st.calib, os.path.join(tmp, f"setup-{n}-calib"))
         t2 = time.perf_counter()
+        if cluster is None:
+            runner = _local_runner(Parallel(n_jobs=jobs, backend=backend,
+                                            return_as="generator", temp_folder=tmp,
+                                            max_nbytes="1M"))
+            where = f"with {jobs} process(es)"
+        else:
+            runner, jobs, where = cluster.run, cluster.num_threads, f"on {cluster}"
         log(f"fit centroids for {len({(t.num_decode, t.kind) for t in tasks})} pool "
-            f"sizes/kinds ({t2 - t1:.1f}s); running {len(tasks)} simulations with {jobs} "
-            "process(es)")
-        parallel = Parallel(n_jobs=jobs, backend=backend, return_as="generator",
-                            temp_folder=tmp, max_nbytes="1M")
-        for row, dec in _run_tasks(plan, setups, tasks, parallel, "reproduce", progress):
+            f"sizes/kinds ({t2 - t1:.1f}s); running {len(tasks)} simulations {where}")
+        for row, dec in run_tasks(plan, setups, tasks, runner, desc="reproduce",
+                                  progress=progress):
             rows.append(row)
             dec_rows += dec
         while more := _more_grid_seeds(plan, rows):
             log(f"grid: {len({(t.workload, t.num_decode, t.qps) for t in more})} cell(s) "
                 f"with an interval wider than ±{plan.target_half_width:g} points get one "
                 "more seed")
-            rows += [row for row, _ in _run_tasks(plan, setups, more, parallel,
-                                                  "grid seeds", progress)]
+            rows += [row for row, _ in run_tasks(plan, setups, more, runner,
+                                                 desc="grid seeds", progress=progress)]
         for st in setups.values():  # the slab's file goes with the folder
             st.tokens.drop_all()
     t3 = time.perf_counter()
@@ -205,20 +212,46 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
                     "total": t3 - t0, "jobs": jobs, "cpus": os.cpu_count() or 1})
 
 
-def _run_tasks(plan: Plan, setups: dict[str, RoutingSetup], tasks: list[Task], parallel,
-               desc: str, progress: bool) -> list[tuple[dict, list[dict]]]:
-    """(summary row, decoder rows) of every task, in the order of ``tasks``."""
+def run_tasks(plan: Plan, setups: dict[str, RoutingSetup], tasks: list[Task], runner, *,
+              desc: str = "simulations", progress: bool = False) -> list[tuple[dict,
+                                                                               list[dict]]]:
+    """(summary row, decoder rows) of every task, in the order of ``tasks``, each set-up's
+    tasks run together by ``runner(plan, setup, tasks)``, which yields (position in its
+    ``tasks``, output) pairs in any order: the rows do not depend on the runner.
+
+    The set-ups must already hold every centroid set, profile and layout the tasks use
+    (:func:`prime_setups`): a runner may ship a set-up without its calibration split."""
     done: list = [None] * len(tasks)
     with Progress(len(tasks), desc, enabled=None if progress else False) as bar:
         # One set-up at a time: all workers then read the same token slab, so the
         # machine holds one set-up's rows (up to 2 GB at full size), not two.
         for key, st in setups.items():
             idx = [i for i, t in enumerate(tasks) if t.workload == key]
-            todo = (delayed(run_job)(make_job(plan, st, tasks[i])) for i in idx)
-            for i, out in zip(idx, parallel(todo), strict=True):
-                done[i] = out
+            if not idx:
+                continue
+            for j, out in runner(plan, st, [tasks[i] for i in idx]):
+                done[idx[j]] = out
                 bar.update(1)
     return done
+
+
+def prime_setups(setups: dict[str, RoutingSetup], tasks: list[Task]) -> None:
+    """Fit every centroid set, cluster profile and expert layout ``tasks`` use, here and
+    once, so that no worker fits one (and a set-up shipped without its calibration split
+    has all it needs)."""
+    for t in tasks:
+        st = setups[t.workload]
+        st.prime(t.policy, t.num_decode, t.kind)
+        if t.ep > 1 and t.placement != "contiguous":
+            st.placement(t.num_decode, t.ep, t.placement)
+
+
+def _local_runner(parallel: Parallel):
+    """A runner of :func:`run_tasks` over a joblib ``parallel`` (outputs in order)."""
+    def run(plan: Plan, setup: RoutingSetup, tasks: list[Task]):
+        yield from enumerate(parallel(delayed(run_job)(make_job(plan, setup, t))
+                                      for t in tasks))
+    return run
 
 
 def _more_grid_seeds(plan: Plan, rows: list[dict]) -> list[Task]:
