@@ -117,7 +117,7 @@ def test_a_client_that_leaves_cancels_its_reservation():
     assert loads == [0.0, 0.0]
 
 
-def test_selecting_on_token_ids_reserves_before_the_prefill(monkeypatch):
+def test_selecting_on_the_prompt_reserves_before_the_prefill(monkeypatch):
     async def go():
         async with cluster(policy="eldr", admin_token=TOKEN) as (router, rc, prefills, _d):
             encoder = router.state.encoder
@@ -130,19 +130,21 @@ def test_selecting_on_token_ids_reserves_before_the_prefill(monkeypatch):
             monkeypatch.setattr(selection_service, "_prompt_predict", lambda state: predict)
             orch = await _orchestrator(rc, prefills, select_on="tokens")
             try:
-                text = await orch.post("/v1/completions",
-                                       json={"model": "tiny", "prompt": "write some code"})
                 ids = await orch.post("/v1/completions",
                                       json={"model": "tiny", "prompt": [5, 6, 7]})
-                got = (text.headers["X-Eldr-Decoder"], ids.headers["X-Eldr-Decoder"])
+                # text, and no tokenizer behind this router: routed by load, and said so
+                text = await orch.post("/v1/completions",
+                                       json={"model": "tiny", "prompt": "write some code"})
+                got = [(r.status, r.headers["X-Eldr-Decoder"], r.headers["X-Eldr-Input"])
+                       for r in (ids, text)]
             finally:
                 await orch.close()
             return got, seen, _events(router)
 
     got, seen, events = run(go())
-    assert got == ("w-other", "w-other")  # the prediction, not the prefill's payload
-    # the fake's /tokenize gives word lengths; ids are taken as they are; before each prefill
-    assert seen == [([5, 4, 4], 0), ([5, 6, 7], 1)]
+    assert got[0] == (200, "w-other", "prompt")  # the prediction, not the prefill's payload
+    assert seen == [([5, 6, 7], 0)]  # predicted before the prefill
+    assert got[1][0] == 200 and got[1][2] == "prompt; fallback=no_tokenizer"
     assert events["completed"] == 2
 
 

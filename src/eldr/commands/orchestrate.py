@@ -8,11 +8,13 @@ One ``POST /v1/completions`` (JSON or SSE):
    streamed, with ``kv_transfer_params = {"do_remote_decode": true, ...}``) goes to a
    prefill engine, round robin; its answer's ``kv_transfer_params`` (with the capture
    plugin's ``eldr`` payload) and ``usage.prompt_tokens`` go to ``POST /v1/eldr/reserve``;
-   ``--select-on tokens``: the prompt's token ids (a prompt of ids as it is, text through
-   the prefill engine's ``/tokenize``) go to ``/v1/eldr/reserve`` BEFORE the prefill;
+   ``--select-on tokens``: the prompt (token ids, or text the router tokenizes with the
+   tokenizer its prompt predictor was fitted with) goes to ``/v1/eldr/reserve`` BEFORE the
+   prefill;
 2. ``POST /v1/eldr/reservations/{id}/prefill_complete`` once the prefill answered;
 3. the client's request plus the prefill's ``kv_transfer_params`` (less the payload) goes to
-   the reserved decoder, whose answer is relayed as it comes;
+   the reserved decoder, whose answer is relayed as it comes (headers ``X-Eldr-Decoder``,
+   ``X-Eldr-Reservation``, ``X-Eldr-Input``: what the decision was made from);
 4. ``POST /v1/eldr/reservations/{id}/release`` with the outcome: ``completed``, ``failed``
    (an engine's error, a broken connection) or ``cancelled`` (the client left).
 
@@ -269,12 +271,9 @@ class Orchestrator:
 
         prefill = next(self._prefills)
         headers = {"Content-Type": "application/json", "X-Request-Id": rid}
-        if self.config.select_on == "tokens":
-            ids = await self._token_ids(prefill, body)
-            if isinstance(ids, int):  # the prefill engine's error status
-                return _error(ids, "the prompt could not be tokenized"), "failed"
-            held["reservation"] = (await self.api.reserve(
-                {"token_ids": ids, "request_id": rid}))["reservation"]
+        if self.config.select_on == "tokens":  # the router tokenizes: no extra call
+            held["reservation"] = await self._reserve({"prompt": body["prompt"],
+                                                       "request_id": rid})
         _status, doc, answer = await self._post(
             prefill + "/v1/completions",
             prefill_body(body, "completions", PREFILL_KV_PARAMS), headers)
@@ -289,7 +288,7 @@ class Orchestrator:
             pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0:
                 ask["prompt_tokens"] = pt
-            held["reservation"] = (await self.api.reserve(ask))["reservation"]
+            held["reservation"] = await self._reserve(ask)
         reservation = held["reservation"]
         await self.api.prefill_complete(reservation["id"])
         decode = dict(body)
@@ -299,16 +298,11 @@ class Orchestrator:
         resp, ok = await self._decode(request, reservation, decode, headers)
         return resp, "completed" if ok else "failed"
 
-    async def _token_ids(self, prefill: str, body: dict) -> list[int] | int:
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        status, doc, _ = await self._post(prefill + "/tokenize", json.dumps(
-            {"model": body.get("model"), "prompt": prompt}).encode(),
-            {"Content-Type": "application/json"})
-        tokens = doc.get("tokens") if doc is not None else None
-        return tokens if isinstance(tokens, list) else (status if status >= 400 else 502)
+    async def _reserve(self, ask: dict) -> dict:
+        """The reservation (with what the decision was made from, for the answer's
+        ``X-Eldr-Input`` header)."""
+        doc = await self.api.reserve(ask)
+        return {**doc["reservation"], "input": doc["input"], "fallback": doc["fallback"]}
 
     async def _post(self, url: str, data: bytes, headers: dict):
         """(status, JSON object or None, the client's error answer or None) of one call."""
@@ -341,7 +335,9 @@ class Orchestrator:
 
         url = reservation["url"] + "/v1/completions"
         reply = {"X-Eldr-Decoder": reservation["worker"] or "",
-                 "X-Eldr-Reservation": reservation["id"]}
+                 "X-Eldr-Reservation": reservation["id"],
+                 "X-Eldr-Input": reservation["input"] + (
+                     f"; fallback={reservation['fallback']}" if reservation["fallback"] else "")}
         stream = None
         try:
             async with self.session.post(url, data=json.dumps(body).encode(),

@@ -249,15 +249,17 @@ class Selection:
                         "payload", None)
             problem = reading.problem
         ids, source = query.token_ids, "token_ids"
-        if ids is None and query.text is not None:
-            ids, why = _tokenize(state, query.text)
-            source = "prompt"
-            if ids is None:
-                return None, None, context, source, problem or why
-        if ids is not None:
+        if ids is not None or query.text is not None:
+            if query.text is not None:
+                source = "prompt"
             predict = _prompt_predict(state)
             if predict is None:
-                return None, None, context or len(ids), source, problem or "no_prompt_predictor"
+                return None, None, context or (0 if ids is None else len(ids)), source, \
+                    problem or "no_prompt_predictor"
+            if ids is None:
+                ids, why = _tokenize(state, query.text)
+                if ids is None:
+                    return None, None, context, source, problem or why
             try:
                 signature, profile = predict(ids)
             except ValueError as exc:  # empty prompt, ids outside the vocabulary
@@ -459,18 +461,16 @@ class Selection:
 
 def _tokenize(state: RoutingState, text: dict) -> tuple[np.ndarray | None, str | None]:
     """((P,) token ids of a ``{"prompt"}`` or ``{"messages"}`` body with the router's
-    tokenizer (chat template included), None) or (None, why not: ``no_prompt_predictor``,
-    ``no_tokenizer``, ``no_chat_template``); ``ProxyError`` 400 for a prompt that has no
-    tokens or is not one text."""
+    tokenizer (chat template included), None) or (None, why not: ``no_tokenizer``,
+    ``no_chat_template``); ``ProxyError`` 400 for a prompt that has no tokens or is not one
+    text. A prompt of token ids needs no tokenizer."""
     from eldr.proxy.request.prompts import Untokenizable, prompt_token_ids
 
     routing = getattr(state, "prompt", None)  # eldr.proxy.request.prompts.PromptRouting
-    if routing is None:
-        return None, "no_prompt_predictor"
     field = "messages" if "messages" in text else "prompt"
     try:
         return prompt_token_ids(text, "chat" if field == "messages" else "completions",
-                                routing.tokenizer), None
+                                getattr(routing, "tokenizer", None)), None
     except Untokenizable as exc:
         if exc.reason in ("no_tokenizer", "no_chat_template"):
             return None, exc.reason
