@@ -48,3 +48,26 @@ def test_online_sources_need_what_they_use(setup):
     no_topk = make_trace(10, 48, 128, 8, with_topk=False)
     with pytest.raises(ValueError, match="prefill_topk"):
         simulate(no_topk, cfg, make_policy("jsq", num_workers=3), encoder=enc)
+
+
+def test_prompt_inputs_are_the_artifacts_route_inputs_from_prompt():
+    from dataclasses import replace
+
+    from _prompt_data import token_trace
+    from eldr.fit.artifact import fit_artifact
+    from eldr.sim.signatures import prompt_inputs
+
+    tr = token_trace(60)
+    art = fit_artifact(tr, worker_ids=["a", "b"], n_init=1,
+                       prompt_options={"bits": (10,), "ranks": (4, 8)})
+    sigs, profs = prompt_inputs(tr, art.encoder, art.prompt_predictor,
+                                profile_alpha=art.profile_alpha,
+                                profile_mean=art.profile_mean)
+    assert sigs.shape == (60, art.layers.size * tr.meta.num_experts)
+    assert profs.shape == (60, tr.meta.num_layers, tr.meta.num_experts)
+    for r in (0, 17, 59):
+        s, p = art.route_inputs_from_prompt(tr.prompt_tokens(r))
+        np.testing.assert_allclose(sigs[r], s, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(profs[r], p, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="no prompt_token_ids"):
+        prompt_inputs(replace(tr, prompt_token_ids=None), art.encoder, art.prompt_predictor)

