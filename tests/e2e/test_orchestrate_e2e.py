@@ -8,7 +8,9 @@ Checks (issue 23 item 5):
 - the reservations are the router's state: a held stream shows as one reservation and as
   load in ``/v1/eldr/workers`` and ``/health`` (any of the two workers answers), and all
   are gone once the requests ended, a client that left mid-stream included;
-- a reservation nobody releases expires and holds nothing after.
+- a reservation nobody releases expires and holds nothing after;
+- ``--select-on tokens`` (the reservation made on the prompt before the prefill) serves
+  the same tokens.
 
 About 4 minutes on 2 cores, most of it the three engines starting (in parallel).
 """
@@ -52,8 +54,17 @@ def deployment(tmp_path_factory):
             "--prefill", urls["prefill"], "--port", str(port), "--timeout", "60"],
             env, tmp / "orchestrate.log")
         procs["orchestrate"], urls["orchestrate"] = orch, f"http://127.0.0.1:{port}"
+        port = _free_port()
+        early = _Proc("orchestrate-tokens", [
+            sys.executable, "-m", "eldr", "orchestrate", "--router", urls["router"],
+            "--prefill", urls["prefill"], "--port", str(port), "--timeout", "60",
+            "--select-on", "tokens"], env, tmp / "orchestrate-tokens.log")
+        procs["orchestrate-tokens"], urls["orchestrate-tokens"] = early, \
+            f"http://127.0.0.1:{port}"
         orch.start()
+        early.start()
         orch.wait_ready(urls["orchestrate"] + "/health", time.monotonic() + 60)
+        early.wait_ready(urls["orchestrate-tokens"] + "/health", time.monotonic() + 60)
         yield urls
 
 
@@ -120,4 +131,17 @@ def test_a_reservation_nobody_releases_expires(deployment):
     status, _, raw = _request(urls["router"] + f"/v1/eldr/reservations/{rid}/release", {},
                               headers=AUTH)
     assert status == 410, raw
+    assert _settled(urls) == {"decode-0": (0.0, 0), "decode-1": (0.0, 0)}
+
+
+def test_selecting_before_the_prefill_serves_the_same_tokens(deployment):
+    """--select-on tokens: the reservation is made on the prompt before the prefill runs
+    (this router has no artifact, so no prompt predictor: by load, and the answer says so)."""
+    urls = deployment
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+    s1, h1, raw1 = _request(urls["orchestrate-tokens"] + "/v1/completions", body)
+    s2, _, raw2 = _request(urls["router"] + "/v1/completions", body)
+    assert s1 == s2 == 200, (raw1, raw2)
+    assert h1["X-Eldr-Input"] == "prompt; fallback=no_prompt_predictor"
+    assert _text(raw1, chat=False, stream=False) == _text(raw2, chat=False, stream=False)
     assert _settled(urls) == {"decode-0": (0.0, 0), "decode-1": (0.0, 0)}
