@@ -145,16 +145,20 @@ def _free_port() -> int:
 
 
 @needs_dask
-def test_an_unreachable_scheduler_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize("address", ["unused port", "tcp://127.0.0.1", "not an address"])
+def test_an_unreachable_scheduler_is_one_line_and_exit_2(address, capsys):
     import dask
 
-    address = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+    if address == "unused port":
+        address = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+        said = f"cannot reach a Dask scheduler at '{address}': Timed out"
+    else:
+        said = f"'{address}' is no Dask scheduler address (missing port number"
     with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
         rc = main(["reproduce", "--quick", "--cluster", address])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 2  # the plan's line, then the error
-    assert err[-1].startswith("eldr reproduce: error: cannot reach a Dask scheduler at "
-                              f"'{address}'")
+    assert err[-1].startswith(f"eldr reproduce: error: {said}")
 
 
 def test_without_the_extra_cluster_is_one_line_and_exit_2(monkeypatch, capsys):

@@ -142,9 +142,10 @@ def connect(address: str, *, timeout: float | None = None) -> DaskCluster:
         from dask.utils import parse_timedelta
 
         timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+    _check_address(address)
     try:
         client = Client(address, timeout=timeout, set_as_default=False)
-    except (OSError, TimeoutError, ValueError, TypeError) as exc:
+    except (OSError, TimeoutError, ValueError) as exc:
         raise ValueError(f"cannot reach a Dask scheduler at {address!r}: "
                          f"{_first_line(exc)}") from None
     try:
@@ -158,6 +159,21 @@ def connect(address: str, *, timeout: float | None = None) -> DaskCluster:
         client.close()
         raise
     return DaskCluster(client, owns_client=True)
+
+
+def _check_address(address: str) -> None:
+    """Refuse a malformed address before a ``Client`` is made of it: a client that fails
+    to parse its address is left half-made, and its finaliser then blocks the exit of
+    the process for many seconds."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(location)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{address!r} is no Dask scheduler address ({_first_line(exc)}); "
+                         "expected tcp://HOST:PORT") from None
 
 
 def check_workers(client) -> None:
