@@ -7,8 +7,10 @@ Per attempt (vLLM's PD proxy protocol; docs/method.md#request-path-with-vllm):
    prefill instance chosen by prefix affinity with load spill, with the attempt's own
    ``X-Request-Id`` (never the client's, which may be shared: engines key requests by it);
 2. route: the inputs the policy declares (``policy.inputs``: a signature, an expert
-   profile) are read off the prefill response and the policy picks a healthy decoder on
-   the live loads; ``policy.on_dispatch`` tells it the request went there;
+   profile) are read off the prefill response (else predicted from the prompt's token ids
+   when the artifact has a prompt predictor: :mod:`eldr.proxy.request.prompts`) and the
+   policy picks a healthy decoder on the live loads; ``policy.on_dispatch`` tells it the
+   request went there;
 3. decode: the ORIGINAL request plus the prefill's ``kv_transfer_params`` (relayed
    verbatim, minus the eldr payload) goes to that decoder; its answer is streamed back.
 
@@ -21,6 +23,13 @@ have consumed are never sent again (vLLM would answer 200 with output computed f
 KV blocks). A non-streaming answer is buffered, so it is retryable to
 its end; a stream that breaks after its first byte ends with an SSE error event. An
 engine's 4xx is the client's problem: relayed as is, never retried.
+
+Decode-first (``config.decode_first``) swaps steps 1 and 2: the decoder is chosen on the
+prompt's prediction (by load without one) and held (dispatched, counted in its load and
+breaker) while the prefill runs, the prefill naming it when ``decode_kv_params`` says how;
+a prefill that fails gives it back (released ``cancelled``). Retries, poison and
+accounting are the same; a retry after an unreachable decoder reuses the prefill only if
+it named no decoder.
 
 Every dispatch is released exactly once (``policy.on_release``) when its decode ends:
 ``"completed"``, ``"failed"`` (an engine error, a timeout, a stream broken mid-way, or a
