@@ -355,7 +355,9 @@ def test_a_full_reservation_table_is_a_429_not_a_5xx():
     ("POST", "/v1/eldr/nothing", b"{}", 404, "the selection API has"),
     ("GET", "/v1/eldr/select", b"", 405, "Method Not Allowed"),
     ("PUT", "/v1/eldr/workers", b"{}", 405, "Method Not Allowed"),
-    ("DELETE", "/v1/eldr/reservations/RID", b"", 405, "Method Not Allowed"),
+    ("PUT", "/v1/eldr/reservations/RID", b"", 405, "Method Not Allowed"),
+    ("DELETE", "/v1/eldr/reservations/RID?outcome=done", b"", 400, "'outcome' must be"),
+    ("DELETE", "/v1/eldr/reservations/RID?why=x", b"", 400, "unknown query parameter(s)"),
 ])
 def test_bad_selection_requests_get_a_clear_4xx(method, path, body, status, says):
     async def go():
@@ -472,3 +474,21 @@ def test_a_real_prompt_predictor_selects_on_token_ids_and_on_text(tmp_path):
     assert by_text[0] == 201 and by_text[1]["input"] == "prompt"
     assert by_text[1]["worker"] == nearest(text_ids)
     assert outside[0] == 400 and "cannot be routed" in outside[1]["error"]["message"]
+
+
+def test_dynamo_style_names_select_and_reserve_and_delete_a_reservation():
+    async def go():
+        async with cluster(policy="jsq", admin_token=TOKEN) as (_r, client, _p, _d):
+            status, doc = await _post(client, "/v1/eldr/select_and_reserve", {})
+            rid = doc["reservation"]["id"]
+            held = await _loads(client)
+            deleted = await _json(await client.delete(
+                f"/v1/eldr/reservations/{rid}?outcome=failed", headers=AUTH))
+            failed = await _metrics(client, 'eldr_selection_reservations_total{event="failed"}')
+            return status, held, deleted, failed, await _loads(client)
+
+    status, held, deleted, failed, after = run(go())
+    assert status == 201 and sorted(held.values()) == [0.0, 1.0]
+    assert deleted[0] == 200 and deleted[1]["reservation"]["outcome"] == "failed"
+    assert list(failed.values()) == [1.0]
+    assert set(after.values()) == {0.0}

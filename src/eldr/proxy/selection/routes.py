@@ -6,10 +6,11 @@ Routes (every one needs the admin token, as ``/admin/*``)::
     POST   /v1/eldr/workers                       register a decoder {"url", "name"?}
     DELETE /v1/eldr/workers/{name}                drain it, then remove it
     POST   /v1/eldr/select                        which decoder (nothing reserved)
-    POST   /v1/eldr/reserve                       select and reserve
+    POST   /v1/eldr/reserve                       select and reserve (also /select_and_reserve)
     GET    /v1/eldr/reservations/{id}             a reservation's state
     POST   /v1/eldr/reservations/{id}/prefill_complete   the decode starts {"ttl"?}
     POST   /v1/eldr/reservations/{id}/release     the request ended {"outcome"?}
+    DELETE /v1/eldr/reservations/{id}[?outcome=]  the same release
 
 Registering and removing decoders are the elastic pool's (``/admin/decoders``): the same
 checks, answers and journal across ``--workers N``. Every error is the router's JSON error
@@ -60,6 +61,7 @@ class SelectionApi:
         add("*", f"{PREFIX}/workers/{{name}}", self.worker)
         add("*", f"{PREFIX}/select", self.select)
         add("*", f"{PREFIX}/reserve", self.reserve)
+        add("*", f"{PREFIX}/select_and_reserve", self.reserve)  # Dynamo's name for it
         add("*", f"{PREFIX}/reservations/{{rid}}", self.reservation)
         add("*", f"{PREFIX}/reservations/{{rid}}/{{action}}", self.reservation_action)
         add("*", f"{PREFIX}/{{tail:.*}}", self.unknown)  # never forwarded to an engine
@@ -112,11 +114,19 @@ class SelectionApi:
     async def reservation(self, request):
         from aiohttp import web
 
-        if request.method != "GET":
-            return method_not_allowed("GET")
+        if request.method not in ("GET", "DELETE"):
+            return method_not_allowed("GET, DELETE")
         self.token.authorize(request)
-        return web.json_response(
-            {"reservation": self.selection.describe(request.match_info["rid"])})
+        rid = request.match_info["rid"]
+        if request.method == "DELETE":  # a release, the outcome in the query
+            unknown = sorted(set(request.query) - {"outcome"})
+            if unknown:
+                raise ProxyError(400, f"unknown query parameter(s) {unknown}; DELETE takes "
+                                      f"?outcome=completed|failed|cancelled",
+                                 code="invalid_request", param=unknown[0])
+            return web.json_response(
+                self.selection.release(rid, request.query.get("outcome", "completed")))
+        return web.json_response({"reservation": self.selection.describe(rid)})
 
     async def reservation_action(self, request):
         from aiohttp import web
@@ -143,7 +153,8 @@ class SelectionApi:
 
     async def unknown(self, request):
         raise ProxyError(404, f"no route {request.method} {request.path}; the selection API "
-                              f"has {PREFIX}/workers, /select, /reserve and "
+                              f"has {PREFIX}/workers, /select, /reserve (/select_and_reserve) "
+                              f"and "
                               f"/reservations/ID[/prefill_complete|/release]",
                          code="no_route")
 
