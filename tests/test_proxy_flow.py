@@ -31,6 +31,10 @@ def test_prefill_body():
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
     assert pre["temperature"] == 0 and body["max_tokens"] == 50  # the original is untouched
+    assert "return_token_ids" not in pre and "return_token_ids" not in body
+    # a learning router asks the prefill for the prompt's token ids (never the client's body)
+    learning = json.loads(prefill_body(body, "completion", PREFILL_KV_PARAMS, token_ids=True))
+    assert learning["return_token_ids"] is True and "return_token_ids" not in body
 
 
 # -- the flow through fake engines ----------------------------------------------------------

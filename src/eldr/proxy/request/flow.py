@@ -119,11 +119,17 @@ def prompt_key(body: dict, kind: str) -> bytes:
         "utf-8", "surrogatepass")
 
 
-def prefill_body(body: dict, kind: str, kv_params: dict) -> bytes:
+def prefill_body(body: dict, kind: str, kv_params: dict, *,
+                 token_ids: bool = False) -> bytes:
     """The prefill leg's request: the client's body asking for one token, not streamed,
-    with the PD ``kv_transfer_params`` (the client's body is not changed)."""
+    with the PD ``kv_transfer_params`` (the client's body is not changed). ``token_ids``:
+    also ask for the prompt's token ids (vLLM's ``return_token_ids``), which a learner
+    (``--learn``) keeps as the prompt predictor's hashed features; the prefill's answer
+    never reaches the client."""
     pre = dict(body)
     pre["kv_transfer_params"] = kv_params
+    if token_ids:
+        pre["return_token_ids"] = True
     pre["max_tokens"] = 1
     if kind == "chat":
         pre["max_completion_tokens"] = 1
@@ -268,7 +274,8 @@ class RequestFlow:
             # Affinity only matters with a choice of prefill instances.
             hashes = (self.affinity.hashes(prompt_key(body, kind))
                       if len(self.pool.prefill) > 1 and not whole else [])
-            data = None if whole else prefill_body(body, kind, self._kv_params(state))
+            data = None if whole else prefill_body(body, kind, self._kv_params(state),
+                                                   token_ids=self.learner is not None)
         except RecursionError:  # parsed just under the limit, deeper to re-encode
             raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                              code="invalid_json") from None
@@ -389,7 +396,8 @@ class RequestFlow:
         named = self._named.get(decoder.name)
         try:
             if named is not None:
-                data = prefill_body(body, kind, {**self._kv_params(state), **named})
+                data = prefill_body(body, kind, {**self._kv_params(state), **named},
+                                    token_ids=self.learner is not None)
             return await self._prefill(data, kind, hashes, headers, faults)
         except BaseException:  # failed, poison, or the client left: nothing to decode
             self._unhold(state, held, decoder)
