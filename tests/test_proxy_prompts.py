@@ -389,3 +389,25 @@ def test_a_real_predictor_routes_stock_prefills(predicting_artifact):
     router, got = run(go())
     assert got == want and set(got) == {"w-code", "w-other"}
     assert _m(router, "route_inputs", source="prompt") == len(prompts)
+
+
+@pytest.mark.parametrize("cached, decoder, source", [
+    (2, "w-code", "prompt"),  # 1 of 3 tokens counted: the prediction routes
+    (1, "w-other", "prefill"),  # 2 of 3 counted: the (partial) signature still routes
+])
+def test_a_signature_of_less_than_half_the_prompt_gives_way_to_the_prediction(
+        cached, decoder, source):
+    """The prefill took part of the prompt from a cache (a KV connector's store) and counted
+    only the rest; its counts say law, the prompt's ids say code."""
+    async def go():
+        async with cluster() as (router, client, prefills, _d):
+            with_prompt(router)
+            prefills[0].cached_tokens = cached
+            r = await client.post("/v1/completions", json={"model": "tiny",
+                                                           "prompt": CODE_IDS})
+            return router, r.status, r.headers["X-Eldr-Decoder"]
+
+    router, status, got = run(go())
+    assert status == 200 and got == decoder
+    assert _m(router, "route_inputs", source=source) == 1
+    assert _m(router, "partial") == 1  # counted as partial either way

