@@ -492,3 +492,75 @@ def test_dynamo_style_names_select_and_reserve_and_delete_a_reservation():
     assert deleted[0] == 200 and deleted[1]["reservation"]["outcome"] == "failed"
     assert list(failed.values()) == [1.0]
     assert set(after.values()) == {0.0}
+
+
+def test_eldr_serve_workers_2_count_each_reservation_once_wherever_it_is_released(tmp_path):
+    """Real ``eldr serve --workers 2`` processes (stand-in engines): each call on a new
+    connection, so reservations are made at both workers and released at either; the load
+    and reservation counts every worker answers are the same, and none is left."""
+    import json as _json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    def call(base, method, path, body=None):
+        req = urllib.request.Request(base + path, method=method, headers=AUTH,
+                                     data=None if body is None else _json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, _json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _json.loads(exc.read())
+
+    def views(base, n=8):  # what n connections (either worker) answer
+        return {tuple((w["load"], w["reservations"]) for w in call(
+            base, "GET", "/v1/eldr/workers")[1]["workers"]) for _ in range(n)}
+
+    async def go():
+        engines = [await FakeEngine(n).start() for n in ("p", "d0", "d1")]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        log = open(tmp_path / "serve.log", "w+")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eldr", "serve", "--port", str(port), "--workers", "2",
+             "--policy", "jsq", "--prefill", engines[0].url, "--decode", engines[1].url,
+             "--decode", engines[2].url, "--health-interval", "0.2"], stderr=log,
+            env={**os.environ, "ELDR_ADMIN_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"})
+        try:
+            deadline = time.monotonic() + 60
+            while open(log.name).read().count("listening on") < 2:
+                assert time.monotonic() < deadline and proc.poll() is None, \
+                    open(log.name).read()
+                await asyncio.sleep(0.1)
+            rids = []
+            for _ in range(12):
+                status, doc = await asyncio.to_thread(call, base, "POST", "/v1/eldr/reserve",
+                                                     {})
+                assert status == 201, doc
+                rids.append(doc["reservation"]["id"])
+            held = await asyncio.to_thread(views, base)
+            for rid in rids:
+                status, doc = await asyncio.to_thread(
+                    call, base, "POST", f"/v1/eldr/reservations/{rid}/release")
+                assert status == 200, doc
+            await asyncio.sleep(0.5)  # the owners' sweeps
+            after = await asyncio.to_thread(views, base)
+            return rids, held, after
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.wait, 15)
+            log.close()
+            for e in engines:
+                await e.close()
+
+    rids, held, after = run(go())
+    assert {rid.split("-")[2] for rid in rids} == {"0", "1"}  # made at both workers
+    assert held == {((6.0, 6), (6.0, 6))}  # jsq alternates; both workers see all 12
+    assert after == {((0.0, 0), (0.0, 0))}
