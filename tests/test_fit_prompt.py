@@ -341,3 +341,24 @@ def test_eldr_fit_fits_the_predictor_with_its_tokenizer(trace, tmp_path, capsys)
     assert main([*base, "--tokenizer", str(tmp_path / "none"), "-o",
                  str(tmp_path / "c")]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def test_the_sparse_kernel_equals_the_dense_products():
+    """Frequent buckets go through a dense block, rare ones through pair expansion."""
+    from eldr.fit.prompt import _Design
+
+    rng = np.random.default_rng(3)
+    R, B = 50, 256
+    x = np.zeros((R, B))
+    x[:, :4] = rng.random((R, 4))  # in every row: dense columns
+    for i in range(R):  # a few rare buckets per row
+        x[i, rng.choice(np.arange(4, B), 6, replace=False)] = rng.random(6)
+    rows = [(np.flatnonzero(x[i]), x[i, np.flatnonzero(x[i])]) for i in range(R)]
+    d = _Design(rows, B)
+    assert set(range(4)) <= set(d.used[d.dense].tolist()) and d.sparse.size > 0
+    d._PAIRS_PER_CHUNK = 7  # many chunks
+    d._ENTRIES_PER_CHUNK = 5
+    np.testing.assert_allclose(d.gram(), x @ x.T, rtol=1e-12, atol=1e-12)
+    a = rng.random((R, 3))
+    np.testing.assert_allclose(d.transpose_times(a), x.T @ a, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(d.mean_row(), x.mean(axis=0), rtol=1e-12, atol=1e-12)
