@@ -270,8 +270,16 @@ def test_route_inputs_from_prompt_are_what_route_request_takes(art, trace):
 def test_without_prompt_ids_or_when_turned_off_there_is_no_predictor(trace):
     from dataclasses import replace
 
+    synthetic = replace(trace, meta=replace(trace.meta, source="synthetic:test"))
+    forced = fit_artifact(synthetic, worker_ids=["a", "b"], n_init=1, prompt_predictor=True,
+                          prompt_options=SMALL)
+    assert forced.prompt_predictor is not None
+    with pytest.raises(ValueError, match="no prompt_token_ids"):
+        fit_artifact(replace(trace, prompt_token_ids=None), worker_ids=["a", "b"], n_init=1,
+                     prompt_predictor=True)
     for a in (fit_artifact(replace(trace, prompt_token_ids=None), worker_ids=["a", "b"],
                            n_init=1),
+              fit_artifact(synthetic, worker_ids=["a", "b"], n_init=1),
               fit_artifact(trace, worker_ids=["a", "b"], n_init=1, prompt_predictor=False)):
         assert a.prompt_predictor is None
         assert a.fit_stats["prompt_predictor"] is None

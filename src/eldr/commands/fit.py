@@ -33,8 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for pair sampling and K-means")
     g = p.add_argument_group("prompt predictor (routing before prefill; fitted when the trace "
                              "has prompt_token_ids)")
-    g.add_argument("--no-prompt-predictor", action="store_true",
-                   help="do not fit the prompt predictor")
+    onoff = g.add_mutually_exclusive_group()
+    onoff.add_argument("--no-prompt-predictor", action="store_true",
+                       help="do not fit the prompt predictor")
+    onoff.add_argument("--prompt-predictor", action="store_true",
+                       help="fit it even on a synthetic trace (whose uniform token ids carry "
+                       "nothing; by default it is fitted on captured traces only)")
     g.add_argument("--tokenizer", metavar="PATH",
                    help="the tokenizer.json (or model folder; 'tiny' for the shipped tiny "
                    "MoE) that made the trace's token ids: its fingerprint and vocabulary "
@@ -86,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         trace, worker_ids=ids, tau=args.tau, representation=args.representation,
         layers=args.layers, balanced=not args.vanilla, n_init=args.n_init,
         selection_max_pairs=args.selection_max_pairs or None, random_state=args.seed,
-        prompt_predictor=not args.no_prompt_predictor, tokenizer=tokenizer,
+        prompt_predictor=False if args.no_prompt_predictor else (
+            True if args.prompt_predictor else None), tokenizer=tokenizer,
         prompt_options=options, on_stage=stage,
     )
     out = artifact.save(art, args.output)
@@ -110,5 +115,8 @@ def run(args: argparse.Namespace) -> int:
               f"vocabulary {pp.vocab_size}")
     elif not args.no_prompt_predictor and trace.prompt_token_ids is None:
         print("prompt predictor: not fitted (the trace has no prompt_token_ids)")
+    elif not args.no_prompt_predictor:
+        print("prompt predictor: not fitted (synthetic trace or fewer than 6 prompts; "
+              "--prompt-predictor forces it)")
     print(f"wrote {out}")
     return 0

@@ -173,7 +173,7 @@ def fit_artifact(
     selection_max_pairs: int | None = 20_000,
     max_pairs: int | None = None,
     profile_predictor: bool = True,
-    prompt_predictor: bool = True,
+    prompt_predictor: bool | None = None,
     tokenizer: str | os.PathLike | bytes | None = None,
     prompt_options: dict | None = None,
     random_state: int | None = 0,
@@ -188,9 +188,11 @@ def fit_artifact(
     48-layer fit within the paper's 10 s budget, and every candidate is ranked on the
     same pairs, so the comparisons between layers are paired. The reported ρ uses
     ``max_pairs`` pairs (``None``: all). ``profile_predictor=False`` (a trace without
-    decode counts): α = 0, the prefill profile. ``prompt_predictor``: also fit the prompt
-    predictor (:mod:`eldr.fit.prompt`) when the trace has ``prompt_token_ids`` (skipped
-    otherwise, and when it has fewer than 6 non-empty prompts); ``tokenizer`` (a
+    decode counts): α = 0, the prefill profile. ``prompt_predictor``: fit the prompt
+    predictor (:mod:`eldr.fit.prompt`) too; ``None`` (default): when the trace has
+    ``prompt_token_ids``, at least 6 non-empty prompts and is not synthetic (a synthetic
+    trace draws its token ids uniformly: there is nothing to learn, and the fit would only
+    cost time); ``True``: always (an error without prompt ids); ``False``: never. ``tokenizer`` (a
     ``tokenizer.json``, a model folder or its bytes) gives it its fingerprint and
     vocabulary size; ``prompt_options``: keyword settings of
     :class:`~eldr.fit.prompt.PromptPredictor` (bits, ranks, alphas, weightings, folds,
@@ -218,8 +220,11 @@ def fit_artifact(
     cluster_profiles = cal.cluster_profiles(km.labels_, len(ids))
     t2 = time.perf_counter()
     prompt = None
-    if prompt_predictor and trace.prompt_token_ids is not None \
-            and int((trace.prompt_lens > 0).sum()) >= 6:
+    want = prompt_predictor
+    if want is None:
+        want = trace.prompt_token_ids is not None and int((trace.prompt_lens > 0).sum()) >= 6 \
+            and not trace.meta.source.startswith("synthetic")
+    if want:
         if on_stage:
             on_stage("prompt predictor (hashed n-grams, ridge)")
         fp, vocab = "", None
