@@ -7,10 +7,11 @@ from eldr.traces.trace import Trace, TraceMeta
 L, E, K_TOP, VOCAB = 3, 8, 2, 48
 
 
-def token_trace(R=90, seed=0, vocab=VOCAB):
+def token_trace(R=90, seed=0, vocab=VOCAB, with_topk=False):
     """Three domains, each with its own 16 token ids; each token id selects fixed experts
     per layer (so the prefill profile is the mean of its tokens' choices), decode tokens
-    follow the domain's experts."""
+    follow the domain's experts. ``with_topk``: also each prompt token's experts
+    (``prefill_topk``), what the token model learns from."""
     rng = np.random.default_rng(seed)
     experts = np.stack([np.stack([np.random.default_rng(t).choice(E, K_TOP, replace=False)
                                   for _ in range(L)]) for t in range(vocab)])  # (V, L, k)
@@ -30,7 +31,9 @@ def token_trace(R=90, seed=0, vocab=VOCAB):
             t = rng.integers(dom[r] * width, (dom[r] + 1) * width)
             for layer in range(L):
                 dec[r, layer, experts[t, layer]] += 1
+    topk = np.concatenate([experts[t] for t in tokens]).astype(np.int16) if with_topk else None
     return Trace(meta=TraceMeta("toy", L, E, K_TOP, source="test"), prefill_counts=pre,
+                 prefill_topk=topk,
                  decode_counts=dec, prompt_lens=lens.astype(np.int64),
                  output_lens=outs.astype(np.int64), domains=dom.astype(np.int32),
                  domain_names=("a", "b", "c"),

@@ -370,3 +370,26 @@ def test_the_sparse_kernel_equals_the_dense_products():
     a = rng.random((R, 3))
     np.testing.assert_allclose(d.transpose_times(a), x.T @ a, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(d.mean_row(), x.mean(axis=0), rtol=1e-12, atol=1e-12)
+
+
+def test_the_token_model_learns_each_tokens_experts_from_prefill_topk():
+    """Each token id fixes its experts here: with every token as a sample, the unigram
+    table is exact and beats the prompt-level ridge; it survives the state round trip."""
+    tr = token_trace(60, with_topk=True)
+    fit, held = tr.subset(np.arange(30)), tr.subset(np.arange(30, 60))
+    p = PromptPredictor(bits=(12,), ranks=(8, 16), alphas=(0.001, 0.1)).fit(fit)
+    assert p.weighting_ == "token"
+    assert {g["weighting"] for g in p.grid_} == {"tfidf", "tf", "token"}
+    truth = _profiles(held)
+    mean = _profiles(fit).mean(axis=0)
+    pred = p.predict_trace(held)
+    r2 = 1 - ((pred - truth) ** 2).sum() / ((truth - mean) ** 2).sum()
+    assert r2 > 0.95
+    doc, arrays = p.state()
+    back = PromptPredictor.from_state(json.loads(json.dumps(doc)), arrays)
+    np.testing.assert_array_equal(back.predict(held.prompt_tokens(0)), pred[0])
+    # without per-token experts the token model is skipped, or refused when it is all
+    ridge = PromptPredictor(bits=(12,), ranks=(8,)).fit(token_trace(30))
+    assert ridge.weighting_ != "token"
+    with pytest.raises(ValueError, match="needs each prompt token's experts"):
+        PromptPredictor(weightings=("token",)).fit(token_trace(30))

@@ -20,7 +20,11 @@ ids + prefill counts):
   the rows already sum to ``top_k``: every basis row lies in the span of centred
   profiles, whose layer rows sum to 0.
 
-``bits``, ``rank`` and the ridge ``alpha`` are chosen by k-fold cross-validated R² of the
+With a trace's per-token experts (``prefill_topk``) a third candidate, the ``token`` model
+(:class:`_TokenData`), learns each n-gram's experts from every prompt token instead of from
+whole prompts, and predicts as cheaply as ``tf``.
+
+``bits``, the model, ``rank`` and ``alpha`` are chosen by k-fold cross-validated R² of the
 profile on the calibration requests (the kernel is computed once per ``bits`` for all
 folds), candidates whose stored arrays would exceed ``max_bytes`` skipped, then the model
 is refitted on every request.
@@ -49,7 +53,8 @@ __all__ = ["HASH_NAME", "WEIGHTINGS", "PromptPredictor", "ngram_hashes", "tokeni
            "tokenizer_vocab_size"]
 
 HASH_NAME = "mul64-unigram-bigram-v1"  # names the feature hash below; stored, checked
-WEIGHTINGS = ("tfidf", "tf")  # feature weightings (_feature_row)
+WEIGHTINGS = ("tfidf", "tf", "token")  # feature weightings / models (module docstring)
+_MAX_TOKENS = 1 << 18  # tokens the token model learns from per fit (a seeded sample beyond)
 _MAX_BITS = 24
 _MAX_TOKENIZER_BYTES = 256 << 20
 # Odd 64-bit multipliers (golden-ratio and a MurmurHash3 finaliser constant).
@@ -307,6 +312,111 @@ def _center(k: np.ndarray, train: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return krt - krt.mean(axis=1, keepdims=True) - col_mean[None, :] + col_mean.mean()
 
 
+class _TokenData:
+    """The ``token`` model's data: every prompt token's experts, learned per n-gram.
+
+    The prefill profile is the mean over the prompt's tokens of each token's k-hot expert
+    choice per layer, so a captured trace (``prefill_topk``) gives one supervised sample per
+    TOKEN, not per prompt. The model: a token's deviation from the mean profile, in the
+    target basis, is ``U[its unigram] + G[its bigram with the previous token]``, ``U`` the
+    shrunk mean deviation of the tokens sharing a unigram bucket (``sum / (n + λ)``), ``G``
+    the same of what ``U`` leaves, per bigram bucket (backoff); both tables share the
+    hashed bucket space (one table, as in the linear models). A prompt's prediction is the
+    mean over its tokens: ``mean + Σ_{n-grams} W[bucket] / P``, as cheap as the ``tf``
+    model. At most ``_MAX_TOKENS`` tokens (a seeded sample) are learned from.
+    """
+
+    def __init__(self, ids, hashes, experts, num_experts: int, rng) -> None:
+        self.hashes = hashes
+        self.lengths = np.array([p.size for p in ids])
+        offsets = np.concatenate(([0], np.cumsum(self.lengths)))
+        self.offsets = offsets
+        total = int(offsets[-1])
+        take = np.arange(total) if total <= _MAX_TOKENS else np.sort(
+            rng.choice(total, _MAX_TOKENS, replace=False))
+        self.token = take  # global index of each sampled token
+        self.prompt = np.searchsorted(offsets, take, side="right") - 1
+        pos = take - offsets[self.prompt]
+        top = np.concatenate([np.asarray(e, dtype=np.int64).reshape(e.shape[0], -1)
+                              for e in experts])[take]  # (T, L·k)
+        L = np.asarray(experts[0]).shape[1]
+        k = np.asarray(experts[0]).shape[2]
+        self.flat = top + (np.arange(L) * num_experts).repeat(k)[None, :]  # into L·E
+        self.pos = pos
+        self.has_prev = pos > 0
+
+    def _buckets(self, bits: int) -> tuple[np.ndarray, np.ndarray]:
+        """(unigram bucket, bigram bucket or -1) of each sampled token."""
+        shift = np.uint64(64 - bits)
+        uni = np.empty(self.token.size, dtype=np.intp)
+        bi = np.full(self.token.size, -1, dtype=np.intp)
+        for i in np.unique(self.prompt):
+            sel = np.flatnonzero(self.prompt == i)
+            h, P, p = self.hashes[i], self.lengths[i], self.pos[sel]
+            uni[sel] = (h[p] >> shift).astype(np.intp)
+            prev = p > 0
+            bi[sel[prev]] = (h[P + p[prev] - 1] >> shift).astype(np.intp)
+        return uni, bi
+
+    def tables(self, prompts: np.ndarray, bits: int, basis: np.ndarray, mean: np.ndarray,
+               lam: float) -> tuple[np.ndarray, np.ndarray]:
+        """The table learned from the tokens of ``prompts``, compact: (sorted buckets,
+        (U, rank) float64 rows); other buckets are 0."""
+        key = bits
+        if getattr(self, "_key", None) != key:
+            self._uni, self._bi = self._buckets(bits)
+            self._key = key
+        sel = np.flatnonzero(np.isin(self.prompt, prompts))
+        cache = self.__dict__.setdefault("_deviations", {})
+        key = (id(basis), sel.size, basis.shape[0])  # a fold's basis is reused across
+        if key not in cache:  # buckets and λ: its token deviations are computed once
+            bt = basis.T  # (L·E, rank)
+            z = np.empty((sel.size, basis.shape[0]))
+            for c in range(0, sel.size, 2048):  # bounded memory of the gathered rows
+                rows = sel[c:c + 2048]
+                z[c:c + 2048] = np.take(bt, self.flat[rows], axis=0).sum(axis=1)
+            z -= mean @ bt
+            cache[key] = (basis, z)  # the basis is kept so its id stays unique
+        z = cache[key][1].copy()
+        uni, bi = self._uni[sel], self._bi[sel]
+        keys, vals = _bucket_means(uni, z, lam)
+        z -= vals[np.searchsorted(keys, uni)]
+        has = bi >= 0
+        bkeys, bvals = _bucket_means(bi[has], z[has], lam)
+        table_keys = np.union1d(keys, bkeys)
+        table = np.zeros((table_keys.size, z.shape[1]))
+        table[np.searchsorted(table_keys, keys)] += vals
+        table[np.searchsorted(table_keys, bkeys)] += bvals
+        return table_keys, table
+
+    def mean_row(self, i: int, bits: int, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """(rank,) the model's prediction for prompt ``i`` (deviation from the mean)."""
+        keys, vals = table
+        rows = (self.hashes[i] >> np.uint64(64 - bits)).astype(np.intp)
+        pos = np.minimum(np.searchsorted(keys, rows), keys.size - 1)
+        hit = pos[keys[pos] == rows]
+        return np.take(vals, hit, axis=0).sum(axis=0) / self.lengths[i]
+
+
+def _dense_table(table: tuple[np.ndarray, np.ndarray], num_buckets: int) -> np.ndarray:
+    """(num_buckets, r) float64 from a compact (keys, values) table."""
+    keys, vals = table
+    out = np.zeros((num_buckets, vals.shape[1]))
+    out[keys] = vals
+    return out
+
+
+def _bucket_means(idx: np.ndarray, z: np.ndarray, lam: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Compact table: (sorted buckets present, (U, r) Σ z over each / (count + λ))."""
+    keys, inv = np.unique(idx, return_inverse=True)
+    n = np.bincount(inv, minlength=keys.size).astype(np.float64)
+    out = np.empty((keys.size, z.shape[1]))
+    for j in range(z.shape[1]):
+        out[:, j] = np.bincount(inv, weights=z[:, j], minlength=keys.size)
+    return keys, out / (n + lam)[:, None]
+
+
 # -- the estimator --------------------------------------------------------------------------
 class PromptPredictor:
     """Prompt token ids → (L, E) expected per-token prefill profile (module docstring).
@@ -398,15 +508,22 @@ class PromptPredictor:
         prompts = [trace.prompt_tokens(int(r)) for r in keep]
         counts = trace.prefill_counts[keep].astype(np.float64)
         profiles = counts / trace.prompt_lens[keep].astype(np.float64)[:, None, None]
+        experts = None
+        if trace.prefill_topk is not None:
+            off = trace.prefill_offsets
+            experts = [trace.prefill_topk[off[r]:off[r + 1]] for r in keep]
         return self.fit_prompts(prompts, profiles, top_k=trace.meta.top_k,
                                 vocab_size=vocab_size,
-                                tokenizer_fingerprint=tokenizer_fingerprint)
+                                tokenizer_fingerprint=tokenizer_fingerprint,
+                                token_experts=experts)
 
     def fit_prompts(self, prompts: Sequence[np.ndarray], profiles: np.ndarray, *, top_k: int,
-                    vocab_size: int | None = None,
-                    tokenizer_fingerprint: str = "") -> PromptPredictor:
+                    vocab_size: int | None = None, tokenizer_fingerprint: str = "",
+                    token_experts: Sequence[np.ndarray] | None = None) -> PromptPredictor:
         """Fit on R prompts (token id arrays) and their (R, L, E) per-token prefill
-        profiles (each layer row summing to ``top_k``)."""
+        profiles (each layer row summing to ``top_k``). ``token_experts`` (optional, one
+        (P_i, L, k) int array of expert ids per prompt token, a trace's ``prefill_topk``)
+        enables the ``token`` model."""
         t0 = time.perf_counter()
         y = np.asarray(profiles, dtype=np.float64)
         if y.ndim != 3 or y.shape[0] != len(prompts):
@@ -430,18 +547,32 @@ class PromptPredictor:
             raise ValueError(f"vocab_size {vocab} is beyond 2**31")
         hashes = [ngram_hashes(p) for p in ids]
         target = y.reshape(R, L * E)
+        weightings = self.weightings
+        if token_experts is None:
+            weightings = tuple(w for w in weightings if w != "token")
+            if not weightings:
+                raise ValueError("the token model needs each prompt token's experts "
+                                 "(a trace with prefill_topk)")
+        else:
+            if len(token_experts) != R or any(np.shape(t) != (p.size, L, top_k)
+                                              for t, p in zip(token_experts, ids, strict=True)):
+                raise ValueError(f"token_experts must hold one (P, {L}, {top_k}) array per "
+                                 "prompt")
+            sample = np.random.default_rng(self.random_state)
+            tokens = _TokenData(ids, hashes, token_experts, E, sample)
 
         rng = np.random.default_rng(self.random_state)
         fold = rng.permutation(R) % self.folds
         grid, per_bits, bases = [], {}, {}
-        for bits, weighting in ((b, w) for b in self.bits for w in self.weightings):
-            idf, rows = self._features(hashes, bits, weighting)
-            k = _Design(rows, 1 << bits).gram()
-            per_bits[bits, weighting] = (idf, rows)
+        for bits, weighting in ((b, w) for b in self.bits for w in weightings):
             ranks = [r for r in self.ranks
                      if self._size(bits, r, L * E) <= self.max_bytes]
             if not ranks:
                 continue
+            if weighting != "token":
+                idf, rows = self._features(hashes, bits, weighting)
+                k = _Design(rows, 1 << bits).gram()
+                per_bits[bits, weighting] = (idf, rows)
             sse = {(r, a): 0.0 for r in ranks for a in self.alphas}
             sst = 0.0
             for f in range(self.folds):
@@ -450,6 +581,20 @@ class PromptPredictor:
                     m = target[tr].mean(axis=0)
                     bases[f] = (m, _target_basis(target[tr] - m, max(self.ranks)))
                 mean, basis = bases[f]
+                yv = target[va] - mean
+                proj = yv @ basis.T  # (R_v, rank_max)
+                total = float((yv ** 2).sum())
+                inside = np.cumsum((proj ** 2).sum(axis=0))
+                sst += total
+                if weighting == "token":
+                    for a in self.alphas:
+                        table = tokens.tables(tr, bits, basis, mean, a)
+                        z = np.stack([tokens.mean_row(i, bits, table) for i in va])
+                        err = np.cumsum(((proj - z) ** 2).sum(axis=0))
+                        for r in ranks:
+                            rr = min(r, basis.shape[0])
+                            sse[(r, a)] += total - inside[rr - 1] + err[rr - 1]
+                    continue
                 yc = target[tr] - mean
                 kc = _center(k, tr, tr)
                 scale = max(float(np.trace(kc)) / tr.size, 1e-12)
@@ -462,11 +607,6 @@ class PromptPredictor:
                 # computed in the reduced space (selection is by the prediction before
                 # clipping, which changes little and would cost an (R, L·E) pass per
                 # candidate; the reported held-out figures clip)
-                yv = target[va] - mean
-                proj = yv @ basis.T  # (R_v, rank_max)
-                total = float((yv ** 2).sum())
-                inside = np.cumsum((proj ** 2).sum(axis=0))
-                sst += total
                 for a in self.alphas:
                     z = (kq / (lam + a)) @ g
                     err = np.cumsum(((proj - z) ** 2).sum(axis=0))
@@ -475,7 +615,7 @@ class PromptPredictor:
                         sse[(r, a)] += total - inside[rr - 1] + err[rr - 1]
             for (r, a), err in sse.items():
                 grid.append({"bits": bits, "weighting": weighting, "rank": r, "alpha": a,
-                             "r2": 1.0 - err / sst if sst > 0 else 0.0})
+                             "r2": float(1.0 - err / sst) if sst > 0 else 0.0})
         if not grid:
             raise ValueError(f"no candidate fits max_bytes={self.max_bytes} (bits "
                              f"{self.bits}, ranks {self.ranks})")
@@ -487,21 +627,17 @@ class PromptPredictor:
 
         bits, rank, alpha = best["bits"], best["rank"], best["alpha"]
         weighting = best["weighting"]
-        idf, rows = per_bits[bits, weighting]
-        design = _Design(rows, 1 << bits)
-        k = design.gram()
         everyone = np.arange(R)
         mean = target.mean(axis=0)
         yc = target - mean
         basis = _target_basis(yc, rank)
-        kc = _center(k, everyone, everyone)
-        scale = max(float(np.trace(kc)) / R, 1e-12)
-        lam, q = np.linalg.eigh(kc)
-        # ridge with penalty alpha · scale (alpha relative to the mean self-similarity)
-        a_dual = (q / (np.maximum(lam, 0.0) + alpha * scale)) @ (q.T @ (yc @ basis.T))
-        weights = design.transpose_times(a_dual) - np.outer(design.mean_row(), a_dual.sum(0))
-        # prediction = mean + (x - x̄) W B = (mean - x̄ W B) + x W B: fold x̄ W B into mean_
-        intercept = mean - (design.mean_row() @ weights) @ basis
+        if weighting == "token":
+            weights = _dense_table(tokens.tables(everyone, bits, basis, mean, alpha),
+                                   1 << bits)
+            intercept, idf = mean, np.ones(1 << bits)
+        else:
+            weights, intercept, idf = self._ridge(per_bits[bits, weighting], bits, yc, basis,
+                                                  mean, alpha)
 
         self.num_layers, self.num_experts, self.top_k = L, E, int(top_k)
         self.vocab_size = vocab
@@ -517,6 +653,25 @@ class PromptPredictor:
         self.num_requests_ = R
         self.fit_seconds_ = time.perf_counter() - t0
         return self
+
+    @staticmethod
+    def _ridge(features, bits: int, yc: np.ndarray, basis: np.ndarray, mean: np.ndarray,
+               alpha: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(weights (2**bits, rank), intercept (L·E,), idf) of the ridge on every request."""
+        idf, rows = features
+        design = _Design(rows, 1 << bits)
+        k = design.gram()
+        R = yc.shape[0]
+        everyone = np.arange(R)
+        kc = _center(k, everyone, everyone)
+        scale = max(float(np.trace(kc)) / R, 1e-12)
+        lam, q = np.linalg.eigh(kc)
+        # ridge with penalty alpha · scale (alpha relative to the mean self-similarity)
+        a_dual = (q / (np.maximum(lam, 0.0) + alpha * scale)) @ (q.T @ (yc @ basis.T))
+        weights = design.transpose_times(a_dual) - np.outer(design.mean_row(), a_dual.sum(0))
+        # prediction = mean + (x - x̄) W B = (mean - x̄ W B) + x W B: fold x̄ W B into mean_
+        intercept = mean - (design.mean_row() @ weights) @ basis
+        return weights, intercept, idf
 
     @staticmethod
     def _features(hashes: list[np.ndarray], bits: int, weighting: str
@@ -547,11 +702,12 @@ class PromptPredictor:
         self._check_fitted()
         ids = _check_ids(token_ids, self.vocab_size)
         hashes = ngram_hashes(ids)
-        if self.weighting_ == "tf":  # Σ_b (count_b / n) W[b] = Σ over n-grams W[b] / n:
-            # no aggregation (sort) needed
+        if self.weighting_ in ("tf", "token"):  # Σ_b (count_b / n) W[b] = Σ W[b] / n over
+            # n-grams (tf; token: over the P tokens): no aggregation (sort) needed.
             # np.take and a BLAS dot: 3x and 7x faster than fancy indexing and .sum(0)
             rows = (hashes >> np.uint64(64 - self.bits_)).astype(np.intp)
-            w = np.full(rows.size, 1.0 / rows.size, dtype=np.float32)
+            n = rows.size if self.weighting_ == "tf" else ids.size
+            w = np.full(rows.size, 1.0 / n, dtype=np.float32)
         else:
             rows, w = _feature_row(hashes, self.bits_, self.idf_, self.weighting_)
         z = w @ np.take(self.weights_, rows, axis=0)
