@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prompt predictor: 2**{pp.bits_} buckets ({pp.weighting_}), rank {pp.rank_}, "
               f"alpha {pp.alpha_:g}, cross-validated R^2 {pp.cv_r2_:.3f} on "
               f"{pp.num_requests_} prompts, {pp.nbytes / 2**20:.1f} MiB, tokenizer {fp}, "
-              f"vocabulary {pp.vocab_size}")
+              f"vocabulary {pp.vocab_size}, fitted in {pp.fit_seconds_:.1f}s")
     elif not args.no_prompt_predictor and trace.prompt_token_ids is None:
         print("prompt predictor: not fitted (the trace has no prompt_token_ids)")
     elif not args.no_prompt_predictor:
