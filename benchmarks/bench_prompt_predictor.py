@@ -14,8 +14,10 @@
 3. Prediction cost: ``PromptPredictor.predict`` for a 48 × 128 top-8 model and a
    2,048-token prompt (ids from a 151,936-token vocabulary, Qwen3's), p50 / p99 over
    ``--calls`` calls after warm-up, at (bits, rank) = (16, 32), (18, 32) and the largest
-   within budget (18, 46); and ``route_inputs_from_prompt`` (prediction + signature +
-   cost-policy profile) at (16, 32). Wall clock on a shared machine: p99 is noisy.
+   within budget (18, 46), for the tf/token path (one gather of the n-grams' rows) and the
+   tfidf path (which aggregates repeated n-grams first); and ``route_inputs_from_prompt``
+   (prediction + signature + cost-policy profile) at (16, 32). Wall clock and this
+   thread's CPU time: on a shared machine the wall clock's p99 is mostly waiting.
 4. ``--simulate``: the simulator on the tiny-MoE CPU preset (docs/simulator.md, the
    comparison there: 8 prefill and 4 decode workers, 10 s warm-up + 60 s): ``eldr`` and
    ``eldr_cost`` routed on the prefill signature/profile and on the prompt predictions
@@ -129,11 +131,11 @@ def cost(args) -> None:
           "(wall clock, after 200 warm-up calls)")
     for bits, rank in ((16, 32), (18, 32), (18, 46)):
         p = _random_predictor(bits, rank, L, E, k, vocab, rng)
-        for weighting in ("tf", "tfidf"):
+        for weighting in ("token", "tfidf"):  # tf predicts exactly as token does
             p.weighting_ = weighting
             figs = _percentiles(lambda p=p: p.predict(ids), args.calls)
             print(f"   predict, 2**{bits} x rank {rank} ({p.nbytes / 2**20:4.1f} MiB), "
-                  f"{weighting:<5}: {figs}")
+                  f"{'tf/token' if weighting == 'token' else weighting:<8}: {figs}")
     p = _random_predictor(16, 32, L, E, k, vocab, rng)
     enc = SignatureEncoder.from_state({
         "representation": "count_idf", "num_layers": L, "num_experts": E,
@@ -143,12 +145,12 @@ def cost(args) -> None:
                           worker_ids=("a", "b", "c", "d"), tau=0.1, profile_alpha=0.2,
                           profile_mean=np.full((L, E), k / E, dtype=np.float32),
                           prompt_predictor=p)
-    p.weighting_ = "tf"
+    p.weighting_ = "token"
     figs = _percentiles(lambda: art.route_inputs_from_prompt(ids), args.calls)
-    print(f"   route_inputs_from_prompt, 2**16 x 32 tf, 16-layer mask: {figs}")
+    print(f"   route_inputs_from_prompt, 2**16 x 32 token, 16-layer mask: {figs}")
     short = ids[:256]
     figs = _percentiles(lambda: p.predict(short), args.calls)
-    print(f"   predict, a 256-token prompt, 2**16 x 32 tf: {figs}")
+    print(f"   predict, a 256-token prompt, 2**16 x 32 token: {figs}")
 
 
 def simulate(trace, args) -> None:
