@@ -109,11 +109,13 @@ class DaskCluster:
 
         The set-up is scattered to every worker once (``broadcast``: each task then finds
         it where it runs) and released when its tasks are done, so a worker holds one
-        set-up at a time, as a local run's processes map one slab at a time. A task that
-        fails raises its error here; the others are cancelled."""
+        set-up at a time, as a local run's processes map one slab at a time. Workers are
+        checked first (:func:`check_workers`: one may have joined since the last set-up).
+        A task that fails raises its error here; the others are cancelled."""
         from distributed import as_completed
 
         client = self.client
+        check_workers(client)
         shipped = client.scatter(shipped_setup(setup), broadcast=True, hash=False)
         futures = [client.submit(run_shipped, plan, shipped, t, pure=False) for t in tasks]
         position = {f.key: j for j, f in enumerate(futures)}
