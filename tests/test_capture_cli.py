@@ -46,11 +46,12 @@ def test_missing_model_folder_is_exit_2(tmp_path, capsys):
 def tiny_model_dir(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out = tmp_path_factory.mktemp("tiny")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(["hello world", "bonjour le monde", "def f(x): return x"],
                             trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                                 show_progress=False))
@@ -83,3 +84,8 @@ def test_capture_command_writes_a_trace(tmp_path, tiny_model_dir, capsys):
     assert (trace.output_lens <= 3).all()
     np.testing.assert_array_equal(trace.prefill_counts.sum(axis=2),
                                   2 * trace.prompt_lens[:, None].repeat(2, axis=1))
+    # the prompt token ids ride along and decode back to the prompt texts
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert [tok.decode(trace.prompt_tokens(r)) for r in range(2)] == ["hello world",
+                                                                       "bonjour le monde"]

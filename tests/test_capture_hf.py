@@ -139,6 +139,10 @@ def test_capture_texts_builds_a_trace():
                           domains=["x", "y"], max_prompt_tokens=3, progress=False)
     np.testing.assert_array_equal(trace.prompt_lens, [3, 2])
     assert trace.meta.source == "captured:transformers"
+    # the prompt token ids are recorded, truncated like the routing, requests in order
+    assert trace.prompt_token_ids.dtype == np.int32
+    np.testing.assert_array_equal(trace.prompt_tokens(0), [ord(c) % 64 for c in "hel"])
+    np.testing.assert_array_equal(trace.prompt_tokens(1), [ord(c) % 64 for c in "hi"])
     with pytest.raises(ValueError, match="domain labels"):
         capture_texts(_qwen3(), _CharTokenizer(), ["a"], max_new_tokens=1, domains=[])
 
