@@ -24,8 +24,9 @@
    (:func:`eldr.sim.signatures.prompt_inputs`), and jsq, p2c, round_robin, at ``--qps``,
    seeds ``--seeds``; means over seeds of the median TPOT.
 
-Run: ``python benchmarks/bench_prompt_predictor.py [--trace T.npz] [--simulate]``
-(default trace: the shipped tiny-MoE capture).
+Run: ``python benchmarks/bench_prompt_predictor.py --trace T.npz [--simulate]`` with a
+captured trace that kept its prompt token ids (the shipped tiny-MoE trace leaves them out,
+docs/capture.md; ``--skip-quality`` runs the cost section alone).
 """
 
 from __future__ import annotations
@@ -232,7 +233,12 @@ def main() -> None:
             raise SystemExit("synthetic traces draw token ids uniformly: a prompt predictor "
                              "cannot be evaluated on one; give a captured trace")
         if trace.prompt_token_ids is None:
-            raise SystemExit(f"{args.trace} has no prompt_token_ids (re-capture it)")
+            raise SystemExit(
+                f"{args.trace} has no prompt_token_ids (the shipped tiny-MoE trace leaves them "
+                "out, docs/capture.md): capture one, e.g. python "
+                "scripts/prepare_tiny_moe_data.py ... then eldr capture --model tiny "
+                "--prompts out/tinymoe_data/prompts.jsonl --max-new-tokens 64 "
+                "--max-prompt-tokens 256 -o recap.npz, and pass --trace recap.npz")
     if not args.skip_quality:
         quality(trace, args)
         size(trace, args)
