@@ -393,3 +393,30 @@ def test_the_token_model_learns_each_tokens_experts_from_prefill_topk():
     assert ridge.weighting_ != "token"
     with pytest.raises(ValueError, match="needs each prompt token's experts"):
         PromptPredictor(weightings=("token",)).fit(token_trace(30))
+
+
+def test_fit_hashes_on_sorted_bags_is_fit_prompts(trace):
+    """The learner keeps each prompt's sorted bag of n-gram hashes, not its ids: the
+    tfidf / tf models read only bucket counts, so the fit is the same."""
+    small = trace.subset(np.arange(60))
+    prompts = [small.prompt_tokens(r) for r in range(60)]
+    profiles = _profiles(small)
+    opts = {**SMALL, "weightings": ("tfidf", "tf")}
+    a = PromptPredictor(**opts).fit_prompts(prompts, profiles, top_k=K_TOP, vocab_size=VOCAB)
+    bags = [np.sort(ngram_hashes(p)) for p in prompts]
+    b = PromptPredictor(**opts).fit_hashes(bags, profiles, top_k=K_TOP, vocab_size=VOCAB,
+                                           tokenizer_fingerprint="ab")
+    assert (a.bits_, a.weighting_, a.rank_, a.alpha_) == (b.bits_, b.weighting_, b.rank_,
+                                                          b.alpha_)
+    np.testing.assert_allclose(b.weights_, a.weights_, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(b.predict(prompts[3]), a.predict(prompts[3]), rtol=1e-5,
+                               atol=1e-7)
+    assert b.vocab_size == VOCAB and b.tokenizer_fingerprint == "ab"
+    with pytest.raises(ValueError, match="needs each prompt token's experts"):
+        PromptPredictor(weightings=("token",)).fit_hashes(bags, profiles, top_k=K_TOP,
+                                                          vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="non-empty 1-D uint64"):
+        PromptPredictor().fit_hashes([*bags[:-1], np.array([], np.uint64)], profiles,
+                                     top_k=K_TOP, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="vocab_size must be an integer"):
+        PromptPredictor().fit_hashes(bags, profiles, top_k=K_TOP, vocab_size=None)

@@ -525,19 +525,8 @@ class PromptPredictor:
         (P_i, L, k) int array of expert ids per prompt token, a trace's ``prefill_topk``)
         enables the ``token`` model."""
         t0 = time.perf_counter()
-        y = np.asarray(profiles, dtype=np.float64)
-        if y.ndim != 3 or y.shape[0] != len(prompts):
-            raise ValueError(f"profiles must be (R, L, E) with R = {len(prompts)} prompts, "
-                             f"got shape {y.shape}")
-        if not np.isfinite(y).all() or (y < 0).any():
-            raise ValueError("profiles must be finite and non-negative")
+        y = self._check_targets(profiles, len(prompts), tokenizer_fingerprint)
         R, L, E = y.shape
-        min_requests = 2 * self.folds
-        if R < min_requests:
-            raise ValueError(f"a prompt predictor needs at least {min_requests} requests with "
-                             f"a prompt, got {R}")
-        if not isinstance(tokenizer_fingerprint, str):
-            raise ValueError("tokenizer_fingerprint must be a string")
         ids = [_check_ids(p, None) for p in prompts]
         seen = max(int(p.max()) for p in ids) + 1
         vocab = seen if vocab_size is None else int(vocab_size)
@@ -546,20 +535,65 @@ class PromptPredictor:
         if vocab > 1 << 31:
             raise ValueError(f"vocab_size {vocab} is beyond 2**31")
         hashes = [ngram_hashes(p) for p in ids]
-        target = y.reshape(R, L * E)
-        weightings = self.weightings
-        if token_experts is None:
-            weightings = tuple(w for w in weightings if w != "token")
-            if not weightings:
-                raise ValueError("the token model needs each prompt token's experts "
-                                 "(a trace with prefill_topk)")
-        else:
+        tokens = None
+        if token_experts is not None:
             if len(token_experts) != R or any(np.shape(t) != (p.size, L, top_k)
                                               for t, p in zip(token_experts, ids, strict=True)):
                 raise ValueError(f"token_experts must hold one (P, {L}, {top_k}) array per "
                                  "prompt")
             sample = np.random.default_rng(self.random_state)
             tokens = _TokenData(ids, hashes, token_experts, E, sample)
+        return self._fit(hashes, y, top_k, vocab, tokenizer_fingerprint, tokens, t0)
+
+    def fit_hashes(self, bags: Sequence[np.ndarray], profiles: np.ndarray, *, top_k: int,
+                   vocab_size: int, tokenizer_fingerprint: str = "") -> PromptPredictor:
+        """Fit from each prompt's bag of n-gram hashes (:func:`ngram_hashes` of its ids, in
+        any order: what the live learner keeps instead of the prompt) and its (R, L, E)
+        prefill profile. The same ``tfidf`` / ``tf`` models as :meth:`fit_prompts` (a bag
+        holds everything they read); not the ``token`` model, which needs each token's
+        experts. ``vocab_size``: the tokenizer's (the bags cannot tell it)."""
+        t0 = time.perf_counter()
+        y = self._check_targets(profiles, len(bags), tokenizer_fingerprint)
+        hashes = []
+        for i, bag in enumerate(bags):
+            h = np.asarray(bag)
+            if h.ndim != 1 or h.size == 0 or h.dtype != np.uint64:
+                raise ValueError(f"bag {i} must be a non-empty 1-D uint64 array of n-gram "
+                                 f"hashes, got {h.dtype} {h.shape}")
+            hashes.append(h)
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
+                or not 0 < vocab_size <= 1 << 31:
+            raise ValueError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
+        return self._fit(hashes, y, top_k, int(vocab_size), tokenizer_fingerprint, None, t0)
+
+    def _check_targets(self, profiles, num_prompts: int, tokenizer_fingerprint) -> np.ndarray:
+        """(R, L, E) float64 profiles, checked against the prompt count and the folds."""
+        y = np.asarray(profiles, dtype=np.float64)
+        if y.ndim != 3 or y.shape[0] != num_prompts:
+            raise ValueError(f"profiles must be (R, L, E) with R = {num_prompts} prompts, "
+                             f"got shape {y.shape}")
+        if not np.isfinite(y).all() or (y < 0).any():
+            raise ValueError("profiles must be finite and non-negative")
+        min_requests = 2 * self.folds
+        if y.shape[0] < min_requests:
+            raise ValueError(f"a prompt predictor needs at least {min_requests} requests with "
+                             f"a prompt, got {y.shape[0]}")
+        if not isinstance(tokenizer_fingerprint, str):
+            raise ValueError("tokenizer_fingerprint must be a string")
+        return y
+
+    def _fit(self, hashes: list[np.ndarray], y: np.ndarray, top_k: int, vocab: int,
+             tokenizer_fingerprint: str, tokens: _TokenData | None, t0: float
+             ) -> PromptPredictor:
+        """The fit proper (module docstring) on checked inputs."""
+        R, L, E = y.shape
+        target = y.reshape(R, L * E)
+        weightings = self.weightings
+        if tokens is None:
+            weightings = tuple(w for w in weightings if w != "token")
+            if not weightings:
+                raise ValueError("the token model needs each prompt token's experts "
+                                 "(a trace with prefill_topk)")
 
         rng = np.random.default_rng(self.random_state)
         fold = rng.permutation(R) % self.folds
