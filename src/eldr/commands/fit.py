@@ -49,9 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-ranks", type=int, nargs="+", metavar="R",
                    help="candidate ranks of the target basis (default 8 16 32 64)")
     g.add_argument("--prompt-alphas", type=float, nargs="+", metavar="A",
-                   help="candidate ridge penalties, relative (default 0.01 ... 3)")
-    g.add_argument("--prompt-weightings", nargs="+", metavar="W", choices=("tfidf", "tf"),
-                   help="candidate feature weightings: tfidf, tf (default both)")
+                   help="candidate ridge penalties, relative, or the token model's shrinkage "
+                   "(default 0.001 ... 1)")
+    g.add_argument("--prompt-weightings", nargs="+", metavar="W",
+                   choices=("tfidf", "tf", "token"),
+                   help="candidate models: tfidf, tf (ridge on hashed n-grams), token (per-token "
+                   "experts, needs prefill_topk) (default all)")
     p.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="artifact directory to write (replaced atomically if it exists)")
 
