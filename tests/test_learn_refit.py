@@ -171,3 +171,30 @@ def test_a_small_refit_is_validated_by_cross_validation_and_kept_fitted_on_all(t
     big = run_fit_job(FitJob(records=old + new, model="s", top_k=K, worker_ids=IDS,
                              output=str(tmp_path / "big"), current=None, drift=None))
     assert not any("cross-validation" in n for n in big.notes)  # 50 held out: one split
+
+
+def test_the_prompt_predictor_is_fitted_only_from_enough_bags_of_the_router_vocabulary():
+    from eldr.learn.buffer import make_record
+    from eldr.learn.refit import PROMPT_MIN_REQUESTS, fit_prompt_predictor
+
+    rng = np.random.default_rng(0)
+
+    def record(domain: int):
+        ids = rng.integers(0, 50, size=12) + 50 * domain  # each domain its own words
+        counts = np.zeros((4, 16), dtype=np.int32)
+        for layer in range(4):
+            counts[layer, [domain * 2, domain * 2 + 1]] = 12  # k = 2
+        return make_record(counts, top_k=2, decoder="d", time=0.0, prompt_ids=ids)
+
+    recs = [record(i % 2) for i in range(PROMPT_MIN_REQUESTS)]
+    notes: list[str] = []
+    assert fit_prompt_predictor(recs[:-1], notes) is None
+    assert notes == [f"prompt predictor: {PROMPT_MIN_REQUESTS - 1} requests with a prompt, "
+                     f"need {PROMPT_MIN_REQUESTS}"]
+    assert fit_prompt_predictor(recs, notes, vocab_size=60) is None  # ids up to 99
+    assert "outside the router's tokenizer's vocabulary (60)" in notes[-1]
+    pred = fit_prompt_predictor(recs, notes, vocab_size=128, tokenizer_fingerprint="ab" * 32)
+    assert pred is not None and pred.vocab_size == 128
+    # it learned which words go with which experts
+    code, law = pred.predict(np.arange(5, 15)), pred.predict(np.arange(55, 65))
+    assert code[:, :2].sum() > code[:, 2:4].sum() and law[:, 2:4].sum() > law[:, :2].sum()

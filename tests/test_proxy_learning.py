@@ -5,6 +5,7 @@ import time
 import zlib
 
 import numpy as np
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from _learn_data import E, L, token_counts
@@ -368,3 +369,69 @@ def test_counts_of_part_of_a_prompt_are_not_learned_from(tmp_path):
     assert len(recs) == 8 and all(r.prompt_tokens > 2 for r in recs)
     assert 'eldr_learn_requests_total{result="partial"} 4' in page
     assert 'eldr_learn_requests_total{result="collected"} 8' in page
+
+
+class TokenIdEngine(TwoDomainEngine):
+    """A prefill that answers ``return_token_ids`` as vLLM does for completions
+    (``choices[0].prompt_token_ids``, only when asked): word ids, one per token."""
+
+    def _prefill_answer(self, prompt: str, n_prompt: int, body: dict) -> dict:
+        doc = super()._prefill_answer(prompt, n_prompt, body)
+        if body.get("return_token_ids") is True:  # the learning router asks for them
+            words = prompt.split()
+            doc["choices"][0]["prompt_token_ids"] = [
+                zlib.crc32(words[i % len(words)].encode()) % 1000 for i in range(n_prompt)]
+        return doc
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_prompts_are_learned_as_hashed_bags_and_the_fit_gets_a_prompt_predictor(
+        tmp_path, with_tokenizer):
+    from eldr.capture import tiny_moe_dir
+    from eldr.fit import artifact as artifact_io
+    from eldr.fit.prompt import tokenizer_fingerprint
+
+    tokenizer = str(tiny_moe_dir()) if with_tokenizer else None
+
+    async def go():
+        prefill = await TokenIdEngine("p0").start()
+        decoders = [await TwoDomainEngine(f"d{k}").start() for k in range(2)]
+        config = ServeConfig(prefill_urls=(prefill.url,),
+                             decode_urls=tuple(d.url for d in decoders), policy="eldr_cost",
+                             short_prompt_tokens=0, tokenizer=tokenizer)
+        router = Router(config)
+        router.learn(LearnConfig(directory=str(tmp_path / "learn"), min_requests=40))
+        client = TestClient(TestServer(router.make_app(), port=0))
+        await client.start_server()
+        try:
+            await _send(client, 40)
+            await router.learner.learner.fit_task
+            return router
+        finally:
+            await client.close()
+            for e in [prefill, *decoders]:
+                await e.close()
+
+    router = asyncio.run(go())
+    recs = router.learner.learner.buffer.snapshot()
+    assert len(recs) == 40 and all(r.prompt_hashes is not None for r in recs)
+    assert all(r.prompt_hashes.size == 2 * r.prompt_tokens - 1 for r in recs)
+    art = router.state.artifact
+    assert art == str(tmp_path / "learn" / "artifacts" / "0001")
+    learned = artifact_io.load(art)
+    pred = learned.prompt_predictor
+    assert pred is not None and learned.fit_stats["prompt_predictor"] is not None
+    seen = max(r.max_token_id for r in recs)
+    if with_tokenizer:  # the router's tokenizer names the predictor's vocabulary
+        assert pred.vocab_size == 4096
+        assert pred.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+        ids = np.array([3, 17, 3, 4095])  # an id no prompt had is still this vocabulary's
+    else:  # without one it knows the ids it has seen, and refuses larger ones
+        assert pred.vocab_size == seen + 1 and pred.tokenizer_fingerprint == ""
+        with pytest.raises(ValueError, match="unknown token id"):
+            learned.route_inputs_from_prompt(np.array([seen + 1]))
+        ids = np.array([3, 17, 3, seen])
+    sig, profile = learned.route_inputs_from_prompt(ids)  # routes before prefill
+    assert sig.shape == (learned.centroids.shape[1],) and profile.shape == (L, E)
+    # the buffer on disk keeps the bags, not the ids
+    assert (tmp_path / "learn" / "buffer" / "prompts.npz").is_file()

@@ -94,6 +94,8 @@ class Learner:
         self._pool_pending = False  # the refit due is for a decoder change, not drift
         self._stopping = False
         self._persist_lock = asyncio.Lock()
+        # (fingerprint, vocab size) of the router's tokenizer, for the prompt predictor
+        self.tokenizer: tuple[str, int] | None = None
         self.state: dict = {"fits": 0, "accepted": 0, "refused": 0, "failed": 0,
                             "drifts": 0, "artifact": None, "drift_point": None,
                             "last_attempt_seen": None, "last": None}
@@ -229,7 +231,9 @@ class Learner:
                       batch_size=cfg.batch_size, min_gain=cfg.min_gain,
                       max_balance=cfg.max_balance, rho_tolerance=cfg.rho_tolerance,
                       score_tolerance=cfg.score_tolerance, tau=cfg.tau, seed=cfg.seed,
-                      drift=drift, fit=fit)
+                      drift=drift, fit=fit,
+                      tokenizer_fingerprint=self.tokenizer[0] if self.tokenizer else "",
+                      vocab_size=self.tokenizer[1] if self.tokenizer else None)
 
     async def _run_fit(self, reason: str, records: list[Record], fit: bool) -> None:
         loop = asyncio.get_running_loop()

@@ -28,13 +28,21 @@ load balancing (score ≥ 1 − ``min_gain``), when it scores worse than the run
 on the same held-out requests by more than ``score_tolerance`` (within it, the candidate,
 fitted on the newer traffic, wins the tie), when its held-out ρ (decode counts only) is ≤ 0 or more
 than ``rho_tolerance`` below the running artifact's.
+
+**Prompt predictor.** An accepted candidate also gets a prompt predictor
+(:mod:`eldr.fit.prompt`, the router's input before prefill) when at least
+:data:`PROMPT_MIN_REQUESTS` of the records keep their prompt's hashed n-gram bag
+(:mod:`eldr.learn.buffer`): fitted on those bags and their prefill profiles, its own
+cross-validated R² in ``fit_stats["prompt_predictor"]``. It does not take part in the
+verdict (the routing after prefill is what is judged); a predictor that cannot be fitted
+leaves the candidate without one, said in the notes.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -47,8 +55,8 @@ from eldr.learn.buffer import Record, records_to_trace
 from eldr.learn.drift import DriftDetector
 from eldr.traces.trace import Trace
 
-__all__ = ["Evaluation", "FitJob", "FitOutcome", "evaluate", "fit_candidate", "judge",
-           "run_fit_job"]
+__all__ = ["PROMPT_MIN_REQUESTS", "Evaluation", "FitJob", "FitOutcome", "evaluate",
+           "fit_candidate", "fit_prompt_predictor", "judge", "run_fit_job"]
 
 
 def fit_candidate(trace: Trace, decode_known: np.ndarray, *, worker_ids, tau: float = 0.1,
@@ -191,6 +199,9 @@ class FitJob:
     seed: int = 0
     drift: dict | None = None  # DriftDetector keyword arguments; None: no drift calibration
     fit: bool = True  # False: only calibrate drift for the running artifact
+    # the router's tokenizer (--tokenizer), for the prompt predictor: fingerprint, vocab size
+    tokenizer_fingerprint: str = ""
+    vocab_size: int | None = None  # None: 1 + the largest token id seen
 
 
 @dataclass
@@ -278,6 +289,41 @@ def _pooled(evs: list[Evaluation], sizes: list[int]) -> Evaluation:
                       min(e.rho_n or 0 for e in with_rho) if with_rho else None)
 
 
+PROMPT_MIN_REQUESTS = 24  # records with a prompt bag needed to fit a prompt predictor
+
+
+def fit_prompt_predictor(records: list[Record], notes: list[str], *,
+                         vocab_size: int | None = None, tokenizer_fingerprint: str = ""):
+    """A :class:`~eldr.fit.prompt.PromptPredictor` fitted on the records that keep a prompt
+    bag, or None (too few, or the fit failed: said in ``notes``). ``vocab_size`` and
+    ``tokenizer_fingerprint``: the router's tokenizer's, when it has one; without it the
+    predictor knows ids up to the largest one seen, and refuses larger ones (the router
+    then routes those prompts by load, counted)."""
+    rows = [r for r in records if r.prompt_hashes is not None and r.prompt_tokens > 0]
+    if len(rows) < PROMPT_MIN_REQUESTS:
+        if rows:
+            notes.append(f"prompt predictor: {len(rows)} requests with a prompt, need "
+                         f"{PROMPT_MIN_REQUESTS}")
+        return None
+    from eldr.fit.prompt import PromptPredictor
+
+    counts = np.stack([r.prefill_counts for r in rows]).astype(np.float64)
+    profiles = counts / np.array([r.prompt_tokens for r in rows], np.float64)[:, None, None]
+    top_k = round(float(counts[0, 0].sum()) / rows[0].prompt_tokens)
+    seen = 1 + max(int(r.max_token_id) for r in rows)
+    if vocab_size is not None and seen > vocab_size:
+        notes.append(f"prompt predictor not fitted: token id {seen - 1} is outside the "
+                     f"router's tokenizer's vocabulary ({vocab_size})")
+        return None
+    try:
+        return PromptPredictor().fit_hashes([r.prompt_hashes for r in rows], profiles,
+                                            top_k=top_k, vocab_size=vocab_size or seen,
+                                            tokenizer_fingerprint=tokenizer_fingerprint)
+    except ValueError as exc:
+        notes.append(f"prompt predictor not fitted: {exc}")
+        return None
+
+
 def run_fit_job(job: FitJob) -> FitOutcome:
     """Fit, validate and (if accepted) write a candidate; calibrate drift for whatever
     runs afterwards. Runs in the learner's worker process."""
@@ -305,6 +351,11 @@ def run_fit_job(job: FitJob) -> FitOutcome:
                     score_tolerance=job.score_tolerance)
     path = None
     if not reasons:
+        prompt = fit_prompt_predictor(job.records, notes, vocab_size=job.vocab_size,
+                                      tokenizer_fingerprint=job.tokenizer_fingerprint)
+        if prompt is not None:
+            cand = replace(cand, prompt_predictor=prompt)
+            cand.fit_stats["prompt_predictor"] = prompt.summary()
         cand.fit_stats["validation"] = {"candidate": ev_c.to_json(), "running": ev_o.to_json()}
         path = str(artifact_io.save(cand, job.output))
     running = cand if not reasons else current

@@ -44,6 +44,22 @@ log = logging.getLogger("eldr.learn")
 _SMALL_ANSWER = 32 * 1024  # answers whose usage is read back (bigger: length unknown)
 
 
+def _tokenizer_identity(folder: str | None) -> tuple[str, int] | None:
+    """(fingerprint, vocab size) of ``--tokenizer``'s folder for the learned prompt
+    predictor, or None (no tokenizer given, or unreadable: logged; the predictor then knows
+    the ids it has seen)."""
+    if not folder:
+        return None
+    from eldr.fit.prompt import tokenizer_fingerprint, tokenizer_vocab_size
+
+    try:
+        return tokenizer_fingerprint(folder), tokenizer_vocab_size(folder)
+    except ValueError as exc:
+        log.warning("learn: the tokenizer in %s is not usable for the prompt predictor "
+                    "(%s)", folder, exc)
+        return None
+
+
 def _answer_tokens(resp) -> int | None:
     """``usage.completion_tokens`` of a small buffered JSON answer, else None (streams'
     lengths come with the engines' decode payload, when they send one)."""
@@ -70,6 +86,7 @@ class LiveLearning:
         self.learner = Learner(config, worker_ids=lambda: tuple(live.state.worker_names),
                                current_artifact=lambda: live.config.artifact,
                                swap=self._swap, on_event=self._event, executor=executor)
+        self.learner.tokenizer = _tokenizer_identity(live.config.tokenizer)
         self._register(registry)
 
     def _register(self, reg) -> None:
