@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _prompt_data import two_domain_trace
 from _proxy_fakes import cluster, domain_counts, fake_encoder, run
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.request.decision import prompt_routing
@@ -296,41 +297,11 @@ def test_metrics_page_lists_route_inputs():
 
 
 # -- a real artifact with a prompt predictor --------------------------------------------------
-def _prompt_trace(R: int = 48, seed: int = 0):
-    """Two domains of token ids (0-39 and 40-79); each token id picks fixed experts, so a
-    prompt's tokens determine its prefill counts (what the predictor learns)."""
-    from eldr.traces.trace import Trace, TraceMeta
-
-    L_, E_, k = 3, 8, 2
-    rng = np.random.default_rng(seed)
-    # token t picks k distinct experts per layer, among 0-3 (t < 40) or 4-7
-    picks = np.stack([[rng.permutation(4)[:k] + 4 * (t >= 40) for _ in range(L_)]
-                      for t in range(80)])  # (80, L, k)
-    dom = np.arange(R) % 2
-    lens = rng.integers(6, 20, R)
-    tokens = []
-    pre = np.zeros((R, L_, E_), dtype=np.int32)
-    dec = np.zeros((R, L_, E_), dtype=np.int32)
-    for r in range(R):
-        ids = rng.integers(dom[r] * 40, dom[r] * 40 + 40, lens[r])
-        tokens.append(ids)
-        for j, t in enumerate(ids):
-            for layer in range(L_):
-                pre[r, layer, picks[t, layer]] += 1
-                if j < 3:  # 4 output tokens: 3 decode steps, the first 3 tokens' experts
-                    dec[r, layer, picks[t, layer]] += 1
-    return Trace(meta=TraceMeta("toy", L_, E_, k, source="test"), prefill_counts=pre,
-                 decode_counts=dec, prompt_lens=lens.astype(np.int64),
-                 output_lens=np.full(R, 4, dtype=np.int64), domains=dom.astype(np.int32),
-                 domain_names=("a", "b"),
-                 prompt_token_ids=np.concatenate(tokens).astype(np.int32))
-
-
 @pytest.fixture(scope="module")
 def predicting_artifact(tmp_path_factory):
     art_mod = pytest.importorskip("eldr.fit.artifact")
     pytest.importorskip("eldr.fit.prompt")
-    art = art_mod.fit_artifact(_prompt_trace(), worker_ids=("w-code", "w-other"), tau=0.0,
+    art = art_mod.fit_artifact(two_domain_trace(), worker_ids=("w-code", "w-other"), tau=0.0,
                                tokenizer=TINY, random_state=0)
     if getattr(art, "prompt_predictor", None) is None:
         pytest.skip("this eldr fits no prompt predictor")

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from _prompt_data import two_domain_trace
 from _proxy_fakes import FakeEngine, cluster, domain_counts, run
 from eldr.capture.payload import encode_counts
 from eldr.proxy.selection import SelectionTable
@@ -407,34 +408,6 @@ def test_stopping_the_router_releases_what_it_held():
     assert active == 0 and loads == [0.0, 0.0]
 
 
-def _two_domain_trace(R: int = 48, seed: int = 0):
-    """Token ids 0-39 pick experts 0-3, ids 40-79 experts 4-7 (each id fixed experts per
-    layer): a prompt's ids determine its prefill counts, what a prompt predictor learns."""
-    from eldr.traces.trace import Trace, TraceMeta
-
-    L_, E_, k = 3, 8, 2
-    rng = np.random.default_rng(seed)
-    picks = np.stack([[rng.permutation(4)[:k] + 4 * (t >= 40) for _ in range(L_)]
-                      for t in range(80)])  # (80, L, k)
-    dom = np.arange(R) % 2
-    lens = rng.integers(6, 20, R)
-    tokens, pre = [], np.zeros((R, L_, E_), dtype=np.int32)
-    dec = np.zeros_like(pre)  # 3 decode steps: the experts of the first 3 tokens
-    for r in range(R):
-        ids = rng.integers(dom[r] * 40, dom[r] * 40 + 40, lens[r])
-        tokens.append(ids)
-        for j, t in enumerate(ids):
-            for layer in range(L_):
-                pre[r, layer, picks[t, layer]] += 1
-                if j < 3:
-                    dec[r, layer, picks[t, layer]] += 1
-    return Trace(meta=TraceMeta("toy", L_, E_, k, source="test"), prefill_counts=pre,
-                 decode_counts=dec, prompt_lens=lens.astype(np.int64),
-                 output_lens=np.full(R, 4, dtype=np.int64), domains=dom.astype(np.int32),
-                 domain_names=("a", "b"),
-                 prompt_token_ids=np.concatenate(tokens).astype(np.int32))
-
-
 def test_a_real_prompt_predictor_selects_on_token_ids_and_on_text(tmp_path):
     art_mod = pytest.importorskip("eldr.fit.artifact")
     pytest.importorskip("tokenizers")
@@ -442,7 +415,7 @@ def test_a_real_prompt_predictor_selects_on_token_ids_and_on_text(tmp_path):
     from eldr.proxy.request.prompts import PromptTokenizer, tokenizer_dir_for
 
     tiny = tokenizer_dir_for("tiny_moe")
-    art = art_mod.fit_artifact(_two_domain_trace(), worker_ids=("w-code", "w-other"),
+    art = art_mod.fit_artifact(two_domain_trace(), worker_ids=("w-code", "w-other"),
                                tau=0.0, tokenizer=tiny, random_state=0)
     if getattr(art, "prompt_predictor", None) is None:
         pytest.skip("this eldr fits no prompt predictor")
