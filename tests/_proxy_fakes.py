@@ -358,3 +358,21 @@ async def cluster(*, num_prefill: int = 1, num_decode: int = 2, policy: str = "e
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def spy_events(policy) -> list:
+    """Record (event, request id, worker or outcome) of ``policy``'s dispatches and
+    releases (wrapping its methods); the list fills as requests run."""
+    events = []
+    dispatch, release = policy.on_dispatch, policy.on_release
+
+    def on_dispatch(request, worker):
+        events.append(("dispatch", request.request_id, worker))
+        dispatch(request, worker)
+
+    def on_release(request_id, outcome):
+        events.append(("release", request_id, outcome))
+        release(request_id, outcome)
+
+    policy.on_dispatch, policy.on_release = on_dispatch, on_release
+    return events

@@ -7,28 +7,12 @@ import json
 
 import pytest
 
-from _proxy_fakes import cluster, run
+from _proxy_fakes import cluster, run, spy_events
 from test_proxy_prompts import CODE_IDS, LAW_IDS, with_prompt
 
 # what each decoder's push connector would need in the prefill request (its address)
 NAMED = (("w-code", json.dumps({"remote_host": "10.0.0.1", "remote_port": 7001})),
          ("w-other", json.dumps({"remote_host": "10.0.0.2", "remote_port": 7002})))
-
-
-def _spy(policy):
-    events = []
-    dispatch, release = policy.on_dispatch, policy.on_release
-
-    def on_dispatch(request, worker):
-        events.append(("dispatch", request.request_id, worker))
-        dispatch(request, worker)
-
-    def on_release(request_id, outcome):
-        events.append(("release", request_id, outcome))
-        release(request_id, outcome)
-
-    policy.on_dispatch, policy.on_release = on_dispatch, on_release
-    return events
 
 
 def _balanced(events) -> bool:
@@ -106,7 +90,7 @@ def test_a_failed_prefill_gives_the_held_decoder_back():
         async with cluster(policy="eldr_cost", decode_first=True, unhealthy_after=99,
                            decode_kv_params=NAMED) as (router, client, prefills, _d):
             with_prompt(router)
-            events = _spy(router.state.policy)
+            events = spy_events(router.state.policy)
             prefills[0].mode = "500"
             r = await client.post("/v1/completions", json={"model": "tiny", "prompt": CODE_IDS})
             return router, r.status, events
@@ -125,7 +109,7 @@ def test_a_failed_decode_is_retried_with_a_fresh_prefill_naming_the_next_decoder
                            engine_kw={"payload": "none"}) as (router, client, prefills,
                                                               decoders):
             with_prompt(router)
-            events = _spy(router.state.policy)
+            events = spy_events(router.state.policy)
             decoders[0].mode = "500"
             r = await client.post("/v1/completions", json={"model": "tiny", "prompt": CODE_IDS})
             return router, r, prefills[0], events
@@ -162,7 +146,7 @@ def test_two_engine_deaths_make_a_decode_first_request_poison():
         async with cluster(decode_first=True, decode_kv_params=NAMED,
                            engine_kw={"payload": "none"}) as (router, client, _p, decoders):
             with_prompt(router)
-            events = _spy(router.state.policy)
+            events = spy_events(router.state.policy)
             for d in decoders:
                 d.die_on = "poison"
             body = {"model": "tiny", "prompt": "poison pill"}
@@ -182,7 +166,7 @@ def test_a_client_leaving_during_the_prefill_gives_the_decoder_back():
     async def go():
         async with cluster(policy="eldr_cost", decode_first=True,
                            engine_kw={"payload": "none"}) as (router, client, prefills, _d):
-            events = _spy(router.state.policy)
+            events = spy_events(router.state.policy)
             prefills[0].hold = asyncio.Event()
             task = asyncio.ensure_future(client.post(
                 "/v1/completions", json={"model": "tiny", "prompt": "a b c"}))

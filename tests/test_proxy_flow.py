@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from _proxy_fakes import cluster, make_state, run
+from _proxy_fakes import cluster, make_state, run, spy_events
 from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
@@ -259,7 +259,7 @@ def test_a_client_closing_right_after_done_is_a_completed_request(chat):
         async with cluster(engine_kw={"tokens": 5}) as (router, client, _, decoders):
             for d in decoders:
                 d.mode = "linger"
-            events = _spy_events(router.state.policy)
+            events = spy_events(router.state.policy)
             path, body = (("/v1/chat/completions",
                            {"model": "tiny", "messages": [{"role": "user", "content": "code"}]})
                           if chat else ("/v1/completions", CODE))
@@ -290,7 +290,7 @@ def test_a_client_closing_before_done_is_still_a_disconnect():
         async with cluster(engine_kw={"tokens": 50}) as (router, client, _, decoders):
             for d in decoders:
                 d.mode = "slow"
-            events = _spy_events(router.state.policy)
+            events = spy_events(router.state.policy)
             r = await client.post("/v1/completions", json={**CODE, "stream": True})
             await r.content.readany()
             r.close()
@@ -308,23 +308,6 @@ def test_a_client_closing_before_done_is_still_a_disconnect():
 
 
 # -- the stateful policy contract (dispatch / release) ---------------------------------------
-def _spy_events(policy):
-    """Record (event, request id, worker or outcome) of ``policy`` (wrapping its methods)."""
-    events = []
-    dispatch, release = policy.on_dispatch, policy.on_release
-
-    def on_dispatch(request, worker):
-        events.append(("dispatch", request.request_id, worker))
-        dispatch(request, worker)
-
-    def on_release(request_id, outcome):
-        events.append(("release", request_id, outcome))
-        release(request_id, outcome)
-
-    policy.on_dispatch, policy.on_release = on_dispatch, on_release
-    return events
-
-
 def _assert_empty_footprint(policy):
     fp = policy.footprint
     assert len(fp) == 0
@@ -335,7 +318,7 @@ def test_eldr_cost_routes_end_to_end_and_packs_by_experts():
     async def go():
         async with cluster(policy="eldr_cost") as (router, client, _, decoders):
             policy = router.state.policy
-            events = _spy_events(policy)
+            events = spy_events(policy)
             decoders[0].mode = decoders[1].mode = "slow"
             # two concurrent code streams, then a law one: the law prompt's experts are
             # disjoint, so it adds fewer distinct experts to the empty-of-law decoder
@@ -365,7 +348,7 @@ def test_every_dispatch_is_released_once_whatever_happens():
                            breaker_failures=99,
                            engine_kw={"tokens": 50}) as (router, client, _, decoders):
             policy = router.state.policy
-            events = _spy_events(policy)
+            events = spy_events(policy)
             statuses = []
             for _ in range(3):  # completed, JSON and streamed
                 statuses.append((await client.post("/v1/completions", json=CODE)).status)
