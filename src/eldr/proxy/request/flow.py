@@ -193,12 +193,7 @@ class RequestFlow:
         state: RoutingState = self.live.state  # this request's snapshot, reloads or not
         rid = request.headers.get("X-Request-Id") or self.new_id()
         stream = bool(body.get("stream", False))
-        faults = Strikes(rid, body_digest(raw if raw is not None else
-                                          json.dumps(body, sort_keys=True).encode()))
-        self.guards.admit(faults)
-        whole = self._is_short(body, kind)
-        if whole:
-            metrics.short_prompts.inc()
+        faults, whole = self._admit(body, kind, raw, rid)
         first = config.decode_first and not whole
         hashes, prefill_data = self._prefill_inputs(body, kind, state, whole)
         prompt = RequestPrompt(body, kind)  # tokenized once, if a decision needs it
@@ -232,16 +227,10 @@ class RequestFlow:
                 state = self._current(state)
                 decision = self._route(state, attempt_id, doc, excluded, faults, whole,
                                        prompt)
-            else:  # the held decoder (its index may have moved: a removal during the prefill)
-                kv_params, pt = self._kv_of(doc)
-                decision = dataclasses.replace(held, worker=holder.index, kv_params=kv_params,
-                                               prompt_tokens=pt)
+            else:  # the held decoder, with what its prefill answered
+                decision = self._held_decision(held, holder, doc)
             decoder = holder or self.pool.decode[decision.worker]
-            reply = {"X-Request-Id": rid,
-                     "X-Eldr-Prefill": prefill.name if prefill is not None else "none",
-                     "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
-            log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
-                      attempt + 1, attempt_id, reply["X-Eldr-Prefill"], decoder.name)
+            reply = self._reply_headers(rid, attempt, attempt_id, prefill, decoder)
             try:
                 return await self._dispatch(state, DecodeAttempt(
                     request, kind, body, raw, decoder, decision, headers, reply, stream),
@@ -249,26 +238,80 @@ class RequestFlow:
             except RetryDecode as exc:
                 last = exc
                 excluded.append(decoder)
-                # no byte reached the decoder: its KV is unread, for another decoder unless
-                # the prefill was sent to this one by name (a push connector's KV is there)
-                if exc.kind == "connect" and not whole and not (
-                        held is not None and decoder.name in self._named):
-                    unread = (prefill, doc, attempt_id)
-                elif not whole:
-                    metrics.abandoned.inc(reason="decode_failed")
-                if exc.kind != "connect":
-                    await self.guards.check_death(decoder, exc.kind, faults)  # poison: raises
-                log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", rid,
-                            attempt_id, decoder.name, exc,
-                            "retrying" if attempt + 1 < config.max_attempts else "giving up")
+                unread = await self._decode_failed(
+                    exc, decoder, (prefill, doc, attempt_id), held is not None, whole, faults,
+                    retrying=attempt + 1 < config.max_attempts)
         if unread is not None:
             metrics.abandoned.inc(reason="decode_failed")
+        raise self._exhausted(faults, last)
+
+    # -- the stages of run -----------------------------------------------------------------
+    def _admit(self, body: dict, kind: str, raw: bytes | None,
+               rid: str) -> tuple[Strikes, bool]:
+        """(the request's strikes, whether it is served whole on a decoder) of a new
+        request: counted toward the retry budget (ProxyError 422 for a body on the poison
+        list, before any engine sees it), a short prompt counted. The body's digest is of
+        the client's bytes when the handler has them (``raw``), else of its canonical JSON."""
+        faults = Strikes(rid, body_digest(raw if raw is not None else
+                                          json.dumps(body, sort_keys=True).encode()))
+        self.guards.admit(faults)
+        whole = self._is_short(body, kind)
+        if whole:
+            self.metrics.short_prompts.inc()
+        return faults, whole
+
+    def _held_decision(self, held: Decision, holder: Instance, doc: dict) -> Decision:
+        """Decode-first: the held decision completed by its prefill's answer (``doc``):
+        the decoder's current index (it may have moved: a removal during the prefill), the
+        ``kv_transfer_params`` for it and the prompt's tokens."""
+        kv_params, pt = self._kv_of(doc)
+        return dataclasses.replace(held, worker=holder.index, kv_params=kv_params,
+                                   prompt_tokens=pt)
+
+    def _reply_headers(self, rid: str, attempt: int, attempt_id: str,
+                       prefill: Instance | None, decoder: Instance) -> dict[str, str]:
+        """The ``X-Eldr-*`` headers of the client's answer (``attempt``: 0-based): which
+        prefill (``none`` for a prompt served whole) and decoder served it, after how many
+        attempts; the attempt is logged (debug) with its upstream id."""
+        reply = {"X-Request-Id": rid,
+                 "X-Eldr-Prefill": prefill.name if prefill is not None else "none",
+                 "X-Eldr-Decoder": decoder.name, "X-Eldr-Attempts": str(attempt + 1)}
+        log.debug("request %s attempt %d: upstream id %s, prefill %s, decoder %s", rid,
+                  attempt + 1, attempt_id, reply["X-Eldr-Prefill"], decoder.name)
+        return reply
+
+    async def _decode_failed(self, exc: RetryDecode, decoder: Instance, read: tuple,
+                             held: bool, whole: bool, faults: Strikes, *,
+                             retrying: bool) -> tuple | None:
+        """After a decode at ``decoder`` that failed before its first byte (``exc``): the
+        prefill ``read`` = (prefill, answer, upstream id) again when its KV is unread (None:
+        the next attempt prefills afresh, this prefill counted as abandoned).
+
+        No byte reached an unreachable decoder (``connect``): its KV is there for another
+        decoder, unless the prefill named this one (``held`` with a named connector: a push
+        connector's KV is there). Any other failure may be the engine's death, a strike
+        against the request (poison: ProxyError). ``retrying``: whether an attempt is left,
+        for the log."""
+        unread = None
+        if exc.kind == "connect" and not whole and not (held and decoder.name in self._named):
+            unread = read
+        elif not whole:
+            self.metrics.abandoned.inc(reason="decode_failed")
+        if exc.kind != "connect":
+            await self.guards.check_death(decoder, exc.kind, faults)  # poison: raises
+        log.warning("request %s (upstream id %s): decode at %s failed (%s); %s", faults.rid,
+                    read[2], decoder.name, exc, "retrying" if retrying else "giving up")
+        return unread
+
+    def _exhausted(self, faults: Strikes, last: RetryDecode | None) -> ProxyError:
+        """The error of a request whose attempts all failed (``last``: the last failure):
+        the retry budget's when it refused a retry, else the attempts'."""
         if faults.budget_refused:
-            raise ProxyError(502, f"decode failed ({last}); not retried: the router's retry "
-                                  f"budget is spent (too many failures at once)",
-                             code="retry_budget")
-        raise ProxyError(502, f"decode failed on {config.max_attempts} attempts; last: {last}",
-                         code="upstream_failed")
+            return ProxyError(502, f"decode failed ({last}); not retried: the router's retry "
+                                   f"budget is spent (too many failures at once)",
+                              code="retry_budget")
+        return ProxyError(502, f"decode failed on {self.config.max_attempts} attempts; "
+                               f"last: {last}", code="upstream_failed")
 
     def _current(self, state: RoutingState) -> RoutingState:
         """The request's snapshot, or the live one when the decoder set changed since
