@@ -38,6 +38,7 @@ a predictor fitted on one carries no information (evaluate on captured traces on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -417,6 +418,34 @@ def _bucket_means(idx: np.ndarray, z: np.ndarray, lam: float
     return keys, out / (n + lam)[:, None]
 
 
+def _ridge_fold_predictions(k: np.ndarray, target: np.ndarray, alphas: Sequence[float],
+                            train: np.ndarray, held_out: np.ndarray, mean: np.ndarray,
+                            basis: np.ndarray):
+    """Yield (alpha, (R_v, rank_max) float64 predicted basis coordinates of the requests
+    ``held_out``) of the kernel ridge fitted on ``train``, per alpha: one eigendecomposition
+    of the centred training kernel serves every alpha. ``k`` (R, R) kernel of all requests,
+    ``target`` (R, L·E), ``mean`` and ``basis`` the fold's."""
+    yc = target[train] - mean
+    kc = _center(k, train, train)
+    scale = max(float(np.trace(kc)) / train.size, 1e-12)
+    lam, q = np.linalg.eigh(kc)
+    lam = np.maximum(lam, 0.0) / scale
+    g = q.T @ (yc @ basis.T)  # (R_t, rank_max)
+    kq = _center(k, train, held_out) @ q / scale
+    for a in alphas:
+        yield a, (kq / (lam + a)) @ g
+
+
+def _token_fold_predictions(tokens: _TokenData, bits: int, alphas: Sequence[float],
+                            train: np.ndarray, held_out: np.ndarray, mean: np.ndarray,
+                            basis: np.ndarray):
+    """Yield (alpha, (R_v, rank_max) float64 predicted basis coordinates of the requests
+    ``held_out``) of the token model learned from the tokens of ``train``, per alpha."""
+    for a in alphas:
+        table = tokens.tables(train, bits, basis, mean, a)
+        yield a, np.stack([tokens.mean_row(i, bits, table) for i in held_out])
+
+
 # -- the estimator --------------------------------------------------------------------------
 class PromptPredictor:
     """Prompt token ids → (L, E) expected per-token prefill profile (module docstring).
@@ -585,7 +614,8 @@ class PromptPredictor:
     def _fit(self, hashes: list[np.ndarray], y: np.ndarray, top_k: int, vocab: int,
              tokenizer_fingerprint: str, tokens: _TokenData | None, t0: float
              ) -> PromptPredictor:
-        """The fit proper (module docstring) on checked inputs."""
+        """The fit proper (module docstring) on checked inputs: cross-validate the grid,
+        choose a candidate, refit it on every request, store it."""
         R, L, E = y.shape
         target = y.reshape(R, L * E)
         weightings = self.weightings
@@ -594,90 +624,15 @@ class PromptPredictor:
             if not weightings:
                 raise ValueError("the token model needs each prompt token's experts "
                                  "(a trace with prefill_topk)")
-
-        rng = np.random.default_rng(self.random_state)
-        fold = rng.permutation(R) % self.folds
-        grid, per_bits, bases = [], {}, {}
-        for bits, weighting in ((b, w) for b in self.bits for w in weightings):
-            ranks = [r for r in self.ranks
-                     if self._size(bits, r, L * E) <= self.max_bytes]
-            if not ranks:
-                continue
-            if weighting != "token":
-                idf, rows = self._features(hashes, bits, weighting)
-                k = _Design(rows, 1 << bits).gram()
-                per_bits[bits, weighting] = (idf, rows)
-            sse = {(r, a): 0.0 for r in ranks for a in self.alphas}
-            sst = 0.0
-            for f in range(self.folds):
-                tr, va = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
-                if f not in bases:  # the targets' basis does not depend on the features
-                    m = target[tr].mean(axis=0)
-                    bases[f] = (m, _target_basis(target[tr] - m, max(self.ranks)))
-                mean, basis = bases[f]
-                yv = target[va] - mean
-                proj = yv @ basis.T  # (R_v, rank_max)
-                total = float((yv ** 2).sum())
-                inside = np.cumsum((proj ** 2).sum(axis=0))
-                sst += total
-                if weighting == "token":
-                    for a in self.alphas:
-                        table = tokens.tables(tr, bits, basis, mean, a)
-                        z = np.stack([tokens.mean_row(i, bits, table) for i in va])
-                        err = np.cumsum(((proj - z) ** 2).sum(axis=0))
-                        for r in ranks:
-                            rr = min(r, basis.shape[0])
-                            sse[(r, a)] += total - inside[rr - 1] + err[rr - 1]
-                    continue
-                yc = target[tr] - mean
-                kc = _center(k, tr, tr)
-                scale = max(float(np.trace(kc)) / tr.size, 1e-12)
-                lam, q = np.linalg.eigh(kc)
-                lam = np.maximum(lam, 0.0) / scale
-                g = q.T @ (yc @ basis.T)  # (R_t, rank_max)
-                kq = _center(k, tr, va) @ q / scale
-                # basis rows are orthonormal: the error of a rank-r linear prediction is
-                # the residual outside the first r directions plus the error inside them,
-                # computed in the reduced space (selection is by the prediction before
-                # clipping, which changes little and would cost an (R, L·E) pass per
-                # candidate; the reported held-out figures clip)
-                for a in self.alphas:
-                    z = (kq / (lam + a)) @ g
-                    err = np.cumsum(((proj - z) ** 2).sum(axis=0))
-                    for r in ranks:
-                        rr = min(r, basis.shape[0])
-                        sse[(r, a)] += total - inside[rr - 1] + err[rr - 1]
-            for (r, a), err in sse.items():
-                grid.append({"bits": bits, "weighting": weighting, "rank": r, "alpha": a,
-                             "r2": float(1.0 - err / sst) if sst > 0 else 0.0})
-        if not grid:
-            raise ValueError(f"no candidate fits max_bytes={self.max_bytes} (bits "
-                             f"{self.bits}, ranks {self.ranks})")
-        # the cheapest candidate (fewest buckets, lowest rank, most regularised) within
-        # ``tolerance`` of the best R²: a bigger predictor must earn its bytes and its µs
-        top = max(g["r2"] for g in grid)
-        best = min((g for g in grid if g["r2"] >= top - self.tolerance),
-                   key=lambda g: (g["bits"], g["rank"], -g["alpha"], -g["r2"]))
-
-        bits, rank, alpha = best["bits"], best["rank"], best["alpha"]
-        weighting = best["weighting"]
-        everyone = np.arange(R)
-        mean = target.mean(axis=0)
-        yc = target - mean
-        basis = _target_basis(yc, rank)
-        if weighting == "token":
-            weights = _dense_table(tokens.tables(everyone, bits, basis, mean, alpha),
-                                   1 << bits)
-            intercept, idf = mean, np.ones(1 << bits)
-        else:
-            weights, intercept, idf = self._ridge(per_bits[bits, weighting], bits, yc, basis,
-                                                  mean, alpha)
+        grid, features = self._cross_validate(hashes, target, weightings, tokens)
+        best = self._choose(grid)
+        basis, weights, intercept, idf = self._refit(best, target, features, tokens)
 
         self.num_layers, self.num_experts, self.top_k = L, E, int(top_k)
         self.vocab_size = vocab
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.bits_, self.rank_, self.alpha_ = bits, int(basis.shape[0]), alpha
-        self.weighting_ = weighting
+        self.bits_, self.rank_, self.alpha_ = best["bits"], int(basis.shape[0]), best["alpha"]
+        self.weighting_ = best["weighting"]
         self.idf_ = idf.astype(np.float32)
         self.weights_ = weights.astype(np.float32)
         self.basis_ = np.ascontiguousarray(basis, dtype=np.float32)
@@ -687,6 +642,98 @@ class PromptPredictor:
         self.num_requests_ = R
         self.fit_seconds_ = time.perf_counter() - t0
         return self
+
+    def _cross_validate(self, hashes: list[np.ndarray], target: np.ndarray,
+                        weightings: tuple[str, ...], tokens: _TokenData | None
+                        ) -> tuple[list[dict], dict]:
+        """(grid, features): the k-fold cross-validated R² of every candidate (bits,
+        weighting, rank, alpha) within ``max_bytes``, and the linear models' feature rows
+        {(bits, weighting): (idf, rows)}, kept for the refit. ``target`` (R, L·E) float64.
+
+        A linear candidate's kernel is computed once for all its folds, ranks and alphas."""
+        R, num_targets = target.shape
+        rng = np.random.default_rng(self.random_state)
+        fold = rng.permutation(R) % self.folds
+        grid, features, bases = [], {}, {}
+        for bits, weighting in ((b, w) for b in self.bits for w in weightings):
+            ranks = [r for r in self.ranks
+                     if self._size(bits, r, num_targets) <= self.max_bytes]
+            if not ranks:
+                continue
+            if weighting == "token":
+                predict = functools.partial(_token_fold_predictions, tokens, bits,
+                                            self.alphas)
+            else:
+                idf, rows = self._features(hashes, bits, weighting)
+                k = _Design(rows, 1 << bits).gram()
+                features[bits, weighting] = (idf, rows)
+                predict = functools.partial(_ridge_fold_predictions, k, target, self.alphas)
+            sse, sst = self._fold_errors(target, fold, bases, ranks, predict)
+            for (r, a), err in sse.items():
+                grid.append({"bits": bits, "weighting": weighting, "rank": r, "alpha": a,
+                             "r2": float(1.0 - err / sst) if sst > 0 else 0.0})
+        return grid, features
+
+    def _fold_errors(self, target: np.ndarray, fold: np.ndarray, bases: dict,
+                     ranks: list[int], predict) -> tuple[dict, float]:
+        """({(rank, alpha): held-out squared error summed over the folds}, their total sum
+        of squares) of one (bits, weighting). ``fold`` (R,) each request's fold;
+        ``bases`` caches each fold's (mean, basis) of its training targets (they do not
+        depend on the features); ``predict(train, held_out, mean, basis)`` yields (alpha,
+        (R_v, rank_max) predicted coordinates in the basis) per alpha.
+
+        The basis rows are orthonormal: the error of a rank-r linear prediction is the
+        residual outside the first r directions plus the error inside them, computed in
+        the reduced space (selection is by the prediction before clipping, which changes
+        little and would cost an (R, L·E) pass per candidate; the reported held-out
+        figures clip)."""
+        sse = {(r, a): 0.0 for r in ranks for a in self.alphas}
+        sst = 0.0
+        for f in range(self.folds):
+            tr, va = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+            if f not in bases:
+                m = target[tr].mean(axis=0)
+                bases[f] = (m, _target_basis(target[tr] - m, max(self.ranks)))
+            mean, basis = bases[f]
+            yv = target[va] - mean
+            proj = yv @ basis.T  # (R_v, rank_max)
+            total = float((yv ** 2).sum())
+            inside = np.cumsum((proj ** 2).sum(axis=0))
+            sst += total
+            for a, z in predict(tr, va, mean, basis):
+                err = np.cumsum(((proj - z) ** 2).sum(axis=0))
+                for r in ranks:
+                    rr = min(r, basis.shape[0])
+                    sse[(r, a)] += total - inside[rr - 1] + err[rr - 1]
+        return sse, sst
+
+    def _choose(self, grid: list[dict]) -> dict:
+        """The cheapest candidate (fewest buckets, lowest rank, most regularised) within
+        ``tolerance`` of the best R²: a bigger predictor must earn its bytes and its µs."""
+        if not grid:
+            raise ValueError(f"no candidate fits max_bytes={self.max_bytes} (bits "
+                             f"{self.bits}, ranks {self.ranks})")
+        top = max(g["r2"] for g in grid)
+        return min((g for g in grid if g["r2"] >= top - self.tolerance),
+                   key=lambda g: (g["bits"], g["rank"], -g["alpha"], -g["r2"]))
+
+    def _refit(self, best: dict, target: np.ndarray, features: dict,
+               tokens: _TokenData | None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The chosen candidate fitted on every request, float64: (basis (r, L·E), weights
+        (2**bits, r), intercept (L·E,), idf (2**bits,))."""
+        bits, rank, alpha = best["bits"], best["rank"], best["alpha"]
+        mean = target.mean(axis=0)
+        yc = target - mean
+        basis = _target_basis(yc, rank)
+        if best["weighting"] == "token":
+            everyone = np.arange(target.shape[0])
+            weights = _dense_table(tokens.tables(everyone, bits, basis, mean, alpha),
+                                   1 << bits)
+            return basis, weights, mean, np.ones(1 << bits)
+        weights, intercept, idf = self._ridge(features[bits, best["weighting"]], bits, yc,
+                                              basis, mean, alpha)
+        return basis, weights, intercept, idf
 
     @staticmethod
     def _ridge(features, bits: int, yc: np.ndarray, basis: np.ndarray, mean: np.ndarray,
