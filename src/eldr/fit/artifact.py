@@ -198,42 +198,18 @@ def fit_artifact(
     :class:`~eldr.fit.prompt.PromptPredictor` (bits, ranks, alphas, weightings, folds,
     max_bytes). ``on_stage(name)`` (optional) is called when a stage starts, for progress.
     """
-    ids = tuple(str(w) for w in worker_ids)
-    check_worker_ids(ids)
-    tau = check_tau(tau)
-    if len(ids) > trace.num_requests:
-        raise ValueError(f"{len(ids)} decode workers but only {trace.num_requests} "
-                         "calibration requests")
+    ids, tau = _checked_workers_and_tau(trace, worker_ids, tau)
     settings = FitSettings(representation=representation,
                            layers=None if layers is None else tuple(layers),
                            selection_max_pairs=selection_max_pairs, max_pairs=max_pairs,
                            n_init=n_init, profile_predictor=profile_predictor,
                            random_state=random_state)
-    t0 = time.perf_counter()
-    cal = calibrate(trace, settings, on_stage=on_stage)
-    t1 = time.perf_counter()
-    if on_stage:
-        on_stage(f"{'balanced' if balanced else 'vanilla'} K-means, K={len(ids)}")
-    km = cal.clusters(len(ids), balanced=balanced)
-    if on_stage:
-        on_stage("cluster profiles (cost policy)")
-    cluster_profiles = cal.cluster_profiles(km.labels_, len(ids))
-    t2 = time.perf_counter()
-    prompt = None
-    want = prompt_predictor
-    if want is None:
-        want = trace.prompt_token_ids is not None and int((trace.prompt_lens > 0).sum()) >= 6 \
-            and not trace.meta.source.startswith("synthetic")
-    if want:
-        if on_stage:
-            on_stage("prompt predictor (hashed n-grams, ridge)")
-        fp, vocab = "", None
-        if tokenizer is not None:
-            fp, vocab = tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer)
-        prompt = PromptPredictor(random_state=random_state, **(prompt_options or {})).fit(
-            trace, vocab_size=vocab, tokenizer_fingerprint=fp)
+    cal, km, cluster_profiles, times = _calibrate_and_cluster(trace, settings, len(ids),
+                                                              balanced, on_stage)
+    prompt = _fit_prompt_predictor(trace, prompt_predictor, tokenizer, prompt_options,
+                                   random_state, on_stage)
     m = trace.meta
-    stats = _fit_stats(cal, km, (t0, t1, t2))
+    stats = _fit_stats(cal, km, times)
     stats["prompt_predictor"] = None if prompt is None else prompt.summary()
     return RoutingArtifact(
         model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
@@ -243,6 +219,67 @@ def fit_artifact(
         profile_mean=cal.profile_mean, decoder_profiles=cluster_profiles,
         prompt_predictor=prompt,
     )
+
+
+def _checked_workers_and_tau(trace: Trace, worker_ids: Sequence[str], tau: float
+                             ) -> tuple[tuple[str, ...], float]:
+    """(the K decode worker ids as strings, τ) checked before any fitting starts: unique
+    ids, a valid τ, and no more workers than calibration requests (each of the K
+    clusters needs at least one request). ValueError otherwise, in that order."""
+    ids = tuple(str(w) for w in worker_ids)
+    check_worker_ids(ids)
+    tau = check_tau(tau)
+    if len(ids) > trace.num_requests:
+        raise ValueError(f"{len(ids)} decode workers but only {trace.num_requests} "
+                         "calibration requests")
+    return ids, tau
+
+
+def _calibrate_and_cluster(trace: Trace, settings: FitSettings, num_workers: int,
+                           balanced: bool, on_stage
+                           ) -> tuple[Calibration, BalancedKMeans, np.ndarray,
+                                      tuple[float, float, float]]:
+    """The timed core of the fit: ``(calibration, K-means, cluster profiles (K, L, E)
+    float32, times)`` with K = ``num_workers``; ``times`` (the fit's start, the
+    calibration's end, the clusters' end) is what :func:`_fit_stats` reports the K-means
+    and total seconds from. The cluster profiles are the cost policy's decoder profiles."""
+    t0 = time.perf_counter()
+    cal = calibrate(trace, settings, on_stage=on_stage)
+    t1 = time.perf_counter()
+    if on_stage:
+        on_stage(f"{'balanced' if balanced else 'vanilla'} K-means, K={num_workers}")
+    km = cal.clusters(num_workers, balanced=balanced)
+    if on_stage:
+        on_stage("cluster profiles (cost policy)")
+    cluster_profiles = cal.cluster_profiles(km.labels_, num_workers)
+    t2 = time.perf_counter()
+    return cal, km, cluster_profiles, (t0, t1, t2)
+
+
+def _fit_prompt_predictor(trace: Trace, choice: bool | None,
+                          tokenizer: str | os.PathLike | bytes | None,
+                          options: dict | None, random_state: int | None, on_stage
+                          ) -> PromptPredictor | None:
+    """The prompt predictor of ``trace``, or None when ``choice`` (``fit_artifact``'s
+    ``prompt_predictor``) says not to fit one. ``None`` decides from the trace: it needs
+    ``prompt_token_ids``, at least 6 non-empty prompts and a non-synthetic source (a
+    synthetic trace draws its ids uniformly: nothing to learn). ``tokenizer`` gives the
+    predictor its fingerprint and vocabulary size; ``options``: its keyword settings.
+    Fitted outside :func:`_calibrate_and_cluster`'s timing: its own ``fit_seconds`` are
+    in its summary (the artifact's ``fit.prompt_predictor``)."""
+    want = choice
+    if want is None:
+        want = trace.prompt_token_ids is not None and int((trace.prompt_lens > 0).sum()) >= 6 \
+            and not trace.meta.source.startswith("synthetic")
+    if not want:
+        return None
+    if on_stage:
+        on_stage("prompt predictor (hashed n-grams, ridge)")
+    fp, vocab = "", None
+    if tokenizer is not None:
+        fp, vocab = tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer)
+    return PromptPredictor(random_state=random_state, **(options or {})).fit(
+        trace, vocab_size=vocab, tokenizer_fingerprint=fp)
 
 
 def _fit_stats(cal: Calibration, km: BalancedKMeans, times: tuple[float, float, float]
