@@ -1,10 +1,13 @@
 """The tiny MoE and the real trace shipped as package data (``eldr.capture`` paths)."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from eldr.capture import tiny_moe_dir, tiny_moe_trace_path
+import eldr
+from eldr.capture import tiny_moe_dir, tiny_moe_prompt_trace_path, tiny_moe_trace_path
 from eldr.traces.trace import load
 
 
@@ -33,6 +36,39 @@ def test_shipped_trace_matches_the_model():
     assert tiny_moe_trace_path().stat().st_size < 2.5 * 2**20
 
 
+def test_shipped_prompt_trace_has_every_prompt():
+    t = load(tiny_moe_prompt_trace_path())
+    assert t.meta.source == "captured:transformers"
+    assert t.domain_names == ("code", "legal", "math", "medical", "en", "fr", "ru", "de",
+                              "es", "zh")
+    assert np.bincount(t.domains).tolist() == [32, 32, 26, 32, 32, 32, 32, 32, 32, 32]
+    assert t.prompt_token_ids is not None
+    assert (t.prompt_lens >= 1).all() and t.prompt_lens.max() <= 256
+    assert t.prompt_token_ids.shape == (int(t.prompt_lens.sum()),)
+    vocab = json.loads((tiny_moe_dir() / "config.json").read_text())["vocab_size"]
+    assert 0 <= t.prompt_token_ids.min() and t.prompt_token_ids.max() < vocab
+    assert tiny_moe_prompt_trace_path().stat().st_size < 2.7 * 2**20
+
+
+def test_prompt_trace_code_is_eldr_source():
+    """The code prompts are eldr's own source, not another project's (data/traces/README.md).
+
+    The source moves on after the capture, so a prompt counts as found when most of its
+    longer lines still occur in ``src/eldr``; excerpts of another code base would match none.
+    """
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(tiny_moe_dir() / "tokenizer.json"))
+    source = "\n".join(p.read_text() for p in Path(eldr.__file__).parent.rglob("*.py"))
+    t = load(tiny_moe_prompt_trace_path())
+    code = np.flatnonzero(t.domains == t.domain_names.index("code"))
+    for r in code:
+        text = tok.decode(t.prompt_tokens(r).tolist())
+        lines = [ln.strip() for ln in text.splitlines() if len(ln.strip()) >= 20]
+        assert lines, text
+        found = sum(ln in source for ln in lines[:-1] or lines)  # the last may be cut
+        assert found >= 0.5 * len(lines[:-1] or lines), text
+
+
 def test_missing_data_is_a_clear_error(monkeypatch, tmp_path):
     import eldr.capture as cap
 
@@ -41,3 +77,5 @@ def test_missing_data_is_a_clear_error(monkeypatch, tmp_path):
         cap.tiny_moe_dir()
     with pytest.raises(ValueError, match="trace is not installed"):
         cap.tiny_moe_trace_path()
+    with pytest.raises(ValueError, match="prompt trace is not installed"):
+        cap.tiny_moe_prompt_trace_path()

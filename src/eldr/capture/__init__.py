@@ -41,3 +41,16 @@ def tiny_moe_trace_path() -> Path:
     if not path.is_file():
         raise ValueError(f"the tiny-MoE trace is not installed at {path}")
     return path
+
+
+def tiny_moe_prompt_trace_path() -> Path:
+    """The tiny-MoE trace that has ``prompt_token_ids`` (``.npz``), for the prompt predictor.
+
+    A newer capture than :func:`tiny_moe_trace_path`'s, with other prompts of the same ten
+    domains (its ``code`` prompts are cut from eldr's own source); the sources and licences
+    of its prompts are listed in ``data/traces/README.md``.
+    """
+    path = _DATA / "traces" / "tiny_moe_prompts.npz"
+    if not path.is_file():
+        raise ValueError(f"the tiny-MoE prompt trace is not installed at {path}")
+    return path
