@@ -1,6 +1,8 @@
 """The tiny MoE and the real trace shipped as package data (``eldr.capture`` paths)."""
 
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -50,23 +52,37 @@ def test_shipped_prompt_trace_has_every_prompt():
     assert tiny_moe_prompt_trace_path().stat().st_size < 2.7 * 2**20
 
 
-def test_prompt_trace_code_is_eldr_source():
-    """The code prompts are eldr's own source, not another project's (data/traces/README.md).
+def _eldr_source_at(commit: str) -> str:
+    """All ``src/eldr/**/*.py`` of ``commit``, concatenated (skips outside a git checkout
+    that has the commit, e.g. an installed package or a shallow clone)."""
+    repo = Path(eldr.__file__).resolve().parents[2]
+    git = ["git", "-C", str(repo)]
+    try:
+        names = subprocess.run([*git, "ls-tree", "-r", "--name-only", commit, "--",
+                                "src/eldr"], check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"no git checkout with commit {commit}")
+    wanted = "".join(f"{commit}:{n}\n" for n in names.stdout.split() if n.endswith(".py"))
+    out = subprocess.run([*git, "cat-file", "--batch"], input=wanted.encode(),
+                         check=True, capture_output=True)
+    return out.stdout.decode("utf-8")
 
-    The source moves on after the capture, so a prompt counts as found when most of its
-    longer lines still occur in ``src/eldr``; excerpts of another code base would match none.
-    """
+
+def test_prompt_trace_code_is_eldr_source():
+    """The code prompts are eldr's own source at the commit data/traces/README.md names,
+    not another project's: each decodes to text found verbatim in that commit's src/eldr."""
     tokenizers = pytest.importorskip("tokenizers")
+    readme = (tiny_moe_prompt_trace_path().parent / "README.md").read_text()
+    commit = re.search(r"at commit `([0-9a-f]{40})`", readme).group(1)
+    source = _eldr_source_at(commit)
     tok = tokenizers.Tokenizer.from_file(str(tiny_moe_dir() / "tokenizer.json"))
-    source = "\n".join(p.read_text() for p in Path(eldr.__file__).parent.rglob("*.py"))
     t = load(tiny_moe_prompt_trace_path())
     code = np.flatnonzero(t.domains == t.domain_names.index("code"))
+    assert code.size == 32
     for r in code:
-        text = tok.decode(t.prompt_tokens(r).tolist())
-        lines = [ln.strip() for ln in text.splitlines() if len(ln.strip()) >= 20]
-        assert lines, text
-        found = sum(ln in source for ln in lines[:-1] or lines)  # the last may be cut
-        assert found >= 0.5 * len(lines[:-1] or lines), text
+        # a 256-token cut can split a multi-byte character: its stub decodes to U+FFFD
+        text = tok.decode(t.prompt_tokens(r).tolist()).rstrip("\ufffd")
+        assert len(text) >= 120 and text in source, text
 
 
 def test_missing_data_is_a_clear_error(monkeypatch, tmp_path):
