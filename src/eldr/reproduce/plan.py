@@ -18,6 +18,9 @@ simulation:
   to cells whose intervals are still wider than ``target_half_width``;
 - ``tiny``: the shipped tiny MoE's real trace on its measured CPU preset.
 
+The report's "Routing before prefill" section (``prompt_rates``) is not a task list: it
+runs its few simulations itself (:mod:`eldr.reproduce.before_prefill`).
+
 The policy groups and the tiny trace's set-up key live here, beside the plan that uses
 them, so the modules that build, run and report a plan all import them from one place.
 """
@@ -104,6 +107,12 @@ class Plan:
     tiny_num_decode: int = 4
     tiny_warmup_s: float = 10.0
     tiny_duration_s: float = 60.0
+    # "Routing before prefill" (eldr.reproduce.before_prefill): the prompt predictor on the
+    # shipped prompt trace, eldr_cost on it vs on the prefill signature vs JSQ at these
+    # loads on the tiny-MoE preset (tiny_num_prefill/decode, tiny_warmup_s + this window);
+    # empty: no such section (a plan made for tests)
+    prompt_rates: tuple[float, ...] = ()
+    prompt_duration_s: float = 60.0
     selection_max_pairs: int | None = 100_000  # layer-mask search pairs (encoder fit)
     max_pairs: int | None = 200_000  # pairs for the reported ρ
     hardware: str = "h200"
@@ -136,12 +145,14 @@ QUICK = Plan(
     grid_warmup_s=5.0, grid_duration_s=15.0, grid_min_requests=300, tiny_rates=(40, 160),
     tiny_warmup_s=5.0,
     tiny_duration_s=20.0, grid_max_seeds=3, main_seeds=2,
+    prompt_rates=(160,), prompt_duration_s=10.0,
 )
 # The default run: 3 seeds per grid cell (intervals on every grid claim, not yet the
 # ±0.5-point target: --max-seeds 10 --main-seeds 3 reaches for it, at several times the
 # run time, until the simulator is faster) and 2 per headline point.
 FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
-            ep_experiment=True, grid_max_seeds=3, main_seeds=2)
+            ep_experiment=True, grid_max_seeds=3, main_seeds=2,
+            prompt_rates=(40, 100, 160, 220))
 
 
 @dataclass(frozen=True)
