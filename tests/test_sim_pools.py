@@ -61,5 +61,5 @@ def test_decode_worker_bookkeeping():
     d.admit(8, np.zeros((1, 48, 2), np.uint64), prompt=4, n_out=1, kv=2.0)
     assert d.finish_at == {2: [(7, 0)], 1: [(8, 1)]}
     assert (d.prompt_sum, d.start_sum, d.kv_bytes) == (14, 1, 7.0)
-    d.remove({8}, np.zeros(0))
+    d.remove({8})
     assert d.ids == [7] and (d.prompt_sum, d.start_sum, d.kv_bytes) == (10, 0, 5.0)

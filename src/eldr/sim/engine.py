@@ -42,6 +42,9 @@ from eldr.traces.trace import Trace
 __all__ = ["EVENT_NAMES", "Simulation", "make_arrivals", "simulate"]
 
 ARRIVAL, PREFILL_DONE, KV_DONE, STEP_DONE = 0, 1, 2, 3
+# steps a decoder plans at once (Simulation.plan); an admission drops the rest of a plan,
+# so longer plans waste more when requests arrive often
+PLAN_STEPS = 32
 EVENT_NAMES = ("arrival", "prefill_done", "kv_done", "step_done")
 
 
@@ -134,6 +137,8 @@ class Simulation:
         self.events: list | None = [] if record_events else None  # (time, what, req, worker)
         self.warm, self.horizon = config.warmup_s, config.horizon_s
         self.max_run = min(config.max_batch, config.max_batch_tokens)
+        self.moe_fixed = sm.num_layers * sm.a  # the a-part of StepModel.moe_time
+        self.step_range = np.arange(PLAN_STEPS, dtype=np.int64)
         self.window_tokens = 0  # output tokens emitted by steps ending inside the window
         self.num_done = 0
         self.now = 0.0
@@ -141,14 +146,31 @@ class Simulation:
                          self.on_step_done)  # indexed by event kind
 
     def run(self) -> None:
-        """Pop the earliest event, set the clock, handle it, push the events it returns."""
-        heap: list = [(self.t_arr[0], 0, ARRIVAL, 0)] if self.t_arr.size else []
+        """Pop the earliest event, set the clock, handle it, push the events it returns.
+
+        A handler that returns one event (most do: a step's end starts the next step)
+        pushes and pops in one ``heappushpop``, which hands the event straight back
+        when it is the earliest (the same order as a push and a pop)."""
+        if not self.t_arr.size:
+            return
+        heap: list = []
+        item = (self.t_arr[0], 0, ARRIVAL, 0)
         seq, handlers = 1, self.handlers
-        while heap:
-            self.now, _, kind, x = heapq.heappop(heap)
-            for t, k, y in handlers[kind](x, self.now):
-                heapq.heappush(heap, (t, seq, k, y))
+        heappush, heappop, heappushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
+        while True:
+            self.now, _, kind, x = item
+            out = handlers[kind](x, self.now)
+            if len(out) == 1:
+                t, k, y = out[0]
+                item = heappushpop(heap, (t, seq, k, y))
                 seq += 1
+                continue
+            for t, k, y in out:
+                heappush(heap, (t, seq, k, y))
+                seq += 1
+            if not heap:
+                return
+            item = heappop(heap)
 
     def log(self, now: float, what: str, i: int, worker: int) -> None:
         if self.events is not None:
@@ -215,33 +237,38 @@ class Simulation:
 
     def on_step_done(self, d: int, now: float) -> list[Event]:
         """Decoder ``d``'s step is done: one token each, finished requests leave."""
-        dw, rec = self.decoders[d], self.records
-        s = dw.step
+        dw = self.decoders[d]
+        s, batch = dw.step, dw.cur_batch
         if self.warm <= now < self.horizon:
-            self.window_tokens += dw.cur_batch
+            self.window_tokens += batch
             dw.win_steps += 1
-            dw.win_batch += dw.cur_batch
+            dw.win_batch += batch
             dw.win_distinct += dw.cur_distinct
-        for i in dw.new:
-            rec[i].t_first = now
-        dw.new = []
+        if dw.new:
+            rec = self.records
+            for i in dw.new:
+                rec[i].t_first = now
+            dw.new = []
+        events = self.events
         finished = dw.finish_at.pop(s, None)
         if finished:
+            rec, loads, release = self.records, self.loads, self.policy.on_release
             for i, s0 in finished:
                 r = rec[i]
                 r.t_last = now
                 r.tokens_out = s - s0 + 1
                 r.finishes += 1
-                self.loads[d] -= 1.0
-                self.policy.on_release(str(i), "completed")
-                self.log(now, "finish", i, d)
-            dw.remove({i for i, _ in finished}, self.need_kv)
+                loads[d] -= 1.0
+                release(str(i), "completed")
+                if events is not None:
+                    events.append((now, "finish", i, d))
+            dw.remove({i for i, _ in finished})
             self.num_done += len(finished)
             self.bar.update(len(finished))
         dw.step = s + 1
         dw.busy = False
-        if self.events is not None:
-            self.events.append((now, "step_done", dw.cur_batch, d))
+        if events is not None:
+            events.append((now, "step_done", batch, d))
         return [self.start_step(d, now)] if dw.ids or dw.waiting else []
 
     # -- work starts: each returns the event that ends it ------------------------------------
@@ -255,50 +282,82 @@ class Simulation:
         return now + self.sm.prefill_time(distinct, fresh), PREFILL_DONE, w
 
     def start_step(self, d: int, now: float) -> Event:
-        """Decoder ``d`` admits what fits, then runs one step of its batch."""
-        dw, sm, flat = self.decoders[d], self.sm, self.flat
-        s = dw.step
-        kv = self.kv_list
+        """Decoder ``d`` admits what fits, then runs one step of its batch.
+
+        The step's time and expert count come from the decoder's plan (:meth:`plan`),
+        made again whenever the running set has changed."""
+        dw = self.decoders[d]
+        if dw.waiting and len(dw.ids) < self.max_run:
+            self.admit(dw, d, now)
+        j = dw.step - dw.plan_from
+        if j >= len(dw.plan_dt):
+            self.plan(dw, d)
+            j = 0
+        dw.busy = True
+        dw.cur_batch, dw.cur_distinct = len(dw.ids), dw.plan_distinct[j]
+        return now + dw.plan_dt[j], STEP_DONE, d
+
+    def admit(self, dw: DecodeWorker, d: int, now: float) -> None:
+        """Decoder ``d`` admits waiting requests (FIFO) while its batch has room and their
+        full KV fits."""
+        kv, capacity, flat, bank = self.kv_list, self.sm.kv_capacity_bytes, self.flat, self.bank
+        events = self.events
         while dw.waiting and len(dw.ids) < self.max_run:
             i = dw.waiting[0]
-            if dw.kv_bytes + kv[i] > sm.kv_capacity_bytes:
+            if dw.kv_bytes + kv[i] > capacity:
                 break
             dw.waiting.popleft()
             r = self.tidx_list[i]
-            rows = self.bank.decode(r) if flat is None else self.bank.row_start(r)
+            rows = bank.decode(r) if flat is None else bank.row_start(r)
             dw.admit(i, rows, self.prompt_list[i], self.n_out_list[i], kv[i])
             self.records[i].t_admit = now
-            self.log(now, "admit", i, d)
-        # The hot path: one gather of this step's rows from the flat slab (each running
-        # request's row s - start), else np.array of the row views (about twice as fast
-        # as np.stack); Σ_l D_l needs one popcount sum, not two.
-        distinct = moe_distinct = 0
-        if dw.ids:
-            if flat is not None:
-                rows = flat.take(dw.offs + s, axis=0)  # (B, L·W)
-            else:
-                rows = np.array([b[s - s0] for b, s0 in zip(dw.bits, dw.starts, strict=True)])
-            u = np.bitwise_or.reduce(rows, axis=0)  # union of this step's tokens
-            masks = self.masks
-            if masks is None:
-                distinct = moe_distinct = int(np.add.reduce(np.bitwise_count(u), axis=None,
-                                                            dtype=np.int64))
-            else:
-                m = masks[d] if masks.shape[0] > 1 else masks[0]  # (ep, L, W)
-                u = u.reshape(m.shape[1:])
-                per_rank = np.bitwise_count(u[None] & m).sum(axis=-1, dtype=np.int64)
-                distinct = int(per_rank.sum())  # Σ_l D_l
-                moe_distinct = int(per_rank.max(axis=0).sum())  # Σ_l max_r D_{l,r}
-        B = len(dw.ids)
-        ctx = dw.prompt_sum - dw.start_sum + B * s  # Σ (prompt + tokens emitted so far)
+            if events is not None:
+                events.append((now, "admit", i, d))
+
+    def plan(self, dw: DecodeWorker, d: int) -> None:
+        """Times and Σ_l D_l of decoder ``d``'s next steps while its running set stays as
+        it is: from this step to the first one at which a request finishes, at most
+        ``PLAN_STEPS`` of them (an admission may change the set sooner; the rest of the
+        plan is then dropped).
+
+        The hot path: one gather of the plan's rows from the flat slab (request j's row
+        of step t is ``offs[j] + t``), else np.array of the row views; the union of each
+        step is an OR-reduce over the running requests, Σ_l D_l one popcount sum. The
+        step times are :meth:`StepModel.decode_step_time`'s sum, term by term in the
+        same order, in float64 arrays: the same bits as the scalar formula."""
+        s, B, sm = dw.step, len(dw.ids), self.sm
+        if B == 0:
+            dw.plan_from, dw.plan_distinct = s, [0]
+            dw.plan_dt = [sm.decode_step_time(0, 0, 0)]
+            return
+        m = min(min(dw.ends) - s + 1, PLAN_STEPS)
+        steps = self.step_range[:m] + s  # (m,) int64 step indices
+        if self.flat is not None:
+            idx = np.add.outer(np.array(dw.offs, dtype=np.int64), steps)  # (B, m)
+            rows = self.flat.take(idx.ravel(), axis=0).reshape(B, m, -1)
+        else:
+            rows = np.array([b[s - s0:s - s0 + m] for b, s0 in
+                             zip(dw.bits, dw.starts, strict=True)]).reshape(B, m, -1)
+        u = np.bitwise_or.reduce(rows, axis=0)  # (m, L·W) union of each step's tokens
+        masks = self.masks
+        if masks is None:
+            distinct = moe_distinct = np.bitwise_count(u).sum(axis=1, dtype=np.int64)
+        else:
+            mk = masks[d] if masks.shape[0] > 1 else masks[0]  # (ep, L, W)
+            u = u.reshape(m, 1, *mk.shape[1:])
+            per_rank = np.bitwise_count(u & mk).sum(axis=-1, dtype=np.int64)  # (m, ep, L)
+            distinct = per_rank.sum(axis=(1, 2))  # Σ_l D_l
+            moe_distinct = per_rank.max(axis=1).sum(axis=1)  # Σ_l max_r D_{l,r}
+        ctx = (dw.prompt_sum - dw.start_sum) + B * steps  # Σ (prompt + tokens emitted so far)
         slide = 0
         if sm.sliding_window is not None:
-            slide = sum(min(p + s - s0, sm.sliding_window)
-                        for p, s0 in zip(dw.prompts, dw.starts, strict=True))
-        dt = sm.decode_step_time(moe_distinct, ctx, slide)
-        dw.busy = True
-        dw.cur_batch, dw.cur_distinct = B, distinct
-        return now + dt, STEP_DONE, d
+            past = np.array(dw.prompts, dtype=np.int64) - np.array(dw.starts, dtype=np.int64)
+            slide = np.minimum(np.add.outer(past, steps), sm.sliding_window).sum(axis=0)
+        dt = sm.t_fixed + (self.moe_fixed + sm.b * moe_distinct)
+        dt = dt + sm.dense_s
+        dt = dt + ctx * sm.kv_s_per_token
+        dt = dt + slide * sm.kv_sliding_s_per_token
+        dw.plan_from, dw.plan_dt, dw.plan_distinct = s, dt.tolist(), distinct.tolist()
 
 
 def simulate(

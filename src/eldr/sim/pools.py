@@ -146,18 +146,25 @@ class DecodeWorker:
 
     A request's decode rows come as its (n_out, L, W) array (kept in ``bits``) or, when
     the simulator reads rows from a token bank's flat slab, as the slab index of its first
-    row (kept in ``offs`` minus its start step, so step ``s`` reads rows ``offs + s``)."""
+    row (kept in ``offs`` minus its start step, so step ``s`` reads rows ``offs + s``).
 
-    __slots__ = ("bits", "busy", "cur_batch", "cur_distinct", "finish_at", "ids", "kv_bytes",
-                 "kvs", "new", "offs", "prompt_sum", "prompts", "start_sum", "starts", "step",
-                 "waiting", "win_batch", "win_distinct", "win_steps")
+    The running set changes only when requests are admitted or finish, so the simulator
+    plans a stretch of steps at once (``plan_*``: the times and expert counts of steps
+    ``plan_from ..`` of the current set, :meth:`eldr.sim.engine.Simulation.start_step`);
+    :meth:`admit` and :meth:`remove` drop the plan."""
+
+    __slots__ = ("bits", "busy", "cur_batch", "cur_distinct", "ends", "finish_at", "ids",
+                 "kv_bytes", "kvs", "new", "offs", "plan_distinct", "plan_dt", "plan_from",
+                 "prompt_sum", "prompts", "start_sum", "starts", "step", "waiting",
+                 "win_batch", "win_distinct", "win_steps")
 
     def __init__(self) -> None:
         self.waiting: deque[int] = deque()  # KV arrived, not yet admitted (FIFO)
         self.ids: list[int] = []  # running request indices
         self.bits: list[np.ndarray] = []  # their (n_out, L, W) step bitsets (rows given)
-        self.offs = np.zeros(0, dtype=np.int64)  # their first slab row - start (index given)
+        self.offs: list[int] = []  # their first slab row - start (slab index given)
         self.starts: list[int] = []  # step index at which each was admitted
+        self.ends: list[int] = []  # step index of each one's last token
         self.prompts: list[int] = []  # their prompt lengths
         self.kvs: list[float] = []  # KV bytes reserved by each
         self.prompt_sum = 0  # Σ prompts of running requests
@@ -172,6 +179,9 @@ class DecodeWorker:
         self.win_steps = 0  # steps ending inside the measured window
         self.win_batch = 0  # Σ batch size over those steps
         self.win_distinct = 0  # Σ (Σ_l D_l) over those steps
+        self.plan_from = 0  # first step of the plan
+        self.plan_dt: list[float] = []  # planned step times, seconds (empty: no plan)
+        self.plan_distinct: list[int] = []  # planned Σ_l D_l of those steps
 
     def admit(self, i: int, rows: np.ndarray | int, prompt: int, n_out: int,
               kv: float) -> None:
@@ -180,10 +190,11 @@ class DecodeWorker:
         s = self.step
         self.ids.append(i)
         if isinstance(rows, int):
-            self.offs = np.append(self.offs, rows - s)
+            self.offs.append(rows - s)
         else:
             self.bits.append(rows)
         self.starts.append(s)
+        self.ends.append(s + n_out - 1)
         self.prompts.append(prompt)
         self.kvs.append(kv)
         self.prompt_sum += prompt
@@ -191,21 +202,27 @@ class DecodeWorker:
         self.kv_bytes += kv
         self.finish_at.setdefault(s + n_out - 1, []).append((i, s))
         self.new.append(i)
+        self.plan_dt = []
 
-    def remove(self, finished: set[int], need_kv: np.ndarray) -> None:
-        keep = [j for j, i in enumerate(self.ids) if i not in finished]
+    def remove(self, finished: set[int]) -> None:
+        """The requests ``finished`` leave the running batch (the others keep their order)."""
+        keep = []
         for j, i in enumerate(self.ids):
             if i in finished:
                 self.prompt_sum -= self.prompts[j]
                 self.start_sum -= self.starts[j]
                 self.kv_bytes -= self.kvs[j]
+            else:
+                keep.append(j)
         self.ids = [self.ids[j] for j in keep]
         if self.bits:
             self.bits = [self.bits[j] for j in keep]
         else:
-            self.offs = self.offs[keep]
+            self.offs = [self.offs[j] for j in keep]
         self.starts = [self.starts[j] for j in keep]
+        self.ends = [self.ends[j] for j in keep]
         self.prompts = [self.prompts[j] for j in keep]
         self.kvs = [self.kvs[j] for j in keep]
         if not self.ids:
             self.kv_bytes = 0.0  # no float drift when empty
+        self.plan_dt = []
