@@ -16,8 +16,10 @@
    ``--calls`` calls after warm-up, at (bits, rank) = (16, 32), (18, 32) and the largest
    within budget (18, 46), for the tf/token path (one gather of the n-grams' rows) and the
    tfidf path (which aggregates repeated n-grams first); and ``route_inputs_from_prompt``
-   (prediction + signature + cost-policy profile) at (16, 32). Wall clock and this
-   thread's CPU time: on a shared machine the wall clock's p99 is mostly waiting.
+   (prediction + signature + cost-policy profile) at (16, 32); then the three steps over
+   memory that bound a prediction, each alone (hashing, the gather and sum of the
+   n-grams' rows, the basis product). Wall clock and this thread's CPU time: on a shared
+   machine the wall clock's p99 is mostly waiting.
 4. ``--simulate``: the simulator on the tiny-MoE CPU preset (docs/simulator.md, the
    comparison there: 8 prefill and 4 decode workers, 10 s warm-up + 60 s): ``eldr`` and
    ``eldr_cost`` routed on the prefill signature/profile and on the prompt predictions
@@ -152,6 +154,25 @@ def cost(args) -> None:
     short = ids[:256]
     figs = _percentiles(lambda: p.predict(short), args.calls)
     print(f"   predict, a 256-token prompt, 2**16 x 32 token: {figs}")
+    _floor(p, ids, args.calls)
+
+
+def _floor(p: PromptPredictor, ids: np.ndarray, calls: int) -> None:
+    """What bounds a prediction (2**16 x 32, the 2,048-token prompt): its three steps
+    over memory, each timed alone: hashing the 2P - 1 n-grams into buckets, gathering and
+    summing one weight row per n-gram (np.take + a BLAS dot), and the basis product
+    (rank x L·E); the rest of predict is the id check and the clip (a few numpy calls)."""
+    from eldr.fit.prompt import ngram_hashes
+
+    shift = np.uint64(64 - p.bits_)
+    rows = (ngram_hashes(ids) >> shift).astype(np.int64)
+    ones = np.ones(rows.size, dtype=np.float32)
+    z = ones @ np.take(p.weights_, rows, axis=0)
+    steps = {f"hash {rows.size} n-grams": lambda: ngram_hashes(ids) >> shift,
+             f"gather+sum {rows.size} rows": lambda: ones @ np.take(p.weights_, rows, axis=0),
+             f"basis product {p.rank_}x{p.basis_.shape[1]}": lambda: z @ p.basis_}
+    for name, fn in steps.items():
+        print(f"     step alone, {name:<26}: {_percentiles(fn, calls)}")
 
 
 def simulate(trace, args) -> None:
