@@ -57,6 +57,29 @@ def test_same_seed_same_arrays_different_seed_different(keep_topk):
     assert a.meta == b.meta and a.meta.source.endswith("seed=7")
 
 
+@pytest.mark.parametrize("keep_topk", [True, False])
+def test_without_gate_sums_every_other_array_is_the_same(keep_topk):
+    full = generate("gpt-oss-120b", SHORT, num_requests=30, seed=7, keep_topk=keep_topk)
+    bare = generate("gpt-oss-120b", SHORT, num_requests=30, seed=7, keep_topk=keep_topk,
+                    gate_sums=False)
+    assert bare.prefill_gate_prob is None and bare.prefill_gate_logit is None
+    arr_full, arr_bare = _arrays(full), _arrays(bare)
+    assert arr_full.keys() - arr_bare.keys() == {"prefill_gate_prob", "prefill_gate_logit"}
+    for name in arr_bare:
+        np.testing.assert_array_equal(arr_full[name], arr_bare[name], err_msg=name)
+
+
+def test_approx_gate_sums_without_values_takes_the_same_draws():
+    z = np.random.default_rng(0).standard_normal((70, 32))
+    n = np.arange(70) + 1
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    approx_gate_sums(a, z, n, gate_scale=0.35)
+    assert approx_gate_sums(b, z, n, gate_scale=0.35, values=False) == (None, None)
+    assert a.bit_generator.state == b.bit_generator.state
+    np.testing.assert_array_equal(a.random(5), b.random(5))
+
+
+
 def test_token_path_counts_and_gates_are_consistent_with_the_topk(tmp_path):
     t = generate("qwen3-30b-a3b", SHORT, num_requests=40, seed=3, keep_topk=True)
     L, E, k = 48, 128, 8

@@ -58,10 +58,11 @@ def _fitted_setups(plan: Plan, trace, log) -> Iterator[tuple[str, RoutingSetup]]
             tr = trace
         else:
             tr = generate(model, wl, num_requests=num_requests, seed=plan.trace_seed,
-                          keep_topk=keep_topk)
+                          keep_topk=keep_topk, gate_sums=False)
         t1 = time.perf_counter()
         # the count-based encoder and the simulator never read the summed gate outputs:
-        # (R, L, E) float32 twice, half of a generated trace's bytes
+        # (R, L, E) float32 twice, half of a generated trace's bytes, so they are not made
+        # (generate's gate_sums=False, same counts) and a given trace's are dropped
         tr = replace(tr, prefill_gate_prob=None, prefill_gate_logit=None)
         calib = min(plan.calib_requests, tr.num_requests // 2)
         st = fit_setup(tr, wl, calib_requests=calib, seed=plan.seed,
@@ -125,7 +126,7 @@ def _real_trace_setup(plan: Plan, name: str) -> RoutingSetup:
     limit = fit if model.max_context_tokens is None else min(fit, model.max_context_tokens)
     calib, ev = arr.calibration_and_replay(arr.clip_lengths(head, limit), plan.model,
                                            "language", num_calibration=plan.calib_requests,
-                                           seed=plan.seed)
+                                           seed=plan.seed, gate_sums=False)
     st = fit_split(calib, ev, name, seed=plan.seed,
                    selection_max_pairs=plan.selection_max_pairs, max_pairs=plan.max_pairs)
     st.arrival_times = np.asarray(head.times, dtype=np.float64)

@@ -238,7 +238,8 @@ def sim_arrivals(arrivals: RequestArrivals) -> tuple[np.ndarray, np.ndarray]:
 
 # -- routing for the replayed lengths ------------------------------------------------------------
 def arrivals_trace(arrivals: RequestArrivals, model, workload="language", *, seed: int = 0,
-                   block_size: int = 16, progress: bool = False) -> Trace:
+                   block_size: int = 16, progress: bool = False,
+                   gate_sums: bool = True) -> Trace:
     """An expert-routing trace with one request per arrival, of exactly its lengths.
 
     Routing comes from :func:`eldr.traces.synth.generate` (count path, no per-token top-k)
@@ -256,13 +257,16 @@ def arrivals_trace(arrivals: RequestArrivals, model, workload="language", *, see
     (Azure) the trace has no token ids (no affinity, no prefix hits). Routing counts of
     shared blocks are NOT shared (each request's prompt is routed as a whole).
     ``block_size`` is the trace's KV block size (prefix-cache granularity).
+    ``gate_sums=False``: no summed gate outputs, everything else the same
+    (:func:`~eldr.traces.synth.generate`).
     """
     n = arrivals.num_requests
     if n < 1:
         raise ValueError(f"arrivals_trace: {arrivals.source} has no requests")
     output = np.maximum(arrivals.output_lens, 1)
     trace = generate(model, workload, seed=seed, keep_topk=False, block_size=block_size,
-                     lengths=(arrivals.prompt_lens, output), progress=progress)
+                     lengths=(arrivals.prompt_lens, output), progress=progress,
+                     gate_sums=gate_sums)
     ids = None
     if arrivals.block_ids is not None:
         ids = _block_token_ids(arrivals, get_preset(model).vocab_size)
@@ -273,14 +277,16 @@ def arrivals_trace(arrivals: RequestArrivals, model, workload="language", *, see
 
 def calibration_and_replay(arrivals: RequestArrivals, model, workload="language", *,
                            num_calibration: int, seed: int = 0, block_size: int = 16,
-                           progress: bool = False) -> tuple[Trace, Trace]:
+                           progress: bool = False,
+                           gate_sums: bool = True) -> tuple[Trace, Trace]:
     """(calibration trace, replay trace) from ONE synthetic draw, so both share the latent
     routing structure of ``seed`` while no replayed request is also a calibration request.
 
     The replay trace is :func:`arrivals_trace`'s: request i is arrival i (use
     :func:`sim_arrivals`). The ``num_calibration`` calibration requests take the (prompt,
     output, block ids) of arrivals drawn with replacement (seeded by ``seed``): real
-    lengths, fresh routing draws. Fit on the first, replay the second.
+    lengths, fresh routing draws. Fit on the first, replay the second. ``gate_sums``: as
+    for :func:`arrivals_trace`.
     """
     if isinstance(num_calibration, bool) or not isinstance(num_calibration, (int, np.integer)) \
             or num_calibration < 1:
@@ -298,7 +304,7 @@ def calibration_and_replay(arrivals: RequestArrivals, model, workload="language"
         else tuple(arrivals.block_ids[i] for i in pick) + arrivals.block_ids,
         source=arrivals.source, block_tokens=arrivals.block_tokens)
     trace = arrivals_trace(both, model, workload, seed=seed, block_size=block_size,
-                           progress=progress)
+                           progress=progress, gate_sums=gate_sums)
     return trace.subset(np.arange(c)), trace.subset(np.arange(c, c + n))
 
 

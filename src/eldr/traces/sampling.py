@@ -145,7 +145,8 @@ def approx_gate_sums(
     gate_scale: float,
     probe_rows: int = 64,
     probe_tokens: int = 32,
-) -> tuple[np.ndarray, np.ndarray]:
+    values: bool = True,
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """Approximate summed gate probabilities and logits (N, E) float32 for the count path.
 
     For a segment of ``n`` tokens with logits ``z`` and router logits ``c (z + G_t)``
@@ -163,6 +164,11 @@ def approx_gate_sums(
     reproduced; the sums are nearly deterministic in ``z`` anyway (a relative spread of a
     few % for a 200-token prompt). Refused for ``gate_scale > 0.5``, where the softmax is
     dominated by single tokens and the mean approximation fails: use the token path.
+
+    ``values=False`` returns ``(None, None)`` after taking exactly the same draws from
+    ``rng`` (the probe's exponentials and the two normal arrays), without the arithmetic:
+    a caller that drops the sums leaves every later draw of the stream, and so every other
+    array of its trace, unchanged, at a tenth of the cost.
     """
     if not 0.0 < gate_scale <= 0.5:
         raise ValueError(f"count-path gate sums need 0 < gate_scale <= 0.5, got {gate_scale}; "
@@ -170,6 +176,11 @@ def approx_gate_sums(
     N, E = z.shape
     c = float(gate_scale)
     rows = rng.choice(N, size=min(N, probe_rows), replace=False)
+    if not values:  # the draws of token_topk's Gumbel noise and of the two noise terms
+        rng.standard_exponential(size=(rows.size * probe_tokens, E), dtype=np.float32)
+        rng.standard_normal((N, E))
+        rng.standard_normal((N, E))
+        return None, None
     zp = np.repeat(z[rows], probe_tokens, axis=0)
     _, _, pp = token_topk(rng, zp, 1, with_gates=True, gate_scale=c)
     pp = pp.reshape(rows.size, probe_tokens, E).astype(np.float64)

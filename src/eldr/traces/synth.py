@@ -223,6 +223,7 @@ def generate(
     block_size: int = 16,
     lengths: tuple[np.ndarray, np.ndarray] | None = None,
     progress: bool = False,
+    gate_sums: bool = True,
 ) -> Trace:
     """Generate a synthetic routing trace.
 
@@ -238,9 +239,13 @@ def generate(
     (:mod:`eldr.traces.arrivals`); R is then their length (``num_requests`` must be ``None``
     or equal) and no request gets a shared system prompt. The calibration was fitted on the
     workload's own lengths; other lengths change the premises that depend on them (longer
-    prompts give less noisy counts, hence a higher prefill↔decode Pearson). Returns a
-    validated :class:`~eldr.traces.trace.Trace` with counts, lengths, domains, gate sums,
-    prompt token ids (system prompts shared) and, when ``keep_topk``, per-token top-k.
+    prompts give less noisy counts, hence a higher prefill↔decode Pearson). gate_sums:
+    ``False`` leaves the summed gate outputs out (``prefill_gate_prob`` and
+    ``prefill_gate_logit`` None: 2 x R x L x E float32 not made, and on the count path not
+    computed either) with every other array bit-identical, for callers that never read them
+    (the count-based encoder, the simulator). Returns a validated
+    :class:`~eldr.traces.trace.Trace` with counts, lengths, domains, gate sums, prompt token
+    ids (system prompts shared) and, when ``keep_topk``, per-token top-k.
     """
     preset, wl = get_preset(model), get_workload(workload)
     p = get_params(preset, wl) if params is None else params
@@ -255,7 +260,7 @@ def generate(
     seg_lens = np.concatenate([rq.prefix_lens, rq.user_lens])
     recorder = TokenRecorder(seg_lens, rq.output_lens - 1, L, k) if keep_topk else None
     with Progress(L, f"synth {preset.name}/{wl.name}", enabled=None if progress else False) as bar:
-        routed = _route_layers(st, rq, p, preset, s_layers, recorder, bar)
+        routed = _route_layers(st, rq, p, preset, s_layers, recorder, bar, gate_sums)
     token_ids = _token_ids(np.random.default_rng(s_ids), rq, preset.vocab_size)
     meta = TraceMeta(model=preset.name, num_layers=L, num_experts=preset.num_experts, top_k=k,
                      block_size=block_size,
@@ -303,22 +308,25 @@ class _Routed:
 
     prefill_counts: np.ndarray  # (R, L, E) int32, shared prefix included
     decode_counts: np.ndarray  # (R, L, E) int32
-    gate_prob: np.ndarray  # (R, L, E) float32 Σ over prompt tokens
-    gate_logit: np.ndarray  # (R, L, E) float32 Σ over prompt tokens
+    gate_prob: np.ndarray | None  # (R, L, E) float32 Σ over prompt tokens (None: not asked)
+    gate_logit: np.ndarray | None  # (R, L, E) float32 Σ over prompt tokens (None: not asked)
 
 
 def _route_layers(st: _Structure, rq: _Requests, p: SynthParams, preset: ModelPreset,
                   s_layers: list[np.random.SeedSequence], recorder: TokenRecorder | None,
-                  bar: Progress) -> _Routed:
+                  bar: Progress, gate_sums: bool = True) -> _Routed:
     """Route every layer from its own stream ``s_layers[layer]``: token by token into
     ``recorder`` when given (keep_topk), else by the count path of
-    :mod:`eldr.traces.sampling`."""
+    :mod:`eldr.traces.sampling`. Without ``gate_sums`` the gate sums are neither kept nor,
+    on the count path, computed (their draws are still taken, so the counts are the
+    same)."""
     L, E, k = preset.num_layers, preset.num_experts, preset.top_k
     R, Q = rq.user_lens.shape[0], rq.prefix_lens.shape[0]
     seg_lens = np.concatenate([rq.prefix_lens, rq.user_lens])
     dec_lens = rq.output_lens - 1
-    out = _Routed(np.zeros((R, L, E), np.int32), np.zeros((R, L, E), np.int32),
-                  np.zeros((R, L, E), np.float32), np.zeros((R, L, E), np.float32))
+    gates = (np.zeros((R, L, E), np.float32), np.zeros((R, L, E), np.float32)) \
+        if gate_sums else (None, None)
+    out = _Routed(np.zeros((R, L, E), np.int32), np.zeros((R, L, E), np.int32), *gates)
     # A request's prefill = its shared prefix (if any) + its own prompt.
     has = rq.prefix >= 0
     pre_idx = np.where(has, rq.prefix, 0)
@@ -339,11 +347,13 @@ def _route_layers(st: _Structure, rq: _Requests, p: SynthParams, preset: ModelPr
         else:
             pi = inclusion_probs(z_seg, k)
             cnt = aggregate_counts(rng, pi, seg_lens, k)
-            prob, logit = approx_gate_sums(rng, z_seg, seg_lens, gate_scale=p.gate_scale)
+            prob, logit = approx_gate_sums(rng, z_seg, seg_lens, gate_scale=p.gate_scale,
+                                           values=gate_sums)
             dcnt = aggregate_counts(rng, inclusion_probs(z_dec, k), dec_lens, k)
         out.prefill_counts[:, layer] = cnt[Q:] + cnt[pre_idx] * has[:, None]
-        out.gate_prob[:, layer] = prob[Q:] + prob[pre_idx] * has[:, None]
-        out.gate_logit[:, layer] = logit[Q:] + logit[pre_idx] * has[:, None]
+        if gate_sums:
+            out.gate_prob[:, layer] = prob[Q:] + prob[pre_idx] * has[:, None]
+            out.gate_logit[:, layer] = logit[Q:] + logit[pre_idx] * has[:, None]
         out.decode_counts[:, layer] = dcnt
         bar.update(1)
     return out
