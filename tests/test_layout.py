@@ -282,3 +282,29 @@ def test_package_exports_a_sorted_pinned_all(package):
     assert len(set(exported)) == len(exported)
     assert set(exported) == PUBLIC_API[package]
     assert set(exported) <= _bound_names(package), "exported but not bound"
+
+
+MAX_FUNCTION_LINES = 80  # a function longer than this is split along its sections
+
+
+def _long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method of ``tree`` longer than ``limit`` lines,
+    counted from its ``def`` to its last line (decorators excluded)."""
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_the_length_rule_sees_a_long_function_and_a_long_method():
+    body = "\n".join(f"    x{i} = {i}" for i in range(80))
+    method = body.replace("    ", "        ")
+    src = f"def f():\n{body}\n\nclass C:\n    async def m(self):\n{method}\n"
+    assert _long_functions(ast.parse(src), MAX_FUNCTION_LINES) == [("f", 81), ("m", 81)]
+    assert _long_functions(ast.parse(src), 81) == []
+
+
+def test_no_function_is_longer_than_80_lines():
+    found = [f"{path.relative_to(SRC.parent)}:{name} ({n} lines)"
+             for path in sorted(SRC.rglob("*.py"))
+             for name, n in _long_functions(ast.parse(path.read_text()), MAX_FUNCTION_LINES)]
+    assert not found, "split these along their sections: " + ", ".join(found)
