@@ -198,8 +198,8 @@ def test_no_private_name_imported_from_another_package():
 # The names each subpackage's __init__ exports. A change here is a change of the API.
 PUBLIC_API = {
     "eldr.cache": set(),
-    "eldr.capture": {"tiny_moe_dir", "tiny_moe_trace_path", "wide_engine_bytes",
-                     "wide_tiny_moe_dir"},
+    "eldr.capture": {"tiny_moe_dir", "tiny_moe_prompt_trace_path", "tiny_moe_trace_path",
+                     "wide_engine_bytes", "wide_tiny_moe_dir"},
     "eldr.commands": set(),
     "eldr.deploy": {"ChildProcess", "ClusterSpec", "LocalCluster", "engine_command",
                     "free_port"},

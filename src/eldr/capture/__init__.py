@@ -21,7 +21,8 @@ from pathlib import Path
 
 from eldr.capture.wide import wide_engine_bytes, wide_tiny_moe_dir
 
-__all__ = ["tiny_moe_dir", "tiny_moe_trace_path", "wide_engine_bytes", "wide_tiny_moe_dir"]
+__all__ = ["tiny_moe_dir", "tiny_moe_prompt_trace_path", "tiny_moe_trace_path", "wide_engine_bytes",
+           "wide_tiny_moe_dir"]
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
