@@ -26,9 +26,9 @@
    (:func:`eldr.sim.signatures.prompt_inputs`), and jsq, p2c, round_robin, at ``--qps``,
    seeds ``--seeds``; means over seeds of the median TPOT.
 
-Run: ``python benchmarks/bench_prompt_predictor.py --trace T.npz [--simulate]`` with a
-captured trace that kept its prompt token ids (the shipped tiny-MoE trace leaves them out,
-docs/capture.md; ``--skip-quality`` runs the cost section alone).
+Run: ``python benchmarks/bench_prompt_predictor.py [--trace T.npz] [--simulate]``; the
+default trace is the shipped tiny-MoE prompt trace (``tiny_moe_prompts.npz``, a capture that
+kept its prompt token ids, docs/capture.md); ``--skip-quality`` runs the cost section alone.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def simulate(trace, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", help="a captured trace with prompt_token_ids (default: the "
-                    "shipped tiny-MoE capture)")
+                    "shipped tiny-MoE prompt trace)")
     ap.add_argument("--heldout", type=float, default=0.5)
     ap.add_argument("--groups", type=int, default=8, help="decoders for routed locality")
     ap.add_argument("--seed", type=int, default=0)
@@ -245,9 +245,9 @@ def main() -> None:
         from eldr.traces.trace import load
 
         if args.trace is None:
-            from eldr.capture import tiny_moe_trace_path
+            from eldr.capture import tiny_moe_prompt_trace_path
 
-            args.trace = tiny_moe_trace_path()
+            args.trace = tiny_moe_prompt_trace_path()
         trace = load(args.trace)
         print(trace.describe())
         if trace.meta.source.startswith("synthetic"):
@@ -255,8 +255,8 @@ def main() -> None:
                              "cannot be evaluated on one; give a captured trace")
         if trace.prompt_token_ids is None:
             raise SystemExit(
-                f"{args.trace} has no prompt_token_ids (the shipped tiny-MoE trace leaves them "
-                "out, docs/capture.md): capture one, e.g. python "
+                f"{args.trace} has no prompt_token_ids: use the shipped prompt trace (the "
+                "default) or capture one, e.g. python "
                 "scripts/prepare_tiny_moe_data.py ... then eldr capture --model tiny "
                 "--prompts out/tinymoe_data/prompts.jsonl --max-new-tokens 64 "
                 "--max-prompt-tokens 256 -o recap.npz, and pass --trace recap.npz")
