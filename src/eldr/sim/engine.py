@@ -128,6 +128,9 @@ class Simulation:
         self.prompt = trace.prompt_lens[tidx]
         self.n_out = trace.output_lens[tidx]
         self.prompt_list, self.n_out_list = self.prompt.tolist(), self.n_out.tolist()
+        # Σ_l D_l of each trace request's prompt alone (a prefill batch of one request)
+        self.prefill_distinct = np.bitwise_count(bank.prefill).sum(axis=(1, 2),
+                                                                   dtype=np.int64).tolist()
         self.records = [RequestRecord(int(r), float(t), int(p), int(o)) for r, t, p, o in
                         zip(tidx, t_arr, self.prompt, self.n_out, strict=True)]
         self.router = PrefillRouter(trace, config)
@@ -182,11 +185,12 @@ class Simulation:
         out: list[Event] = []
         if i + 1 < self.t_arr.size:
             out.append((self.t_arr[i + 1], ARRIVAL, i + 1))
-        w = self.router.choose(int(self.tidx[i]), self.prefills)
+        w = self.router.choose(self.tidx_list[i], self.prefills)
         self.records[i].prefill_worker = w
         pw = self.prefills[w]
-        pw.enqueue(i, int(self.prompt[i]))
-        self.log(now, "arrival", i, w)
+        pw.enqueue(i, self.prompt_list[i])
+        if self.events is not None:
+            self.events.append((now, "arrival", i, w))
         if not pw.busy:
             pw.busy = True
             out.append(self.start_prefill(w, now))
@@ -194,10 +198,11 @@ class Simulation:
 
     def on_prefill_done(self, w: int, now: float) -> list[Event]:
         """Prefill worker ``w``'s batch is done: route each request, start its KV transfer."""
-        pw, policy, rec = self.prefills[w], self.policy, self.records
+        pw, policy, rec, events = self.prefills[w], self.policy, self.records, self.events
         out: list[Event] = []
         for i in pw.batch:
-            r = int(self.tidx[i])
+            r = self.tidx_list[i]
+            prompt = self.prompt_list[i]
             sig = None if self.signatures is None else self.signatures[r]
             if self.online is not None and sig is not None:
                 exact = sig
@@ -210,15 +215,16 @@ class Simulation:
                 decode_pattern=None if self.decode_patterns is None
                 else self.decode_patterns[r],
                 profile=None if self.profile_of is None else self.profile_of(r),
-                context_tokens=int(self.prompt[i]),
+                context_tokens=prompt,
             )
             d = policy.choose(req, self.loads)
             policy.on_dispatch(req, d)
             self.loads[d] += 1.0
             rec[i].decoder = d
             rec[i].t_prefill_end = now
-            out.append((now + self.sm.kv_transfer_time(int(self.prompt[i])), KV_DONE, i))
-            self.log(now, "prefill_done", i, w)
+            out.append((now + self.sm.kv_transfer_time(prompt), KV_DONE, i))
+            if events is not None:
+                events.append((now, "prefill_done", i, w))
         pw.finish_batch()
         if pw.queue:
             out.append(self.start_prefill(w, now))
@@ -232,7 +238,8 @@ class Simulation:
         self.records[i].t_kv_done = now
         dw = self.decoders[d]
         dw.waiting.append(i)
-        self.log(now, "kv_done", i, d)
+        if self.events is not None:
+            self.events.append((now, "kv_done", i, d))
         return [] if dw.busy else [self.start_step(d, now)]
 
     def on_step_done(self, d: int, now: float) -> list[Event]:
@@ -266,19 +273,32 @@ class Simulation:
             self.num_done += len(finished)
             self.bar.update(len(finished))
         dw.step = s + 1
-        dw.busy = False
         if events is not None:
             events.append((now, "step_done", batch, d))
-        return [self.start_step(d, now)] if dw.ids or dw.waiting else []
+        if dw.waiting:
+            return [self.start_step(d, now)]
+        if not dw.ids:
+            dw.busy = False
+            return []
+        # start_step without admissions, inline (the per-step path)
+        if not dw.plan_dt:
+            self.plan(dw, d)
+        dw.cur_batch, dw.cur_distinct = len(dw.ids), dw.plan_distinct.pop()
+        return [(now + dw.plan_dt.pop(), STEP_DONE, d)]
 
     # -- work starts: each returns the event that ends it ------------------------------------
     def start_prefill(self, w: int, now: float) -> Event:
         """Worker ``w`` takes its next prefill batch."""
-        batch, cached, fresh = self.prefills[w].take_batch(self.router, self.tidx, self.prompt)
+        batch, cached, fresh = self.prefills[w].take_batch(self.router, self.tidx_list,
+                                                           self.prompt_list)
+        rec = self.records
         for i, c in zip(batch, cached, strict=True):
-            self.records[i].cached_tokens = c
-            self.records[i].t_prefill_start = now
-        distinct = int(union_distinct(self.bank.prefill[self.tidx[batch]]).sum())
+            rec[i].cached_tokens = c
+            rec[i].t_prefill_start = now
+        if len(batch) == 1:  # most batches: the request's own count, computed once
+            distinct = self.prefill_distinct[self.tidx_list[batch[0]]]
+        else:
+            distinct = int(union_distinct(self.bank.prefill[self.tidx[batch]]).sum())
         return now + self.sm.prefill_time(distinct, fresh), PREFILL_DONE, w
 
     def start_step(self, d: int, now: float) -> Event:
@@ -289,13 +309,11 @@ class Simulation:
         dw = self.decoders[d]
         if dw.waiting and len(dw.ids) < self.max_run:
             self.admit(dw, d, now)
-        j = dw.step - dw.plan_from
-        if j >= len(dw.plan_dt):
+        if not dw.plan_dt:
             self.plan(dw, d)
-            j = 0
         dw.busy = True
-        dw.cur_batch, dw.cur_distinct = len(dw.ids), dw.plan_distinct[j]
-        return now + dw.plan_dt[j], STEP_DONE, d
+        dw.cur_batch, dw.cur_distinct = len(dw.ids), dw.plan_distinct.pop()
+        return now + dw.plan_dt.pop(), STEP_DONE, d
 
     def admit(self, dw: DecodeWorker, d: int, now: float) -> None:
         """Decoder ``d`` admits waiting requests (FIFO) while its batch has room and their
@@ -327,8 +345,7 @@ class Simulation:
         same order, in float64 arrays: the same bits as the scalar formula."""
         s, B, sm = dw.step, len(dw.ids), self.sm
         if B == 0:
-            dw.plan_from, dw.plan_distinct = s, [0]
-            dw.plan_dt = [sm.decode_step_time(0, 0, 0)]
+            dw.plan_distinct, dw.plan_dt = [0], [sm.decode_step_time(0, 0, 0)]
             return
         m = min(min(dw.ends) - s + 1, PLAN_STEPS)
         steps = self.step_range[:m] + s  # (m,) int64 step indices
@@ -357,7 +374,7 @@ class Simulation:
         dt = dt + sm.dense_s
         dt = dt + ctx * sm.kv_s_per_token
         dt = dt + slide * sm.kv_sliding_s_per_token
-        dw.plan_from, dw.plan_dt, dw.plan_distinct = s, dt.tolist(), distinct.tolist()
+        dw.plan_dt, dw.plan_distinct = dt[::-1].tolist(), distinct[::-1].tolist()
 
 
 def simulate(

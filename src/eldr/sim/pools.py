@@ -38,6 +38,7 @@ class PrefillRouter:
         self.spill_tokens = config.spill_tokens
         self.block_size = trace.meta.block_size
         self._hashes: dict[int, list[BlockHash]] = {}
+        self._targets: dict[int, int] = {}  # r -> its affinity worker
         self._has_ids = trace.prompt_token_ids is not None
         self.num_spills = 0
 
@@ -50,18 +51,30 @@ class PrefillRouter:
             self._hashes[r] = h
         return h
 
+    def target(self, r: int) -> int:
+        """Trace request ``r``'s affinity worker (module docstring), computed once. Only
+        the first ``affinity_blocks`` blocks are hashed unless the full chain is known (a
+        chain's first hashes depend on the first blocks only)."""
+        target = self._targets.get(r)
+        if target is None:
+            h = self._hashes.get(r)
+            if h is None and self._has_ids:
+                head = self.trace.prompt_tokens(r)[:self.affinity_blocks * self.block_size]
+                h = block_hashes(head, self.block_size)
+            if h:
+                key = int.from_bytes(h[min(self.affinity_blocks, len(h)) - 1][:8], "little")
+            else:
+                key = (r * 0x9E3779B97F4A7C15) >> 7  # Fibonacci mix of the index: no affinity
+            target = self._targets[r] = key % self.num_workers
+        return target
+
     def choose(self, r: int, workers: list[PrefillWorker]) -> int:
-        h = self.hashes(r)
-        if h:
-            key = int.from_bytes(h[min(self.affinity_blocks, len(h)) - 1][:8], "little")
-        else:
-            key = (r * 0x9E3779B97F4A7C15) >> 7  # Fibonacci mix of the index: no affinity
-        target = key % self.num_workers
+        target = self.target(r)
         queued = [w.queued_tokens for w in workers]
-        least = int(np.argmin(queued))
-        if queued[target] > queued[least] + self.spill_tokens:
+        fewest = min(queued)
+        if queued[target] > fewest + self.spill_tokens:
             self.num_spills += 1
-            return least
+            return queued.index(fewest)  # the least loaded, ties → lowest index
         return target
 
 
@@ -150,13 +163,13 @@ class DecodeWorker:
 
     The running set changes only when requests are admitted or finish, so the simulator
     plans a stretch of steps at once (``plan_*``: the times and expert counts of steps
-    ``plan_from ..`` of the current set, :meth:`eldr.sim.engine.Simulation.start_step`);
+    from the current one on, last step first, :meth:`eldr.sim.engine.Simulation.plan`);
     :meth:`admit` and :meth:`remove` drop the plan."""
 
     __slots__ = ("bits", "busy", "cur_batch", "cur_distinct", "ends", "finish_at", "ids",
-                 "kv_bytes", "kvs", "new", "offs", "plan_distinct", "plan_dt", "plan_from",
-                 "prompt_sum", "prompts", "start_sum", "starts", "step", "waiting",
-                 "win_batch", "win_distinct", "win_steps")
+                 "kv_bytes", "kvs", "new", "offs", "plan_distinct", "plan_dt", "prompt_sum",
+                 "prompts", "start_sum", "starts", "step", "waiting", "win_batch",
+                 "win_distinct", "win_steps")
 
     def __init__(self) -> None:
         self.waiting: deque[int] = deque()  # KV arrived, not yet admitted (FIFO)
@@ -179,9 +192,10 @@ class DecodeWorker:
         self.win_steps = 0  # steps ending inside the measured window
         self.win_batch = 0  # Σ batch size over those steps
         self.win_distinct = 0  # Σ (Σ_l D_l) over those steps
-        self.plan_from = 0  # first step of the plan
-        self.plan_dt: list[float] = []  # planned step times, seconds (empty: no plan)
-        self.plan_distinct: list[int] = []  # planned Σ_l D_l of those steps
+        # the plan, LAST step first (a step pops its own): step times in seconds (empty:
+        # no plan) and Σ_l D_l
+        self.plan_dt: list[float] = []
+        self.plan_distinct: list[int] = []
 
     def admit(self, i: int, rows: np.ndarray | int, prompt: int, n_out: int,
               kv: float) -> None:
@@ -206,6 +220,19 @@ class DecodeWorker:
 
     def remove(self, finished: set[int]) -> None:
         """The requests ``finished`` leave the running batch (the others keep their order)."""
+        self.plan_dt = []
+        if len(finished) == 1:  # the usual case: one list deletion each
+            (i,) = finished
+            j = self.ids.index(i)
+            self.prompt_sum -= self.prompts[j]
+            self.start_sum -= self.starts[j]
+            self.kv_bytes -= self.kvs[j]
+            for column in (self.ids, self.bits or self.offs, self.starts, self.ends,
+                           self.prompts, self.kvs):
+                del column[j]
+            if not self.ids:
+                self.kv_bytes = 0.0  # no float drift when empty
+            return
         keep = []
         for j, i in enumerate(self.ids):
             if i in finished:
@@ -225,4 +252,3 @@ class DecodeWorker:
         self.kvs = [self.kvs[j] for j in keep]
         if not self.ids:
             self.kv_bytes = 0.0  # no float drift when empty
-        self.plan_dt = []
