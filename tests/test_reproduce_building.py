@@ -1,0 +1,50 @@
+"""Building the set-ups of a reproduction: in worker processes or here, the same set-ups."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conftest import make_trace
+from eldr.reproduce import Plan
+from eldr.reproduce.building import build_setups, setup_jobs
+from eldr.reproduce.plan import FULL, QUICK, plan_tasks
+
+TINY = Plan(
+    name="tiny", workloads=("task",), calib_requests=40, rates=(150.0,), warmup_s=0.05,
+    duration_s=0.3, num_prefill=2, num_decode=4,
+    policies=("round_robin", "jsq", "eldr", "eldr_cost", "oracle_signature"),
+    tau_values=(0.1,), tau_rate=150.0, pool_sizes=(2, 4), pool_rates=(150.0,),
+    selection_max_pairs=2_000, max_pairs=5_000, grid=False, main_seeds=1,
+    tiny_rates=(100.0,), tiny_num_prefill=2, tiny_warmup_s=0.1, tiny_duration_s=0.5,
+)
+
+
+def test_two_workers_build_the_same_primed_setups_as_one_process():
+    trace = make_trace(100, 48, 128, 8, seed=5, with_topk=False)
+    serial = build_setups(TINY, trace=trace, log=lambda msg: None, jobs=1)
+    parallel = build_setups(TINY, trace=trace, log=lambda msg: None, jobs=2)
+    assert list(serial) == list(parallel) == ["task", "tiny_moe"]
+    for key, a in serial.items():
+        b = parallel[key]
+        np.testing.assert_array_equal(a.signatures, b.signatures)
+        np.testing.assert_array_equal(a.eval.decode_counts, b.eval.decode_counts)
+        np.testing.assert_array_equal(a.encoder.layers_, b.encoder.layers_)
+        assert a.encoder.rho_ == b.encoder.rho_
+        # every centroid set and cluster profile the tasks use is fitted already
+        needed = {t.num_decode for t in plan_tasks(TINY) if t.workload == key}
+        assert {k for k, kind in a._centroids if kind == "balanced"} == needed
+        assert a._centroids.keys() == b._centroids.keys()
+        for k in a._centroids:
+            np.testing.assert_array_equal(a._centroids[k], b._centroids[k])
+            np.testing.assert_array_equal(a._labels[k], b._labels[k])
+        assert a._decoder_profiles.keys() == b._decoder_profiles.keys()
+        for k in a._decoder_profiles:
+            np.testing.assert_array_equal(a._decoder_profiles[k], b._decoder_profiles[k])
+
+
+def test_only_small_plans_build_setups_in_parallel(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert setup_jobs(QUICK) == 2
+    assert setup_jobs(FULL) == 1  # 12k-14k-request traces: one set-up's memory at a time
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert setup_jobs(QUICK) == 1
