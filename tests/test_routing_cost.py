@@ -324,3 +324,53 @@ def test_fitted_decoder_profiles_keep_their_memory_term_under_an_engine_row():
     before = pol.footprint.added_typical(p)
     assert pol.observe_engine(0, np.full((1, 4), 0.5), 0.0, 2.0)
     np.testing.assert_array_equal(pol.footprint.added_typical(p), before)
+
+
+@pytest.mark.parametrize("fitted", [True, False])
+def test_kept_typical_rows_are_the_plain_exp_bit_for_bit(fitted):
+    # fitted: exp(n · m_d) is kept per (decoder, count) and copied back; online: recomputed.
+    # Either way every row must be exactly the plain exp(typical · n) in float32, through
+    # more counts than the cache keeps (eviction), added/removed decoders and a pickle.
+    import pickle
+
+    from eldr.routing.cost import _TYPICAL_CACHE
+
+    rng = np.random.default_rng(0)
+    K, n = 3, 40
+    typical = np.log1p(-rng.random((K, n)) ** 2).astype(np.float32) if fitted else None
+    fp = ExpertFootprint(K, n, memory=4.0, typical=typical)
+    held: list[str] = []
+    top = 0
+
+    def check():
+        for d in range(fp.num_workers):
+            if fp.count[d] == 0:
+                continue
+            plain = np.exp(fp.typical[d] * float(fp.count[d])).astype(np.float32)
+            assert plain.tobytes() == fp.typical_miss[d].tobytes()
+            assert fp.typical_distinct[d] == fp.num_cells - float(plain.sum(dtype=np.float64))
+            np.testing.assert_array_equal(fp.miss[d], np.exp(fp.log_miss[d]).astype(np.float32))
+
+    for i in range(6 * _TYPICAL_CACHE * K):
+        # a walk that climbs past the cache size on decoder 0, then back down
+        grow = i < 3 * _TYPICAL_CACHE * K or not held
+        if grow:
+            d = 0 if i % 2 else int(rng.integers(fp.num_workers))
+            fp.add(f"r{i}", d, rng.random(n).astype(np.float32) * (rng.random(n) < 0.5))
+            held.append(f"r{i}")
+        else:
+            fp.remove(held.pop(int(rng.integers(len(held)))))
+        if i == 50:
+            fp.add_worker(like=1)
+        if i == 120:
+            fp.remove_worker(2)
+            held = [r for r in held if r in fp._held]
+        if i == 200:
+            fp = pickle.loads(pickle.dumps(fp))
+            assert not any(fp._typical_rows)  # the cache is not pickled
+        check()
+        top = max(top, int(fp.count[0]))
+    assert top > _TYPICAL_CACHE
+    if fitted:
+        assert all(len(rows) <= _TYPICAL_CACHE for rows in fp._typical_rows)
+        assert any(fp._typical_rows)

@@ -61,6 +61,7 @@ from eldr.routing.protocol import Decision, Outcome, PolicyBase, RouteRequest
 __all__ = ["CostPolicy", "ExpertFootprint", "prefill_profile"]
 
 _P_MAX = 1.0 - 1e-6  # log(1 − p) stays finite for an expert every token selects
+_TYPICAL_CACHE = 32  # fitted exp(n · m_d) rows kept per decoder (a count walks by ±1)
 
 
 def prefill_profile(counts: np.ndarray, num_tokens: int, top_k: int | None = None
@@ -89,6 +90,12 @@ class ExpertFootprint:
     left with no request is reset to exactly zero (no float drift accumulates). ``engine``:
     the engines' own readings (:class:`~eldr.routing.engine_rows.EngineRows`), created by
     the first :meth:`observe_engine`; a live row caps ``miss`` (the union of both views).
+
+    With fitted profiles ``typical`` never changes, so ``typical_miss[d] = exp(n_d · m_d)``
+    depends on the count alone: it is kept per (decoder, count), at most ``_TYPICAL_CACHE``
+    counts each, and copied back bit for bit (pinned by a test against the plain
+    computation). The float64 ``exp`` over all L·E cells is what an event costs; the
+    online memory changes every cell at each dispatch, so there it is recomputed.
     """
 
     def __init__(self, num_workers: int, num_cells: int, *, memory: float = 0.0,
@@ -122,11 +129,23 @@ class ExpertFootprint:
         self.typical_miss = np.ones((K, num_cells), dtype=np.float32) \
             if self.typical is not None else None
         self.typical_distinct = np.zeros(K, dtype=np.float64)
+        # fitted only: per decoder, count → (exp(n · m_d) row (n,) float32, its D̄_d)
+        self._typical_rows: list[dict[int, tuple[np.ndarray, float]]] = \
+            [{} for _ in range(K)]
+        self._scratch = np.empty(num_cells, dtype=np.float64)  # n · m_d, before its exp
+        self._scratch32 = np.empty(num_cells, dtype=np.float32)  # (1 − keep) · row
         self.engine: EngineRows | None = None
         self._clock = clock
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def __getstate__(self) -> dict:
+        """The fitted ``exp(n · m_d)`` rows are a cache: not pickled (up to
+        ``_TYPICAL_CACHE`` rows of ``num_cells`` float32 per decoder)."""
+        state = self.__dict__.copy()
+        state["_typical_rows"] = [{} for _ in self._typical_rows]
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled state is private and writable: a parallel runner (joblib) may hand
@@ -138,6 +157,7 @@ class ExpertFootprint:
                 setattr(self, name, np.array(value))
 
     def _refresh(self, d: int) -> None:
+        """Recompute decoder ``d``'s derived rows from its log sums and count."""
         live = self.engine is not None and self.engine.live[d]
         if self.count[d] == 0:
             self.log_miss[d] = 0.0
@@ -153,10 +173,25 @@ class ExpertFootprint:
                 np.minimum(self.miss[d], self.engine.miss[d], out=self.miss[d])
         self.distinct[d] = self.num_cells - float(self.miss[d].sum(dtype=np.float64))
         if self.typical is not None and self.count[d]:
-            np.exp(self.typical[d] * float(self.count[d]), out=self.typical_miss[d],
-                   casting="same_kind")
-            self.typical_distinct[d] = self.num_cells - float(
-                self.typical_miss[d].sum(dtype=np.float64))
+            self._refresh_typical(d)
+
+    def _refresh_typical(self, d: int) -> None:
+        """``typical_miss[d] = exp(n_d · m_d)`` and its ``D̄_d`` (n_d > 0)."""
+        n = int(self.count[d])
+        rows = self._typical_rows[d] if self._keep == 1.0 else None
+        kept = rows.get(n) if rows is not None else None
+        if kept is not None:
+            self.typical_miss[d] = kept[0]
+            self.typical_distinct[d] = kept[1]
+            return
+        np.multiply(self.typical[d], float(n), out=self._scratch)
+        np.exp(self._scratch, out=self.typical_miss[d], casting="same_kind")
+        self.typical_distinct[d] = self.num_cells - float(
+            self.typical_miss[d].sum(dtype=np.float64))
+        if rows is not None:
+            if len(rows) >= _TYPICAL_CACHE:
+                del rows[next(iter(rows))]  # the oldest count
+            rows[n] = (self.typical_miss[d].copy(), float(self.typical_distinct[d]))
 
     def add(self, request_id: str, worker: int, profile: np.ndarray | None,
             context_tokens: float = 0.0) -> None:
@@ -170,7 +205,8 @@ class ExpertFootprint:
             self.log_miss[worker] += row
             if self.typical is not None and self._keep < 1.0:
                 self.typical[worker] *= self._keep
-                self.typical[worker] += (1.0 - self._keep) * row
+                np.multiply(row, 1.0 - self._keep, out=self._scratch32)  # float32, as before
+                self.typical[worker] += self._scratch32
         self._held[request_id] = (worker, row, float(context_tokens))
         self.count[worker] += 1
         self.context[worker] += context_tokens
@@ -222,6 +258,8 @@ class ExpertFootprint:
             self.typical_miss = np.vstack([self.typical_miss,
                                            np.ones((1, n), dtype=np.float32)])
         self.typical_distinct = np.append(self.typical_distinct, 0.0)
+        self._typical_rows.append(dict(self._typical_rows[like])
+                                  if like is not None and self._keep == 1.0 else {})
         if self.engine is not None:
             self.engine.add_worker()
         self.num_workers = K + 1
@@ -233,6 +271,7 @@ class ExpertFootprint:
             del self._held[rid]
         self._held = {r: (d - 1 if d > worker else d, row, ctx)
                       for r, (d, row, ctx) in self._held.items()}
+        del self._typical_rows[worker]
         for name in ("log_miss", "miss", "distinct", "context", "count", "typical",
                      "typical_miss", "typical_distinct"):
             value = getattr(self, name)
