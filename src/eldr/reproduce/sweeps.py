@@ -28,7 +28,7 @@ import numpy as np
 from joblib import Parallel, delayed
 
 from eldr._progress import Progress
-from eldr.reproduce.building import build_setups
+from eldr.reproduce.building import build_setups, prime_setup
 from eldr.reproduce.grid import cells_needing_seeds
 from eldr.reproduce.memmaps import map_to_files
 from eldr.reproduce.plan import Plan, Task, grid_cell_tasks, plan_tasks, replicate_seed
@@ -239,11 +239,8 @@ def prime_setups(setups: dict[str, RoutingSetup], tasks: list[Task]) -> None:
     """Fit every centroid set, cluster profile and expert layout ``tasks`` use, here and
     once, so that no worker fits one (and a set-up shipped without its calibration split
     has all it needs)."""
-    for t in tasks:
-        st = setups[t.workload]
-        st.prime(t.policy, t.num_decode, t.kind)
-        if t.ep > 1 and t.placement != "contiguous":
-            st.placement(t.num_decode, t.ep, t.placement)
+    for key, st in setups.items():
+        prime_setup(st, [t for t in tasks if t.workload == key])
 
 
 def _local_runner(parallel: Parallel):
