@@ -184,8 +184,10 @@ def wave_figures(before: EngineCounters, after: EngineCounters) -> dict:
 
 
 def run_wave(router: str, decoders: dict[str, str], wave: list[tuple[str, str]],
-             max_tokens: int) -> dict:
-    """One wave through ``router``: per decoder name, its figures and the domains it got."""
+             max_tokens: int, decode_rows: dict[str, np.ndarray] | None = None) -> dict:
+    """One wave through ``router``: per decoder name, its figures and the domains it got;
+    with ``decode_rows`` (:func:`capture_decode_rows`) also the distinct experts its
+    requests select in lockstep (:func:`lockstep_distinct`)."""
     before = {n: read_engine(u) for n, u in decoders.items()}
 
     def one(item):
@@ -204,10 +206,60 @@ def run_wave(router: str, decoders: dict[str, str], wave: list[tuple[str, str]],
     after = {n: read_engine(u) for n, u in decoders.items()}
     out = {}
     for name in decoders:
-        doms = [d for (d, _), p in zip(wave, placed, strict=True) if p == name]
-        out[name] = {**wave_figures(before[name], after[name]), "requests": len(doms),
-                     "domains": doms}
+        mine = [item for item, p in zip(wave, placed, strict=True) if p == name]
+        out[name] = {**wave_figures(before[name], after[name]), "requests": len(mine),
+                     "domains": [d for d, _ in mine]}
+        if decode_rows is not None and mine:
+            out[name]["lockstep"] = lockstep_distinct([decode_rows[t] for _, t in mine])
     return out
+
+
+def lockstep_distinct(rows: list[np.ndarray]) -> float:
+    """Mean distinct experts per layer per step of a batch whose requests decode in
+    lockstep: step t holds every request's t-th decode token. ``rows``: per request its
+    (T_r, L, k) expert ids; steps up to the shortest T_r.
+
+    What does not depend on timing: the engines' own per-step figure depends on which
+    requests share a step (their arrivals, a wave's ramp-up), this one only on which
+    requests a decoder got and the routing of their tokens (the same function on every
+    engine, greedy)."""
+    steps = min(len(r) for r in rows)
+    if steps == 0:
+        return float("nan")
+    ids = np.concatenate([r[:steps] for r in rows], axis=2).astype(np.int64)  # (T, L, n·k)
+    num_experts = int(ids.max()) + 1
+    used = np.zeros((*ids.shape[:2], num_experts), bool)
+    np.put_along_axis(used, ids, True, axis=2)
+    return float(used.sum(axis=2).mean())
+
+
+def capture_decode_rows(prompts: dict[str, list[str]], max_tokens: int
+                        ) -> dict[str, np.ndarray]:
+    """Per served prompt (its text), the (T, L, k) expert ids of its decode tokens: a
+    transformers capture of the narrow model, the engines' function (the wide copy's
+    routing is identical, docs/capture.md). The capture stops at EOS where the engines do
+    not (``ignore_eos``), so T can be shorter than ``max_tokens − 1``."""
+    import subprocess
+    import tempfile
+
+    from eldr.traces.trace import load
+
+    work = Path(tempfile.mkdtemp(prefix="eldr-bench-lockstep-"))
+    texts = [t for ts in prompts.values() for t in ts]
+    (work / "p.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    done = subprocess.run([sys.executable, "-m", "eldr", "capture", "--model", "tiny",
+                           "--prompts", str(work / "p.jsonl"), "--max-new-tokens",
+                           str(max_tokens), "-o", str(work / "c.npz")],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"eldr capture failed: {done.stderr.strip()[-500:]}")
+    trace = load(work / "c.npz")
+    shutil.rmtree(work, ignore_errors=True)
+    if trace.num_requests != len(texts) or trace.decode_topk is None:
+        raise RuntimeError("eldr capture: a trace without the decode rows of every prompt")
+    off = trace.decode_offsets
+    print(f"lockstep: decode routing of {len(texts)} served prompts captured", flush=True)
+    return {t: trace.decode_topk[off[i]:off[i + 1]] for i, t in enumerate(texts)}
 
 
 def _purity(per: dict) -> float:
@@ -234,7 +286,19 @@ def wave_summary(per: dict) -> dict:
             "loads_per_token": sum(f["distinct"] * f["steps"] for f in rows)
             / sum(f["batch"] * f["steps"] for f in rows),
             "purity": _purity(per),
-            "split": [per[n]["requests"] for n in sorted(per)]}
+            "split": [per[n]["requests"] for n in sorted(per)],
+            **_lockstep_summary(per)}
+
+
+def _lockstep_summary(per: dict) -> dict:
+    """The wave's lockstep figures (empty without them): per step (each decoder's steps
+    count alike: every request decodes the same tokens) and per token."""
+    rows = [f for f in per.values() if "lockstep" in f]
+    if not rows:
+        return {}
+    return {"lockstep": float(np.mean([f["lockstep"] for f in rows])),
+            "lockstep_per_token": sum(f["lockstep"] for f in rows)
+            / sum(f["requests"] for f in rows)}
 
 
 # -- the cluster -----------------------------------------------------------------------------
@@ -242,8 +306,9 @@ class Bench:
     """Engines through :class:`eldr.deploy.local.LocalCluster` (its router runs the first
     policy) and one more ``eldr serve`` per other policy, on the same engines."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, fit_prompts: dict[str, list[str]] | None = None) -> None:
         self.args = args
+        self.fit_prompts = fit_prompts  # calibrate the artifact on these (None: args')
         self.cluster = None
         self.extra = []
         self.routers: dict[str, str] = {}
@@ -256,8 +321,9 @@ class Bench:
 
         a = self.args
         artifact = a.artifact
-        if a.fit_on_prompts:
-            artifact = fit_on_prompts(a)
+        if self.fit_prompts is not None:
+            artifact = fit_on_prompts(self.fit_prompts, a.max_tokens,
+                                      getattr(a, "fit_held_out", False))
         wide = wide_tiny_moe_dir(a.width)
         print(f"decoders: the tiny MoE widened to {a.width} ({wide})", flush=True)
         serve = ("--scrape-interval", "1", "--decode-timeout", "600")
@@ -298,23 +364,31 @@ class Bench:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
-def fit_on_prompts(args) -> str:
-    """An artifact fitted on the benchmark's own prompts (their routing captured with
-    transformers on the narrow model, the same function): the served mix as calibration,
-    IN-SAMPLE, as an operator gets after ``--learn`` on this traffic. The default artifact
-    (``eldr cluster``'s, fitted on the shipped trace of another domain mix) sends 6 of
-    the 8 domains to one decoder."""
+def split_held_out(prompts: dict[str, list[str]]
+                   ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(served, fitted): each domain's prompts at even positions are served in the waves,
+    those at odd positions calibrate the artifact, so the artifact never saw a served
+    prompt (``--fit-held-out``)."""
+    served = {d: p[0::2] for d, p in prompts.items()}
+    fitted = {d: p[1::2] for d, p in prompts.items() if p[1::2]}
+    return served, fitted
+
+
+def fit_on_prompts(prompts: dict[str, list[str]], max_tokens: int, held_out: bool) -> str:
+    """An artifact fitted on ``prompts`` (their routing captured with transformers on the
+    narrow model, the same function). With ``--fit-on-prompts`` they are the served
+    prompts themselves: the served mix as calibration, IN-SAMPLE, as an operator gets
+    after ``--learn`` on this traffic. With ``--fit-held-out`` they are the other half of
+    each domain (:func:`split_held_out`). The default artifact (``eldr cluster``'s, fitted
+    on the shipped trace of another domain mix) sends 6 of the 8 domains to one decoder."""
     import subprocess
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="eldr-bench-fit-"))
-    only = set(args.only_domains or ())
-    lines = [ln for ln in Path(args.prompts).read_text().splitlines()
-             if ln.strip() and not ln.lstrip().startswith("#")
-             and (not only or json.loads(ln)["domain"] in only)]
+    lines = [json.dumps({"domain": d, "prompt": t}) for d, ts in prompts.items() for t in ts]
     (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     for cmd in (["capture", "--model", "tiny", "--prompts", str(work / "prompts.jsonl"),
-                 "--max-new-tokens", str(min(args.max_tokens, 32)), "-o",
+                 "--max-new-tokens", str(min(max_tokens, 32)), "-o",
                  str(work / "prompts.npz")],
                 ["fit", str(work / "prompts.npz"), "--decoders", "2", "-o",
                  str(work / "artifact")]):
@@ -322,7 +396,8 @@ def fit_on_prompts(args) -> str:
                               text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"eldr {cmd[0]} failed: {done.stderr.strip()[-500:]}")
-    print(f"artifact: fitted on the {len(lines)} benchmark prompts ({work / 'artifact'})",
+    how = "held-out" if held_out else "served (in-sample)"
+    print(f"artifact: fitted on {len(lines)} {how} benchmark prompts ({work / 'artifact'})",
           flush=True)
     return str(work / "artifact")
 
@@ -375,35 +450,76 @@ def predicted_step_ms(per: dict, fits: dict) -> float:
     return 1e3 * num / den
 
 
-def analyse(records: list[dict], policies: list[str], fits: dict | None) -> dict:
-    """Per-policy means and paired differences against the first policy (JSQ)."""
+def wave_fits(records: list[dict], leave_out: int | None = None) -> dict:
+    """The step model fitted per decoder on its PER-WAVE mean step, batch and Σ_l D_l
+    (least squares weighted by the wave's steps), leaving round ``leave_out`` out.
+
+    Why besides the fit on every timed step: the mean of a linear model is the model at
+    the means, so a wave's mean step time is predicted exactly by a right model, and the
+    step-to-step noise (a wave's ramp-up steps, scheduling hiccups; R² ≈ 0.3 over single
+    steps) averages out. What the comparison needs is the per-wave mean."""
+    from eldr.sim.stepfit import StepFit
+
+    out = {}
+    names = sorted({n for r in records for n in r["per"]})
+    for name in names:
+        rows = [r["per"][name] for r in records
+                if r["round"] != leave_out and r["per"].get(name, {}).get("steps")]
+        if len(rows) < 4:
+            continue
+        x = np.array([[1.0, f["distinct_sum"], f["batch"]] for f in rows])
+        y = np.array([f["step_s"] for f in rows])
+        w = np.array([f["steps"] for f in rows], np.float64)
+        coef = np.linalg.lstsq(x * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0]
+        res = y - x @ coef
+        ybar = np.average(y, weights=w)
+        ss = float(np.sum(w * (y - ybar) ** 2))
+        out[name] = StepFit(t0_s=float(coef[0]), b_s=float(coef[1]), c_s=float(coef[2]),
+                            r2=1.0 - float(np.sum(w * res ** 2)) / ss if ss > 0 else 0.0,
+                            n=len(rows), residual_s=float(np.sqrt(np.average(res ** 2,
+                                                                            weights=w))))
+    return out
+
+
+def _pct_interval(pairs, value) -> dict:
     from eldr.intervals import paired_interval
 
+    ci = paired_interval([100.0 * (value(x) / value(y) - 1.0) for x, y in pairs])
+    return {"mean_pct": ci.mean, "half_pct": ci.half_width, "n": ci.n}
+
+
+def analyse(records: list[dict], policies: list[str], fits: dict | None) -> dict:
+    """Per-policy means and paired differences against the first policy (JSQ); with
+    ``fits`` (per decoder, on every timed step) the difference they predict, and always
+    the difference the per-wave fits predict for each round from the OTHER rounds
+    (:func:`wave_fits`, leave one round out: out of sample)."""
     base = policies[0]
-    by = {p: [r for r in records if r["policy"] == p] for p in policies}
+    by = {p: {r["round"]: r for r in records if r["policy"] == p} for p in policies}
     rounds = sorted({r["round"] for r in records})
-    out = {"policies": {}, "baseline": base, "rounds": len(rounds)}
+    loro = {k: wave_fits(records, leave_out=k) for k in rounds}
+    served = {n for r in records for n, f in r["per"].items() if f.get("steps")}
+    out = {"policies": {}, "baseline": base, "rounds": len(rounds),
+           "wave_fits": {n: f.to_json() for n, f in wave_fits(records).items()}}
+    keys = ["itl_ms", "step_ms", "distinct", "loads_per_token"]
+    if all("lockstep" in r["summary"] for r in records):
+        keys += ["lockstep", "lockstep_per_token"]
     for p in policies:
-        rows = by[p]
-        entry = {k: float(np.mean([r["summary"][k] for r in rows]))
-                 for k in ("itl_ms", "step_ms", "distinct", "loads_per_token", "purity")}
+        rows = list(by[p].values())
+        entry = {k: float(np.mean([r["summary"][k] for r in rows])) for k in [*keys, "purity"]}
         if fits is not None:
             entry["predicted_step_ms"] = float(np.mean([predicted_step_ms(r["per"], fits)
                                                         for r in rows]))
         if p != base:
-            pairs = [(next(r for r in by[p] if r["round"] == k),
-                      next(r for r in by[base] if r["round"] == k)) for k in rounds]
-            for key in ("itl_ms", "step_ms", "distinct", "loads_per_token"):
-                d = [100.0 * (x["summary"][key] / y["summary"][key] - 1.0) for x, y in pairs]
-                ci = paired_interval(d)
-                entry[f"{key}_vs_base"] = {"mean_pct": ci.mean, "half_pct": ci.half_width,
-                                           "n": ci.n}
+            pairs = [(by[p][k], by[base][k]) for k in rounds]
+            for key in keys:
+                entry[f"{key}_vs_base"] = _pct_interval(
+                    pairs, lambda r, key=key: r["summary"][key])
             if fits is not None:
-                d = [100.0 * (predicted_step_ms(x["per"], fits)
-                              / predicted_step_ms(y["per"], fits) - 1.0) for x, y in pairs]
-                ci = paired_interval(d)
-                entry["predicted_vs_base"] = {"mean_pct": ci.mean, "half_pct": ci.half_width,
-                                              "n": ci.n}
+                entry["predicted_vs_base"] = _pct_interval(
+                    pairs, lambda r: predicted_step_ms(r["per"], fits))
+            if all(served <= set(loro[k]) for k in rounds):
+                entry["wave_predicted_vs_base"] = _pct_interval(
+                    pairs, lambda r: predicted_step_ms(r["per"], loro[r["round"]]))
         out["policies"][p] = entry
     return out
 
@@ -415,7 +531,8 @@ def report(res: dict) -> str:
              "", "| policy | engine TPOT (ITL) ms | step ms | distinct experts / layer / step "
              "| expert loads / layer / token | purity | TPOT vs " + base + " | step vs " + base
              + " | distinct vs " + base + " | loads/token vs " + base
-             + " | step model predicts |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             + " | step model predicts (all steps) | (wave means, out of sample) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ci(e, key):
         v = e.get(key)
@@ -426,7 +543,16 @@ def report(res: dict) -> str:
                      f"| {e['loads_per_token']:.3f} | {e['purity']:.2f} | "
                      f"{ci(e, 'itl_ms_vs_base')} | {ci(e, 'step_ms_vs_base')} | "
                      f"{ci(e, 'distinct_vs_base')} | {ci(e, 'loads_per_token_vs_base')} | "
-                     f"{ci(e, 'predicted_vs_base')} |")
+                     f"{ci(e, 'predicted_vs_base')} | {ci(e, 'wave_predicted_vs_base')} |")
+    if all("lockstep" in e for e in res["analysis"]["policies"].values()):
+        lines += ["", "Timing-free: distinct experts per layer per step of each decoder's "
+                  "requests decoding in lockstep (their captured decode routing):", ""]
+        for p, e in res["analysis"]["policies"].items():
+            lines.append(f"- {p}: {e['lockstep']:.2f} per step, "
+                         f"{e['lockstep_per_token']:.3f} per token"
+                         + (f"; vs {base} {ci(e, 'lockstep_vs_base')} per step, "
+                            f"{ci(e, 'lockstep_per_token_vs_base')} per token"
+                            if p != base else ""))
     lines += ["", "Step model t = t0 + b·Σ_l D_l + c·B per decoder (timed steps, prefill-mixed "
               "steps left out):", ""]
     for name, f in [*res.get("fits", {}).items(), ("pooled", res.get("pooled_fit"))]:
@@ -435,6 +561,11 @@ def report(res: dict) -> str:
         lines.append(f"- {name}: t0 {f['t0_us']:.0f} µs, b {f['b_us']:.1f} µs per distinct "
                      f"expert per layer, c {f['c_us']:.1f} µs per token, R² {f['r2']:.3f}, "
                      f"n {f['n']}")
+    lines += ["", "The same model on each decoder's per-wave means (weighted by steps; the "
+              "last column predicts each round from a fit on the others):", ""]
+    for name, f in res["analysis"].get("wave_fits", {}).items():
+        lines.append(f"- {name}: t0 {f['t0_us']:.0f} µs, b {f['b_us']:.1f} µs, c "
+                     f"{f['c_us']:.1f} µs, R² {f['r2']:.3f}, {f['n']} waves")
     lines += ["", f"Intervals: 95 %, paired by round (Student t). Machine: "
               f"{os.cpu_count()} CPUs; {res['seconds']:.0f} s in all."]
     return "\n".join(lines)
@@ -442,11 +573,18 @@ def report(res: dict) -> str:
 
 def run(args) -> dict:
     prompts = load_prompts(Path(args.prompts), args.only_domains)
+    fit_prompts = None
+    if getattr(args, "fit_held_out", False):
+        prompts, fit_prompts = split_held_out(prompts)
+    elif args.fit_on_prompts:
+        fit_prompts = prompts
     waves = make_waves(prompts, args.rounds + 1, 2 * args.per_decoder, args.seed,
                        args.domains)
     t0 = time.monotonic()
+    decode_rows = (capture_decode_rows(prompts, args.max_tokens)
+                   if getattr(args, "lockstep", False) else None)
     records = []
-    with Bench(args) as bench:
+    with Bench(args, fit_prompts) as bench:
         print(f"routers: {bench.routers}", flush=True)
         for p, url in bench.routers.items():  # warm-up wave per policy, not counted
             bench.empty_store()
@@ -461,7 +599,8 @@ def run(args) -> dict:
                 # the router's own count, and one read during the last wave would steer
                 # this wave's first requests away from a decoder that is in fact idle
                 time.sleep(args.settle)
-                per = run_wave(bench.routers[p], bench.decoders, wave, args.max_tokens)
+                per = run_wave(bench.routers[p], bench.decoders, wave, args.max_tokens,
+                               decode_rows)
                 s = wave_summary(per)
                 records.append({"round": k, "policy": p, "per": per, "summary": s})
                 print(f"round {k + 1}/{args.rounds} {p:>9}: ITL {s['itl_ms']:6.2f} ms, "
@@ -473,12 +612,31 @@ def run(args) -> dict:
         print(write_hardware(pooled, args.width, Path(args.out) / "hardware.json"))
     res = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
            "domains": args.domains, "only_domains": args.only_domains,
-           "artifact": "fit on prompts" if args.fit_on_prompts else args.artifact,
+           "artifact": ("fit on held-out prompts" if getattr(args, "fit_held_out", False)
+                        else "fit on prompts" if args.fit_on_prompts else args.artifact),
            "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
            "records": records, "fits": {n: f.to_json() for n, f in fits.items()},
            "pooled_fit": pooled.to_json(),
            "analysis": analyse(records, args.policies, fits),
            "seconds": time.monotonic() - t0}
+    return res
+
+
+def fit_from_json(doc: dict):
+    """A :class:`~eldr.sim.stepfit.StepFit` back from its ``to_json`` form."""
+    from eldr.sim.stepfit import StepFit
+
+    return StepFit(t0_s=doc["t0_us"] * 1e-6, b_s=doc["b_us"] * 1e-6, c_s=doc["c_us"] * 1e-6,
+                   r2=doc["r2"], n=doc["n"], residual_s=doc["residual_us"] * 1e-6,
+                   num_layers=doc.get("layers"), num_mixed_dropped=doc.get("mixed_dropped", 0),
+                   fitted_c=doc.get("fitted_c", True))
+
+
+def reanalyse(path: Path) -> dict:
+    """A saved ``result.json`` analysed again (with this version's analysis), no engines."""
+    res = json.loads(path.read_text())
+    fits = {n: fit_from_json(f) for n, f in res.get("fits", {}).items()} or None
+    res["analysis"] = analyse(res["records"], res["policies"], fits)
     return res
 
 
@@ -500,19 +658,35 @@ def main(argv: list[str] | None = None) -> int:
                           "shipped tiny-MoE trace, as eldr cluster does)")
     art.add_argument("--fit-on-prompts", action="store_true",
                      help="fit the artifact on the benchmark's own prompts (in-sample)")
+    art.add_argument("--fit-held-out", action="store_true",
+                     help="serve half of each domain's prompts, fit the artifact on the "
+                          "other half (out-of-sample)")
     p.add_argument("--settle", type=float, default=2.5,
                    help="seconds between waves, for the routers' load scrapes (2.5; they "
                         "scrape every 1 s)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="also capture the served prompts' decode routing (transformers, "
+                        "before the engines start) and report the distinct experts each "
+                        "decoder's requests select in lockstep: the timing-free figure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="keep the engines' and routers' logs")
     p.add_argument("--out", default=None, help="write result.json and report.md here")
+    p.add_argument("--analyse", default=None, metavar="RESULT_JSON",
+                   help="start no engines: analyse a saved result.json again and print "
+                        "its report (to --out if given)")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     args.only_domains = ([x.strip() for x in args.only_domains.split(",") if x.strip()]
                          if args.only_domains else None)
     if len(args.policies) < 2 or args.rounds < 2 or args.per_decoder < 1:
         p.error("need at least 2 policies, 2 rounds and 1 request per decoder")
-    res = run(args)
+    if args.analyse:
+        try:
+            res = reanalyse(Path(args.analyse))
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(f"--analyse {args.analyse}: not a readable result.json ({exc!r})")
+    else:
+        res = run(args)
     text = report(res)
     print("\n" + text)
     if args.out:
