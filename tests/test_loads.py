@@ -72,3 +72,45 @@ def test_load_tracker_grows_and_shrinks_with_the_pool():
         t.remove_worker(0)
     with pytest.raises(ValueError, match="out of range"):
         t.remove_worker(3)
+
+
+def test_requests_ending_while_a_scrape_travels_do_not_stay_in_the_load():
+    """A scrape asked while the router had 8 requests at a decoder; 6 end before its
+    answer (which counts all 8) arrives. Read against the 8 in flight when it was asked,
+    the report leaves 2, and 0 once the last two end: the decoder reads idle. Read against
+    the 2 at arrival it left a stale 6 on an idle decoder until the next scrape."""
+    t = LoadTracker(2)
+    for _ in range(8):
+        t.on_dispatch(0)
+    then = t.in_flight_at(0)
+    for _ in range(6):
+        t.on_complete(0)
+    t.report(0, 8.0, in_flight_then=then)
+    assert t.loads[0] == 2.0
+    t.on_complete(0)
+    t.on_complete(0)
+    assert t.loads[0] == 0.0
+
+    stale = LoadTracker(1)  # the old reading: in flight at arrival only
+    for _ in range(8):
+        stale.on_dispatch(0)
+    for _ in range(6):
+        stale.on_complete(0)
+    stale.report(0, 8.0)
+    stale.on_complete(0)
+    stale.on_complete(0)
+    assert stale.loads[0] == 6.0
+
+
+def test_requests_sent_while_a_scrape_travels_are_not_counted_twice():
+    """Dispatched after the scrape was asked: in the router's count, maybe not in the
+    engine's. The larger in-flight count (at arrival) is the reference, so they count
+    once: the load is the router's 3, not 3 + 3."""
+    t = LoadTracker(1)
+    then = t.in_flight_at(0)
+    for _ in range(3):
+        t.on_dispatch(0)
+    t.report(0, 3.0, in_flight_then=then)  # the engine already saw all three
+    assert t.loads[0] == 3.0
+    t.report(0, 0.0, in_flight_then=then)  # it saw none yet
+    assert t.loads[0] == 3.0

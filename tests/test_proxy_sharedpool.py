@@ -54,6 +54,35 @@ def test_a_scraped_load_moves_with_dispatches_as_in_one_process():
     assert a.loads.tolist() == one.loads.tolist() == [3.0, 8.0]
 
 
+def test_a_scrape_reads_against_the_in_flight_sum_when_it_was_asked():
+    """As LoadTracker: requests of any worker that end while the scrape travels leave the
+    load when they end, in every worker, as in one process."""
+    table = SharedLoads(num_workers=2, capacity=2)
+    a, b = SharedLoadTracker(table, 0), SharedLoadTracker(table, 1)
+    one = LoadTracker(2)
+    for _ in range(4):
+        a.on_dispatch(0)
+        b.on_dispatch(0)
+        one.on_dispatch(0)
+        one.on_dispatch(0)
+    then, one_then = a.in_flight_at(0), one.in_flight_at(0)
+    assert then == one_then == 8.0
+    for _ in range(2):  # 4 of the 8 end while the scrape travels: 2 of a's, 2 of b's
+        a.on_complete(0)
+        b.on_complete(0)
+        one.on_complete(0)
+        one.on_complete(0)
+    a.report(0, 8.0, in_flight_then=then)
+    one.report(0, 8.0, in_flight_then=one_then)
+    assert a.loads.tolist() == b.loads.tolist() == one.loads.tolist() == [4.0, 0.0]
+    for _ in range(2):
+        a.on_complete(0)
+        b.on_complete(0)
+        one.on_complete(0)
+        one.on_complete(0)
+    assert a.loads.tolist() == one.loads.tolist() == [0.0, 0.0]
+
+
 def test_the_table_is_shared_with_a_forked_worker():
     table = SharedLoads(num_workers=2, capacity=1)
     pid = os.fork()

@@ -89,6 +89,40 @@ def test_check_and_scrape_against_an_engine(healthy):
     assert pool.decode[0].engine_load == 7.0
 
 
+def test_requests_that_end_while_the_scrape_travels_leave_the_load():
+    """The engine counts 7 (running 5 + waiting 2) when the scrape is asked, with the
+    router's 7 in flight; 5 of them end before its answer arrives. The load is the 2 left,
+    and 0 when they end: read against the in-flight count at arrival, 5 stale requests
+    stayed on an idle decoder until the next scrape."""
+
+    class SlowEngine(FakeEngine):
+        on_scrape = None  # called while the answer is on its way
+
+        async def _metrics(self, request):
+            self.on_scrape()
+            return await super()._metrics(request)
+
+    async def go():
+        eng = await SlowEngine("e").start()
+        cfg = ServeConfig(prefill_urls=(eng.url,), decode_urls=(eng.url,), policy="jsq")
+        pool = UpstreamPool(cfg, ["w"])
+        eng.on_scrape = lambda: [pool.end(pool.decode[0]) for _ in range(5)]
+        async with aiohttp.ClientSession() as session:
+            pool.session = session
+            for _ in range(7):
+                pool.begin(pool.decode[0])
+            await pool.scrape(pool.decode[0])
+        await eng.close()
+        return pool
+
+    pool = run(go())
+    assert pool.decode[0].engine_load == 7.0
+    assert pool.tracker.loads.tolist() == [2.0]
+    pool.end(pool.decode[0])
+    pool.end(pool.decode[0])
+    assert pool.tracker.loads.tolist() == [0.0]
+
+
 def test_check_of_a_dead_instance():
     async def go():
         cfg = ServeConfig(prefill_urls=("http://127.0.0.1:9",), decode_urls=("http://127.0.0.1:9",),

@@ -30,6 +30,14 @@ class LoadTracker:
     bound on its load, and an engine does not yet count a request the router has just
     dispatched (still in transit, or waiting for its KV): an overwrite took such requests
     out of the load until the next report. Without a report, ``loads = own``.
+
+    "Own at the report" is the larger of ``own`` when the scrape was SENT (``in_flight_then``
+    from :meth:`in_flight_at`) and when its answer arrived. Requests that complete while a
+    scrape is in flight are in the engine's count but no longer in ``own``; with only the
+    count at arrival they stayed in the load after they ended (a decoder that had just
+    finished a burst of 8 read as busy until the next scrape, and the next burst went
+    elsewhere). Requests dispatched while it is in flight are in ``own`` at arrival and
+    perhaps not in the engine's count: the larger of the two never counts one twice.
     """
 
     def __init__(self, num_workers: int) -> None:
@@ -77,10 +85,18 @@ class LoadTracker:
                              f"got {load}")
         return load
 
-    def report(self, worker: int, load: float) -> None:
+    def in_flight_at(self, worker: int) -> float:
+        """This router's requests in flight at ``worker`` now: what a scrape sent now
+        passes back to :meth:`report` as ``in_flight_then``."""
+        return float(self.own[self._index(worker)])
+
+    def report(self, worker: int, load: float, in_flight_then: float | None = None) -> None:
+        """An engine-measured ``load`` of ``worker``; ``in_flight_then``: this router's
+        requests in flight there when the measurement was asked for (None: now)."""
         load = self._checked_load(worker, load)
         k = self._index(worker)
-        self._reported[k], self._own_at_report[k], self._has_report[k] = load, self.own[k], True
+        at = self.own[k] if in_flight_then is None else max(float(in_flight_then), self.own[k])
+        self._reported[k], self._own_at_report[k], self._has_report[k] = load, at, True
         self._update(k)
 
     def set_healthy(self, worker: int, is_healthy: bool) -> None:

@@ -412,6 +412,9 @@ class UpstreamPool:
                                        headers=self.auth_headers())
 
     async def _scrape_metrics(self, inst: Instance, timeout) -> None:
+        # in flight when asked: requests that end while the answer travels are in the
+        # engine's count but no longer ours (LoadTracker.report)
+        then = self.tracker.in_flight_at(inst.index)
         try:
             async with self.session.get(f"{inst.url}/metrics", timeout=timeout,
                                          headers=self.auth_headers()) as resp:
@@ -429,4 +432,4 @@ class UpstreamPool:
         if not samples or inst.removed:
             return
         inst.engine_load = sum(samples.values())
-        self.tracker.report(inst.index, inst.engine_load)
+        self.tracker.report(inst.index, inst.engine_load, in_flight_then=then)

@@ -126,10 +126,16 @@ class SharedLoadTracker(LoadTracker):
         if self._row[s] > 0:
             self._row[s] -= 1
 
-    def report(self, worker: int, load: float) -> None:
+    def in_flight_at(self, worker: int) -> float:
+        """Every worker's requests in flight at decoder ``worker`` now."""
+        return float(self._table.in_flight[:, self.slots[self._index(worker)]].sum())
+
+    def report(self, worker: int, load: float, in_flight_then: float | None = None) -> None:
         load = self._checked_load(worker, load)
         s, t = self.slots[self._index(worker)], self._table
-        t.at_report[s] = float(t.in_flight[:, s].sum())
+        now = float(t.in_flight[:, s].sum())
+        # the larger of the in-flight sums when the scrape was sent and now (LoadTracker)
+        t.at_report[s] = now if in_flight_then is None else max(float(in_flight_then), now)
         t.reported[s] = load
         t.has_report[s] = 1.0
 
