@@ -73,3 +73,19 @@ def make_trace(
 @pytest.fixture
 def toy_trace() -> Trace:
     return make_trace()
+
+
+@pytest.fixture(scope="session")
+def engine_bench():
+    """``benchmarks/bench_engine_tpot.py`` as a module (benchmarks are scripts, not part of
+    the package): its engine-free pieces in unit tests, its ``run`` in the e2e test."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine_tpot.py"
+    spec = importlib.util.spec_from_file_location("bench_engine_tpot", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

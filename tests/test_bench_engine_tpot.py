@@ -5,24 +5,16 @@ records (what ``--analyse`` runs on a ``result.json``). The engines themselves r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine_tpot.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_engine_tpot", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def bench(engine_bench):
+    return engine_bench
 
 
 def test_held_out_split_serves_and_fits_disjoint_halves(bench):

@@ -28,30 +28,17 @@ Three engines (≈ 8 GB of RAM), about 5 minutes on 2 cores; marked ``e2e``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine_tpot.py"
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_engine_tpot", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_short_wave_comparison_on_the_wide_model(tmp_path, monkeypatch):
+def test_short_wave_comparison_on_the_wide_model(tmp_path, monkeypatch, engine_bench):
     pytest.importorskip("vllm")
     monkeypatch.setenv("ELDR_CACHE_DIR", str(tmp_path / "cache"))
-    bench = _bench()
+    bench = engine_bench
     args = argparse.Namespace(width=256, rounds=4, per_decoder=4, max_tokens=16,
                               policies=["jsq", "eldr"], prompts=str(bench.PROMPTS), seed=0,
                               domains=2, only_domains=["code", "de"], settle=2.5,
