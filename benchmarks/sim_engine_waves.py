@@ -420,14 +420,46 @@ def comparison_table(label: str, sim_an: dict, eng_an: dict, gaps: dict) -> list
     return [*lines, ""]
 
 
+def wave_steps(bench, records: list[dict], policies: list[str]) -> dict:
+    """Per policy: decode steps per wave (both decoders) and, against the first policy,
+    their paired % difference. A wave of n requests × T tokens on 2 decoders takes at
+    least 2·T steps; more means its requests reached the decoders spread out (ramp-up),
+    so its steps carry smaller batches and fewer distinct experts each."""
+    def steps(r):
+        return sum(f.get("steps", 0) for f in r["per"].values())
+
+    by = {(r["round"], r["policy"]): r for r in records}
+    rounds = sorted({r["round"] for r in records})
+    out = {}
+    for p in policies:
+        out[p] = {"steps": float(np.mean([steps(by[(k, p)]) for k in rounds]))}
+        if p != policies[0]:
+            out[p]["vs_base"] = bench._pct_interval(
+                [(by[(k, p)], by[(k, policies[0])]) for k in rounds], steps)
+    return out
+
+
+def steps_lines(sim: dict, eng: dict, base: str) -> list[str]:
+    lines = [f"| policy | decode steps / wave sim / eng | steps vs {base} sim / eng |",
+             "|---|---|---|"]
+    for p, e in eng.items():
+        lines.append(f"| {p} | {sim[p]['steps']:.1f} / {e['steps']:.1f} | "
+                     f"{_ci(sim[p].get('vs_base'))} / {_ci(e.get('vs_base'))} |")
+    return [*lines, ""]
+
+
 def compare(bench, label: str, sim: list[dict], eng: list[dict], policies: list[str]
             ) -> dict:
-    """The bench's ``analyse`` of the simulated records, the gaps, the markdown rows."""
+    """The bench's ``analyse`` of the simulated records, the gaps, the steps per wave,
+    the markdown rows."""
     sim_an = bench.analyse(sim, policies, None)
     eng_an = bench.analyse(eng, policies, None)
     gaps = {p: gap_intervals(sim, eng, p, policies[0]) for p in policies[1:]}
+    sim_steps, eng_steps = wave_steps(bench, sim, policies), wave_steps(bench, eng, policies)
     return {"label": label, "sim": sim_an, "engine": eng_an, "gaps": gaps,
-            "table": comparison_table(label, sim_an, eng_an, gaps)}
+            "steps": {"sim": sim_steps, "engine": eng_steps},
+            "table": [*comparison_table(label, sim_an, eng_an, gaps),
+                      *steps_lines(sim_steps, eng_steps, policies[0])]}
 
 
 def decomposition(bench, fit, sim: list[dict], eng: list[dict], policies: list[str]

@@ -145,6 +145,11 @@ def test_gap_intervals_and_split_table(sew, bench):
     cmp_ = sew.compare(bench, "x", sim, eng, ["jsq", "eldr"])
     assert cmp_["sim"]["policies"]["eldr"]["itl_ms_vs_base"]["mean_pct"] == pytest.approx(-5)
     assert any("+3.5" in line for line in cmp_["table"])
+    assert cmp_["steps"]["engine"]["jsq"] == {"steps": 10.0}  # 2 decoders × 5 steps
+    assert cmp_["steps"]["sim"]["eldr"]["vs_base"]["mean_pct"] == 0.0
+    eng[1]["per"]["d0"]["steps"] = 15  # round 0's eldr wave ramps: 20 steps, +100 %
+    assert sew.wave_steps(bench, eng, ["jsq", "eldr"])["eldr"]["steps"] == pytest.approx(
+        (20 + 3 * 10) / 4)
 
 
 def test_a_wave_in_the_simulator_becomes_a_bench_record(sew, bench):
