@@ -20,14 +20,21 @@ requests, each decoding ``max_tokens`` tokens. This script takes that run's save
 - each wave is one :func:`eldr.sim.simulate` call (its requests all arriving at t = 0, so
   waves never overlap), the policy instance kept across the waves of its policy;
 - the step model is the run's hardware file (``hardware.json`` beside it), and, for
-  comparison, one fitted on the per-wave means (the bench's ``wave_fits``, pooled).
+  comparison, one fitted on the per-wave means (the bench's ``wave_fits``, pooled); a
+  hardware file has no slot for the fit's per-token term ``c``, so the step-time
+  difference is also taken apart with the full fit applied to the engines' and to the
+  simulated batches;
+- ``--ramp``: the engines' waves reach the decoders spread out (more decode steps per wave
+  than the 2·(T − 1) of simultaneous arrivals, and more under the ELDR policies); each
+  wave is simulated again with its arrivals spread so its steps match the engines', and
+  once more with every policy of a round given the same (mean) spread.
 
 Per policy: simulated TPOT, step time, distinct experts per layer per step, purity and
 the paired differences against the first policy (JSQ) with 95 % intervals, next to what
 the engines measured; per round, the splits and purity of both.
 
     python benchmarks/sim_engine_waves.py RESULT_JSON [--hardware FILE] [--work DIR]
-        [--json OUT]
+        [--artifact DIR] [--variants 1|2|3] [--ramp] [--json OUT]
 """
 
 from __future__ import annotations
