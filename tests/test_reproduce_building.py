@@ -7,7 +7,7 @@ import numpy as np
 from conftest import make_trace
 from eldr.reproduce import Plan
 from eldr.reproduce.building import build_setups, setup_jobs
-from eldr.reproduce.plan import FULL, QUICK, plan_tasks
+from eldr.reproduce.plan import DEFAULT, FULL, QUICK, plan_tasks
 
 TINY = Plan(
     name="tiny", workloads=("task",), calib_requests=40, rates=(150.0,), warmup_s=0.05,
@@ -45,6 +45,25 @@ def test_two_workers_build_the_same_primed_setups_as_one_process():
 def test_only_small_plans_build_setups_in_parallel(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert setup_jobs(QUICK) == 2
+    assert setup_jobs(DEFAULT) == 2  # 4,000-request traces
     assert setup_jobs(FULL) == 1  # 12k-14k-request traces: one set-up's memory at a time
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert setup_jobs(QUICK) == 1
+
+
+def test_a_worker_builds_the_token_slab_the_parent_maps(tmp_path):
+    """With a folder, the process that fits a set-up writes its slab file (two at a time
+    here) and the parent maps it read-only: the rows of an in-memory build, bit for bit."""
+    trace = make_trace(100, 48, 128, 8, seed=5, with_topk=False)
+    plain = build_setups(TINY, trace=trace, log=lambda msg: None, jobs=1)
+    lines: list[str] = []
+    shared = build_setups(TINY, trace=trace, log=lines.append, folder=str(tmp_path), jobs=2)
+    for key, a in plain.items():
+        b = shared[key]
+        assert b.tokens.is_built
+        slab = b.tokens.flat_rows()
+        assert not slab.flags.writeable  # a read-only map of the file, not a copy
+        np.testing.assert_array_equal(a.tokens.build_all(), b.tokens.build_all())
+    assert sorted(p.name for p in tmp_path.glob("*-tokens.npy")) == [
+        "setup-0-tokens.npy", "setup-1-tokens.npy"]
+    assert all("token slab" in line and "set-up" in line for line in lines)

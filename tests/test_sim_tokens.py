@@ -109,3 +109,19 @@ def test_simulation_is_the_same_from_the_slab_and_from_the_cache():
         assert (bank.flat_rows() is None) == (bank.max_bytes == 0)
     for a, b in zip(*out, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_slab_built_elsewhere_is_mapped_not_rebuilt(tmp_path):
+    """map_built serves the rows build_all wrote (e.g. in a worker process), and refuses a
+    file of another bank's shape."""
+    trace = make_trace(30, 48, 128, 8, seed=2, with_topk=False)
+    path = tmp_path / "slab.npy"
+    TokenBank(trace, seed=3).build_all(path)
+    bank = TokenBank(trace, seed=3)
+    mapped = bank.map_built(path)
+    assert bank.is_built and not mapped.flags.writeable
+    for r in (0, 7, 29):
+        np.testing.assert_array_equal(bank.decode(r), TokenBank(trace, seed=3).decode(r))
+    other = make_trace(31, 48, 128, 8, seed=2, with_topk=False)
+    with pytest.raises(ValueError, match="slab of"):
+        TokenBank(other, seed=3).map_built(path)

@@ -18,7 +18,7 @@ import numpy as np
 from joblib import Parallel, delayed
 
 from eldr.capture import tiny_moe_trace_path
-from eldr.reproduce.memmaps import share_setup
+from eldr.reproduce.memmaps import share_setup, slab_path
 from eldr.reproduce.plan import TINY_SETUP, Plan, Task, grid_duration, plan_tasks
 from eldr.reproduce.setup import RoutingSetup, fit_setup, fit_split
 from eldr.sim import SimConfig
@@ -46,25 +46,29 @@ def build_setups(plan: Plan, *, trace=None, log=print, folder: str | None = None
     (their own seeds and streams) and a worker's BLAS runs one thread, which gives the
     same bits: the set-ups come out identical either way.
 
-    ``folder``: as soon as a set-up is fitted, build its decode-token slab into a file
-    there and move its held-out split's large arrays and signatures to files mapped
-    read-only (:func:`~eldr.reproduce.memmaps.share_setup`), so this process holds one
-    set-up's arrays at a time (workers hold their own while they build)."""
+    ``folder``: as soon as a set-up is fitted, the process that fitted it (a worker, or
+    this one) builds its decode-token slab into a file there, and this process maps it and
+    moves the held-out split's large arrays and signatures to files mapped read-only
+    (:func:`~eldr.reproduce.memmaps.share_setup`), so this process holds one set-up's
+    arrays at a time (workers hold their own while they build) and the slabs, seconds
+    each, are built two at a time as well."""
     units = _setup_units(plan)
     jobs = setup_jobs(plan) if jobs is None else max(1, int(jobs))
     tasks = plan_tasks(plan)
+    prefixes = [None if folder is None else os.path.join(folder, f"setup-{n}")
+                for n in range(len(units))]
+    args = [(plan, unit, trace if n == 0 else None, tasks, prefixes[n])
+            for n, unit in enumerate(units)]
     if jobs == 1 or len(units) == 1:
-        built = (_build_unit(plan, unit, trace if n == 0 else None, tasks)
-                 for n, unit in enumerate(units))
+        built = (_build_unit(*a) for a in args)
     else:
         built = Parallel(n_jobs=min(jobs, len(units)), return_as="generator")(
-            delayed(_build_unit)(plan, unit, trace if n == 0 else None, tasks)
-            for n, unit in enumerate(units))
+            delayed(_build_unit)(*a) for a in args)
     setups = {}
-    for n, (key, st, message) in enumerate(built):
+    for prefix, (key, st, message) in zip(prefixes, built, strict=True):
+        if prefix is not None:
+            share_setup(st, prefix, slab_built=True)
         log(message)
-        if folder is not None:
-            share_setup(st, os.path.join(folder, f"setup-{n}"))
         setups[key] = st
     return setups
 
@@ -100,14 +104,19 @@ def _setup_units(plan: Plan) -> list[tuple]:
     return units
 
 
-def _build_unit(plan: Plan, unit: tuple, trace, tasks: list[Task]
+def _build_unit(plan: Plan, unit: tuple, trace, tasks: list[Task], prefix: str | None = None
                 ) -> tuple[str, RoutingSetup, str]:
     """(set-up key, fitted and primed set-up, its log line) of one unit of
-    :func:`_setup_units`; ``trace``: use it instead of generating (first unit only)."""
+    :func:`_setup_units`; ``trace``: use it instead of generating (first unit only). The
+    log line ends with the unit's wall times.
+
+    ``prefix``: also write the set-up's decode-token slab to
+    :func:`~eldr.reproduce.memmaps.slab_path` of it and return the bank without it (the
+    caller maps the file: a returned slab would be pickled back whole)."""
+    t0 = time.perf_counter()
     if unit[0] == "synth":
         key, st, message = _synthetic_setup(plan, *unit[1:], trace=trace)
     elif unit[0] == "real":
-        t0 = time.perf_counter()
         key, st = unit[1], _real_trace_setup(plan, unit[1])
         message = (f"[{key}] {st.eval.num_requests} replayed arrivals (file "
                    f"{st.arrival_rate:.2f} req/s), calibration {st.calib.num_requests} "
@@ -121,8 +130,15 @@ def _build_unit(plan: Plan, unit: tuple, trace, tasks: list[Task]
         message = (f"[{TINY_SETUP}] shipped trace {tr.num_requests} requests; calibration "
                    f"{st.calib.num_requests}, held-out {st.eval.num_requests}; encoder rho "
                    f"{st.encoder.rho_:.3f}")
+    t1 = time.perf_counter()
     prime_setup(st, [t for t in tasks if t.workload == key])
-    return key, st, message
+    message += f"; centroid sets {time.perf_counter() - t1:.1f}s"
+    if prefix is not None:
+        t2 = time.perf_counter()
+        st.tokens.build_all(slab_path(prefix))
+        st.tokens.drop_all()
+        message += f"; token slab {time.perf_counter() - t2:.1f}s"
+    return key, st, f"{message}; set-up {time.perf_counter() - t0:.1f}s"
 
 
 def prime_setup(setup: RoutingSetup, tasks: list[Task]) -> None:

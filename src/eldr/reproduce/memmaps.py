@@ -14,13 +14,23 @@ import numpy as np
 
 from eldr.reproduce.setup import RoutingSetup
 
-__all__ = ["map_to_files", "share_setup"]
+__all__ = ["map_to_files", "share_setup", "slab_path"]
 
 
-def share_setup(setup: RoutingSetup, prefix: str) -> None:
+def slab_path(prefix: str) -> str:
+    """The decode-token slab file of the set-up whose files start with ``prefix``."""
+    return f"{prefix}-tokens.npy"
+
+
+def share_setup(setup: RoutingSetup, prefix: str, *, slab_built: bool = False) -> None:
     """Build the set-up's decode-token slab into a file (before its counts go to files:
-    building reads them all) and move its held-out arrays and signatures to files."""
-    setup.tokens.build_all(f"{prefix}-tokens.npy")
+    building reads them all), or map the one a worker built there (``slab_built``,
+    :func:`eldr.reproduce.building.build_setups`), and move its held-out arrays and
+    signatures to files."""
+    if slab_built:
+        setup.tokens.map_built(slab_path(prefix))
+    else:
+        setup.tokens.build_all(slab_path(prefix))
     map_to_files(setup.eval, f"{prefix}-eval")
     setup.signatures = _to_file(setup.signatures, f"{prefix}-signatures.npy")
 

@@ -111,6 +111,20 @@ class TokenBank:
         self._bytes = 0
         return slab
 
+    def map_built(self, path: str | os.PathLike) -> np.ndarray:
+        """Serve rows from a slab file that :meth:`build_all` wrote for this trace and seed
+        (in another process, e.g. the worker that fitted the set-up), mapped read-only.
+        Refuses a file of another shape or dtype. Returns the (Σ n_out, L, W) slab."""
+        slab = np.load(path, mmap_mode="r")
+        shape = (int(self._starts[-1]), self.num_layers, self.words)
+        if slab.shape != shape or slab.dtype != np.uint64:
+            raise ValueError(f"{os.fspath(path)}: a slab of {slab.shape} {slab.dtype}, this "
+                             f"bank's is {shape} uint64")
+        self._slab, self._filled = slab.view(np.ndarray), None
+        self._cache.clear()
+        self._bytes = 0
+        return self._slab
+
     def drop_all(self) -> None:
         """Forget the slab (e.g. before deleting its file): rows are built lazily again."""
         self._slab, self._filled = None, None
