@@ -1,9 +1,10 @@
 """What a reproduction simulates: a :class:`Plan` of sizes and the :class:`Task` rows it
 lists (docs/method.md#results-to-reproduce).
 
-A plan is ``QUICK`` (CI and a first look) or ``FULL`` (the paper's setting), with fields
-replaced by :func:`with_overrides`; :func:`plan_tasks` lists one :class:`Task` per
-simulation:
+A plan is ``QUICK`` (CI and a first look, ``eldr reproduce --quick``), ``DEFAULT`` (every
+claim with its intervals in about 15 minutes on 2 cores, ``eldr reproduce``) or ``FULL``
+(the paper's setting, ``--full``), with fields replaced by :func:`with_overrides`;
+:func:`plan_tasks` lists one :class:`Task` per simulation:
 
 - ``main``: every policy × rate × workload at 8P16D (median/p99 TPOT, median TTFT);
   includes ``domain`` (oracle labels) and ``oracle_signature`` (perfect-signature bound);
@@ -31,9 +32,9 @@ from dataclasses import dataclass, replace
 
 from eldr.routing.registry import POLICIES, policies_with_role
 
-__all__ = ["FULL", "GRID_BALANCERS", "GRID_POLICIES", "LOAD_BALANCERS", "QUICK", "TINY_SETUP",
-           "Plan", "Task", "grid_cell_tasks", "grid_duration", "plan_tasks", "replicate_seed",
-           "with_overrides"]
+__all__ = ["DEFAULT", "FULL", "GRID_BALANCERS", "GRID_POLICIES", "LOAD_BALANCERS", "PLANS",
+           "QUICK", "TINY_SETUP", "Plan", "Task", "grid_cell_tasks", "grid_duration",
+           "plan_tasks", "replicate_seed", "with_overrides"]
 
 LOAD_BALANCERS = policies_with_role("balancer")  # random, round_robin, jsq, p2c
 # random never wins a grid cell: left out
@@ -46,7 +47,7 @@ TINY_SETUP = "tiny_moe"  # set-up key of the shipped tiny-MoE trace
 class Plan:
     """Sizes of a reproduction run."""
 
-    name: str  # "quick" or "full"
+    name: str  # "quick", "default" or "full"
     model: str = "qwen3-30b-a3b"  # model preset (trace generator and step time)
     workloads: tuple[str, ...] = ("task", "language")
     num_requests: int | None = 2000  # trace size per workload (None: workload default)
@@ -137,22 +138,38 @@ class Plan:
         return min(self.grid_min_seeds, self.grid_max_seeds)
 
 
+# --quick: every section once, on the smallest inputs that show it (about 45 s on 2 idle
+# cores): the task workload at one rate, the grid on one real trace at one low rate (its
+# replayed head is then shorter). Same traces, windows and seeds as before otherwise.
 QUICK = Plan(
-    name="quick", rates=(40, 80), warmup_s=5.0, duration_s=20.0,
-    tau_values=(0.0, 0.1, 0.3, 1.0), tau_rate=80, pool_sizes=(8, 16, 24), pool_rates=(80,),
+    name="quick", workloads=("task",), rates=(80,), warmup_s=5.0, duration_s=20.0,
+    tau_values=(0.0, 0.1, 0.3, 1.0), tau_rate=80, pool_sizes=(8, 16), pool_rates=(80,),
     selection_max_pairs=10_000, max_pairs=50_000,
-    grid_workloads=("task", "azure_conv"), grid_pools=(8, 16), grid_rates=(10, 60),
-    grid_warmup_s=5.0, grid_duration_s=15.0, grid_min_requests=300, tiny_rates=(40, 160),
+    grid_workloads=("azure_conv",), grid_pools=(8, 16), grid_rates=(10,),
+    grid_warmup_s=5.0, grid_duration_s=15.0, grid_min_requests=300, tiny_rates=(40,),
     tiny_warmup_s=5.0,
     tiny_duration_s=20.0, grid_max_seeds=3, main_seeds=2,
     prompt_rates=(160,), prompt_duration_s=10.0,
 )
-# The default run: 3 seeds per grid cell (intervals on every grid claim, not yet the
-# ±0.5-point target: --max-seeds 10 --main-seeds 3 reaches for it, at several times the
-# run time, until the simulator is faster) and 2 per headline point.
+# --full: the paper's setting. Full-size traces (11k-13k held-out requests), the headline
+# at 5 rates with 120 s windows, pools at 3 rates, prefix caching (a per-token trace) and
+# expert parallelism (a Qwen3-235B trace), and the whole never-worse grid (112 cells).
+# 3 seeds per grid cell (--max-seeds 10 --main-seeds 3 reaches for the ±0.5-point target,
+# at several times the run time) and 2 per headline point.
 FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
             ep_experiment=True, grid_max_seeds=3, main_seeds=2,
             prompt_rates=(40, 100, 160, 220))
+# The default run (no flag), sized for about 15 minutes on 2 cores: every claim of the
+# report with its intervals, on less. 4,000-request traces (3,000 held out; built two at
+# a time), the headline at 20 / 60 / 100 req/s with 60 s windows, 2 seeds each; the τ
+# sweep and pools 8 / 24 at 60 req/s; the grid on all four workloads at pools 8 and 32 and
+# 10 / 40 / 80 req/s (24 cells, the full grid's windows), 3 seeds each. Left to --full:
+# prefix caching, expert parallelism, the other 88 grid cells, rates 40 and 80 and the
+# 120 s windows of the headline, pools at 20 and 100 req/s, the full-size traces.
+DEFAULT = replace(FULL, name="default", num_requests=4000, rates=(20, 60, 100),
+                  duration_s=60.0, tau_rate=60, pool_rates=(60,), prefix=False,
+                  ep_experiment=False, grid_pools=(8, 32), grid_rates=(10, 40, 80))
+PLANS = {"quick": QUICK, "default": DEFAULT, "full": FULL}  # by the name the CLI takes
 
 
 @dataclass(frozen=True)
