@@ -199,16 +199,24 @@ def run_wave(router: str, decoders: dict[str, str], wave: list[tuple[str, str]],
         got = json.loads(raw)["usage"]["completion_tokens"]
         if got != max_tokens:
             raise RuntimeError(f"a request decoded {got} tokens, not {max_tokens}")
-        return {k.lower(): v for k, v in headers.items()}["x-eldr-decoder"]
+        h = {k.lower(): v for k, v in headers.items()}
+        return h["x-eldr-decoder"], time.monotonic() - start, int(h.get("x-eldr-attempts", 1))
 
+    start = time.monotonic()
     with ThreadPoolExecutor(len(wave)) as pool:
-        placed = list(pool.map(one, wave))
+        answers = list(pool.map(one, wave))
+    placed = [a[0] for a in answers]
     after = {n: read_engine(u) for n, u in decoders.items()}
     out = {}
     for name in decoders:
         mine = [item for item, p in zip(wave, placed, strict=True) if p == name]
+        # the client's clock, per request, only to see WHEN requests ended (a request that
+        # reached its decoder late ends late), never as a latency figure
+        ends = [a for a in answers if a[0] == name]
         out[name] = {**wave_figures(before[name], after[name]), "requests": len(mine),
-                     "domains": [d for d, _ in mine]}
+                     "domains": [d for d, _ in mine],
+                     "done_s": [round(a[1], 3) for a in ends],
+                     "attempts": [a[2] for a in ends]}
         if decode_rows is not None and mine:
             out[name]["lockstep"] = lockstep_distinct([decode_rows[t] for _, t in mine])
     return out
