@@ -177,11 +177,29 @@ def test_loads_are_bounded_only_near_expert_saturation():
     loads = np.array([4.0, 1.0])
     assert policy(None).choose(x, loads) == 0
     # ... unless decoder 0's expected union (≈ 2 of 4 experts) counts as saturated: then
-    # its load 4 > (1 + 0.1) · 2.5 + 1 is out of bounds and the request goes to decoder 1
+    # its load 4 > 2.5 + 1 (the mean + 1) is out of bounds and the request goes to decoder 1
     assert policy(0.45).choose(x, loads) == 1
     assert policy(0.75).choose(x, loads) == 0  # 2 of 4 is not saturated at 75%
     with pytest.raises(ValueError, match="saturation"):
         CostPolicy(2, num_layers=1, num_experts=4, saturation=1.5)
+
+
+def test_saturated_loads_stay_within_the_mean_plus_one_as_a_balancer_keeps_them():
+    # the same packing pull at loads 12 and 8 (mean 10): the first bound, 10 % above the
+    # mean + 1 = 12, let decoder 0 take a 13th request; the default bound (mean + 1 = 11)
+    # does not, while a load at the bound itself still passes
+    def choice(loads, **kw):
+        pol = CostPolicy(2, num_layers=1, num_experts=4, memory=0, saturation=0.45, **kw)
+        for i in range(4):
+            pol.on_dispatch(_req(f"a{i}", [0.9, 0.9, 0, 0]), 0)
+        pol.on_dispatch(_req("b", [0, 0, 0.9, 0]), 1)
+        return pol.choose(_req("x", [0.9, 0.9, 0, 0]), np.array(loads, dtype=float))
+
+    assert choice([12.0, 8.0], saturated_slack=0.1) == 0
+    assert choice([12.0, 8.0]) == 1
+    assert choice([11.0, 9.0]) == 0
+    with pytest.raises(ValueError, match="saturated_slack"):
+        CostPolicy(2, num_layers=1, num_experts=4, saturated_slack=-0.1)
 
 
 # -- the engines' own footprints (several router replicas, issue 13 item 6) ----------------

@@ -28,10 +28,17 @@ does not return to zero when the decoder empties (its in-flight sums do).
 
 Near saturation (the busiest decoder's expected union above ``saturation`` = 75% of all
 experts) a batch selects nearly every expert whatever the routing: there is no locality
-left to win, only a slowest decoder to lose, so loads are bounded (``saturated_slack``
-0.1, :func:`eldr.routing.filters.bounded_load`). Measured: language, 8 decoders, 100
-req/s went from +11.2% / +15.0% (median / p99 vs JSQ) to −0.5% / +1.8%; unsaturated cells
-(task 16 decoders 100 req/s, language 16 decoders 60 req/s) were bit-identical.
+left to win, only a slowest decoder to lose, so loads are bounded as a balancer bounds
+them: no decoder above the mean load + 1 (``saturated_slack`` 0,
+:func:`eldr.routing.filters.bounded_load`); the + 1 leaves the cost a choice among the
+decoders at or near the mean. Summing latencies, the cost accepts decoders that run at
+different speeds (a few light, fast ones; the rest heavier and slower than a balancer's),
+and the p99 is the slowest one's. Measured (docs/simulator.md, "The 14 cells, with
+intervals"; 4 seeds): language, 8 decoders, 100 req/s went from +11.2% / +15.0% (median
+/ p99 vs JSQ, one seed, no bound) to −0.5% / +1.7% with the first bound (0.1 × the mean
+above it) and to −0.8% / +0.6% with this one; Azure 8 decoders 80 req/s from −4.6% /
++2.3% to −3.0% / +0.4%. Where nothing is saturated the policy is bit-identical to the
+unbounded one.
 
 The argmin over healthy decoders with a free batch slot (``capacity``; a full decoder
 makes x queue, which no locality repays) is the policy. Every decoder empty → every
@@ -312,7 +319,7 @@ class CostPolicy(PolicyBase):
                  memory: float = 4.0, memory_weight: float | None = None,
                  decoder_profiles: np.ndarray | None = None,
                  load_slack: float | None = None, saturation: float | None = 0.75,
-                 saturated_slack: float = 0.1,
+                 saturated_slack: float = 0.0,
                  name: str = "eldr_cost", clock: Callable[[], float] | None = None) -> None:
         self.name = name
         self.num_workers = _check_num_workers(num_workers)
