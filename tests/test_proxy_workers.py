@@ -187,6 +187,25 @@ class _Load:
         await self._session.close()
 
 
+async def _hold(srv: _Serve, engines, timeout: float = 6) -> list:
+    """Send one decode per engine (all in ``hang`` mode), each only once the one before
+    is held there: with a fixed sleep a loaded CI machine counted before the last had
+    arrived, or sent it while every health check had timed out, so it was refused. A
+    refused one is sent again. Returns the held calls (they end by timing out)."""
+    held: list = []
+    for i in range(len(engines)):
+        deadline = time.monotonic() + 20
+        while sum(len(e.requests) for e in engines) < i + 1:
+            if len(held) == i or held[-1].done():
+                if len(held) > i:
+                    held.pop()
+                held.append(asyncio.ensure_future(asyncio.to_thread(
+                    srv.call, "POST", "/v1/completions", {"prompt": f"h{i}"}, timeout)))
+            assert time.monotonic() < deadline, f"held decode {i} never reached an engine"
+            await asyncio.sleep(0.05)
+    return held
+
+
 def _processes(engine) -> set[str]:
     """The router processes that sent ``engine`` requests (each tags its upstream ids)."""
     return {rid.rsplit("-", 1)[0] for rid in engine.request_ids}
@@ -217,11 +236,7 @@ def test_pool_changes_on_one_worker_reach_every_worker_and_a_removal_fails_nothi
             # new connections; jsq on the shared loads puts one at each decoder
             for e in (d0, d1, d2):
                 e.mode = "hang"
-            held = []
-            for i in range(3):
-                held.append(asyncio.ensure_future(asyncio.to_thread(
-                    srv.call, "POST", "/v1/completions", {"prompt": f"h{i}"}, 4)))
-                await asyncio.sleep(0.4)
+            held = await _hold(srv, (d0, d1, d2))
             out["held_at"] = [len(e.requests) for e in (d0, d1, d2)]
             out["loads"] = set()
             for _ in range(16):
@@ -327,11 +342,7 @@ def test_a_restarted_worker_replays_the_pool_journal(tmp_path):
             out["names"] = await srv.names_everywhere()
             for e in engines[1:]:
                 e.mode = "hang"
-            held = []
-            for i in range(3):  # one decode held at each of b, c, d, whichever worker
-                held.append(asyncio.ensure_future(asyncio.to_thread(
-                    srv.call, "POST", "/v1/completions", {"prompt": f"h{i}"}, 4)))
-                await asyncio.sleep(0.4)
+            held = await _hold(srv, engines[1:])  # one at each of b, c, d
             out["held_at"] = [len(e.requests) for e in engines[1:]]
             out["loads"] = set()
             for _ in range(16):
