@@ -19,6 +19,13 @@ def test_the_cli_names_every_plan_by_its_own_name():
         "quick": "quick", "default": "default", "full": "full"}
 
 
+def test_the_package_exports_the_plans_the_cli_runs():
+    import eldr.reproduce as reproduce
+
+    assert reproduce.PLANS is PLANS and reproduce.DEFAULT is PLANS["default"]
+    assert {"DEFAULT", "FULL", "PLANS", "QUICK"} <= set(reproduce.__all__)
+
+
 def test_the_default_run_carries_every_claim_with_intervals():
     experiments = {t.experiment for t in plan_tasks(DEFAULT)}
     assert {"main", "tau", "pool", "vanilla", "grid", "tiny"} <= experiments
