@@ -1,7 +1,9 @@
 """Chosen cells of the never-worse grid, with intervals: are a policy's losses real?
 
 Runs the cells named on the command line exactly as ``eldr reproduce`` runs its grid (the
-default plan's traces, windows, seeds and set-ups; ``--plan quick`` for a smoke run), starts
+full plan's traces, windows, seeds and set-ups, which were the default run's until the
+plans were split; ``--plan default`` for the default run's 4,000-request traces,
+``--plan quick`` for a smoke run), starts
 each cell with the plan's ``grid_min_seeds`` seeds and adds one seed per round to every
 cell whose widest interval is above ``--target-half-width`` points, up to ``--max-seeds``.
 Prints, per cell and per locality policy, the paired Δ against EACH balancer (median and
@@ -27,7 +29,7 @@ from joblib import Parallel, delayed
 
 from eldr.reproduce.building import build_setups
 from eldr.reproduce.grid import UNSURE, WORSE, cells_needing_seeds, class_counts, comparisons
-from eldr.reproduce.plan import FULL, GRID_POLICIES, QUICK, Task, grid_cell_tasks, with_overrides
+from eldr.reproduce.plan import GRID_POLICIES, PLANS, Task, grid_cell_tasks, with_overrides
 from eldr.reproduce.sweeps import make_job, prime_setups, run_job, run_tasks
 
 
@@ -64,15 +66,17 @@ def grid_plan(base, cells, max_seeds: int, half_width: float):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", required=True, help="workload:decoders:req/s, comma-separated")
-    ap.add_argument("--plan", choices=("default", "quick"), default="default")
+    ap.add_argument("--plan", choices=tuple(PLANS), default="full",
+                    help="the plan whose traces and windows the cells use (default: full, "
+                         "the plan of docs/simulator.md's cell figures, which was the "
+                         "default run's before the plans were split)")
     ap.add_argument("--max-seeds", type=int, default=10)
     ap.add_argument("--target-half-width", type=float, default=0.5)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", help="write every simulation row here (CSV)")
     args = ap.parse_args()
     cells = parse_cells(args.cells)
-    plan = grid_plan(QUICK if args.plan == "quick" else FULL, cells, args.max_seeds,
-                     args.target_half_width)
+    plan = grid_plan(PLANS[args.plan], cells, args.max_seeds, args.target_half_width)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="eldr-grid-cells-") as tmp:
         setups = build_setups(plan, folder=tmp)
