@@ -160,6 +160,84 @@ def test_drift_triggers_a_refit_on_the_new_traffic_and_a_swap(tmp_path):
     assert len(router.swaps) == 2 and learner.state["drifts"] == 1
 
 
+def _drift_run(tmp_path, monkeypatch, refusals: int, reason: str):
+    """The drift scenario above, with the first ``refusals`` refits after the first fit
+    refused for ``reason``: the fit process runs them for real with a gain no candidate
+    can reach (so it refuses, writes nothing and calibrates drift for the running
+    artifact, as for any refusal), and the reason is then replaced. What the learner does
+    next is what is tested. Returns (learner, router, records per fit)."""
+    import dataclasses
+
+    from eldr.learn import controller
+
+    sizes, real = [], controller.run_fit_job
+
+    def verdict(job):
+        sizes.append(len(job.records))
+        if 2 <= len(sizes) <= 1 + refusals:
+            out = real(dataclasses.replace(job, min_gain=1.0))
+            assert not out.accepted and out.reasons[0].startswith("no_gain:")
+            return dataclasses.replace(out, reasons=[reason])
+        return real(job)
+
+    monkeypatch.setattr(controller, "run_fit_job", verdict)
+    router = FakeRouter()
+    rng = np.random.default_rng(3)
+
+    async def go():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learner = router.learner(tmp_path, executor=pool, min_requests=120,
+                                     drift_window=40)
+            await learner.start()
+            _feed(learner, records(rng, mix(rng, 120, (1, 1, 0, 0))))
+            await learner.fit_task
+            for _ in range(24):  # the mix moves to the other two domains
+                _feed(learner, records(rng, mix(rng, 20, (0, 0, 1, 1))), router)
+                await asyncio.sleep(0.02)
+                while learner._checks:
+                    await asyncio.gather(*learner._checks)
+                await learner.fit_task
+            await learner.stop()
+            return learner
+
+    return asyncio.run(go()), router, sizes
+
+
+WORSE = "worse: worse than the running artifact (score 0.8641 > 0.8538)"
+
+
+def test_a_drift_refit_refused_as_worse_is_fitted_once_more_on_twice_the_traffic(
+        tmp_path, monkeypatch):
+    learner, router, sizes = _drift_run(tmp_path, monkeypatch, 1, WORSE)
+    started = [i for n, i in router.events if n == "fit_started"]
+    assert [i["reason"] for i in started] == ["first", "drift", "drift"]
+    assert sizes[1] >= 120 and sizes[2] >= 240  # the retry sees twice the new traffic
+    refused = [i for n, i in router.events if n == "fit_refused"]
+    assert len(refused) == 1 and refused[0]["retry_at"] == 240
+    assert len(router.swaps) == 2 and learner.state["drifts"] == 1  # one drift, one swap
+    assert learner.state["drift_retry"] is False and learner.state["drift_point"] is None
+
+
+def test_a_drift_refit_is_retried_once_and_only_when_refused_as_worse(tmp_path, monkeypatch):
+    """Refused as worse twice, or once for another reason: no further refit for that
+    drift (the running artifact stays, the drift reference moves to the new traffic);
+    only a drift declared anew (here the rho signal, later in the run) refits again."""
+    steps = ("drift", "fit_started", "fit_refused", "fit_accepted")
+    _, router, _ = _drift_run(tmp_path / "a", monkeypatch, 2, WORSE)
+    seq = [(n, i.get("retry_at")) for n, i in router.events if n in steps]
+    assert seq[:7] == [("fit_started", None), ("fit_accepted", None), ("drift", None),
+                       ("fit_started", None), ("fit_refused", 240), ("fit_started", None),
+                       ("fit_refused", None)], seq
+    assert seq[7:8] in ([], [("drift", None)]), seq
+
+    _, router, _ = _drift_run(tmp_path / "b", monkeypatch, 1,
+                              "rho: held-out rho 0.100 below the running artifact's")
+    seq = [(n, i.get("retry_at")) for n, i in router.events if n in steps]
+    assert seq[:5] == [("fit_started", None), ("fit_accepted", None), ("drift", None),
+                       ("fit_started", None), ("fit_refused", None)], seq
+    assert seq[5:6] in ([], [("drift", None)]), seq
+
+
 def test_a_given_artifact_gets_a_drift_reference_from_the_traffic(tmp_path):
     """Started with an artifact it did not learn and an empty DIR: no fit, but once
     min_requests are in, drift is calibrated for that artifact."""

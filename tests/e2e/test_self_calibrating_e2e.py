@@ -23,7 +23,7 @@ stands in until the first learned one) and two decoders; then:
    two-sample test may rightly call a shift.)
 5. **Drift.** The domain mix shifts to two domains it has not seen (German, Chinese); the
    drift detector must declare drift on the shifted windows, and a refit on the new
-   traffic must swap in.
+   traffic (or its one retry on twice as many, after a refusal as ``worse``) must swap in.
 
 Four engines (≈ 12 GB of RAM), about 4–6 minutes on 2 cores; marked ``e2e``.
 """
@@ -159,16 +159,20 @@ def _send(url: str, prompts: list[str]) -> None:
         list(pool.map(one, prompts))
 
 
-def _until(url: str, cond, prompts: list[str], timeout: float, *, repeat: bool = True
-           ) -> dict:
+def _until(url: str, cond, prompts: list[str], timeout: float, *, repeat: bool = True,
+           on_wrap=None) -> dict:
     """Send ``prompts`` in batches of IN_FLIGHT (round and round with ``repeat``, else once,
     then wait) until ``cond(metrics)`` holds or ``timeout`` seconds pass; the metrics and
-    the requests sent."""
+    the requests sent. ``on_wrap()`` runs before each round after the first (e.g. to
+    empty the connector's store, so repeated prompts are whole prefills again)."""
     deadline, i = time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
         m = _learn_metrics(url)
         if cond(m):
             return {**m, "sent": i}
+        if on_wrap is not None and i and (i - 1) // len(prompts) != (
+                i + IN_FLIGHT - 1) // len(prompts):  # this batch holds a repeated prompt
+            on_wrap()
         if repeat or i < len(prompts):
             batch = [prompts[(i + j) % len(prompts)] for j in range(IN_FLIGHT)]
             _send(url, batch if repeat else batch[:len(prompts) - i])
@@ -259,10 +263,13 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
             line for line in log_path.read_text(errors="replace").splitlines()
             if "learn: " in line and "learn: collected" not in line)
     t1 = time.monotonic()
+    # a refit refused as worse is fitted once more on twice the new traffic (a CI run
+    # refused one at 0.8641 against 0.8538 on 40 requests), so stop at a second refusal
     shift = _until(learner, lambda m: (m["swaps"] > calm["swaps"]
                                        and m["drifts"] > calm["drifts"])
-                   or m["refused"] > calm["refused"] or m["failed"] > calm["failed"],
-                   _prompts(SHIFTED, slice(0, len(WORDS[A]))), 240)
+                   or m["refused"] > calm["refused"] + 1 or m["failed"] > calm["failed"],
+                   _prompts(SHIFTED, slice(0, len(WORDS[A]))), 240,
+                   on_wrap=lambda: empty_store(tmp / "kv"))
     log = log_path.read_text(errors="replace")
     print(f"5. drift: {shift['sent']} shifted requests, {time.monotonic() - t1:.1f} s to the "
           f"swap; {shift}; " + " | ".join(line.split("learn: ", 1)[1] for line in
