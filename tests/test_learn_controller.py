@@ -126,31 +126,8 @@ def test_restart_reloads_the_buffer_and_the_counters(tmp_path):
     assert [r.time for r in learner.buffer.snapshot()] == [r.time for r in recs]
 
 
-def test_drift_triggers_a_refit_on_the_new_traffic_and_a_swap(tmp_path):
-    router = FakeRouter()
-    rng = np.random.default_rng(3)
-
-    async def go():
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            learner = router.learner(tmp_path, executor=pool, min_requests=120,
-                                     drift_window=40)
-            await learner.start()
-            _feed(learner, records(rng, mix(rng, 120, (1, 1, 0, 0))))
-            await learner.fit_task
-            assert learner.detector is not None and len(router.swaps) == 1
-            for _ in range(12):  # the mix moves to the other two domains
-                _feed(learner, records(rng, mix(rng, 20, (0, 0, 1, 1))), router)
-                await asyncio.sleep(0.05)
-                while learner._checks:
-                    await asyncio.gather(*learner._checks)
-            for _ in range(40):
-                if learner.fit_task.done() and len(router.swaps) == 2:
-                    break
-                await asyncio.sleep(0.05)
-            await learner.stop()
-            return learner
-
-    learner = asyncio.run(go())
+def test_drift_triggers_a_refit_on_the_new_traffic_and_a_swap(tmp_path, monkeypatch):
+    learner, router, _ = _drift_run(tmp_path, monkeypatch, 0, "")
     names = [n for n, _ in router.events]
     assert "drift" in names
     drift = next(i for n, i in router.events if n == "drift")
@@ -161,11 +138,12 @@ def test_drift_triggers_a_refit_on_the_new_traffic_and_a_swap(tmp_path):
 
 
 def _drift_run(tmp_path, monkeypatch, refusals: int, reason: str):
-    """The drift scenario above, with the first ``refusals`` refits after the first fit
-    refused for ``reason``: the fit process runs them for real with a gain no candidate
-    can reach (so it refuses, writes nothing and calibrates drift for the running
-    artifact, as for any refusal), and the reason is then replaced. What the learner does
-    next is what is tested. Returns (learner, router, records per fit)."""
+    """Fit on two domains, then the mix moves to the other two; the first ``refusals``
+    refits after the first fit are refused for ``reason``: the fit process runs them for
+    real with a gain no candidate can reach (so it refuses, writes nothing and calibrates
+    drift for the running artifact, as for any refusal), and the reason is then replaced.
+    What the learner does next is what is tested. Returns (learner, router, records per
+    fit)."""
     import dataclasses
 
     from eldr.learn import controller
