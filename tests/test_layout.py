@@ -235,7 +235,7 @@ PUBLIC_API = {
                  "fit_step_model", "get_hardware", "load_hardware", "make_arrivals",
                  "moe_constants", "save_hardware", "simulate", "topk_bitsets",
                  "union_distinct", "write_csv", "write_json"},
-    "eldr.traces": set(),
+    "eldr.traces": {"REAL_TRACES", "load_real_trace", "real_trace_path"},
 }
 
 

@@ -12,6 +12,12 @@ routing covers ``n - 1`` tokens, and for every request and layer::
     prefill_counts[r, l].sum() == k * prompt_lens[r]
     decode_counts[r, l].sum()  == k * (output_lens[r] - 1)
 
+Decode-only traces (format version 2). A recording that lost the prompt tokens' routing
+has ``prefill_counts = None`` (and no gate sums or ``prefill_topk``); its ``prompt_lens``
+are still the real prompt lengths and its ``prompt_token_ids`` (if any) the real prompts.
+:attr:`Trace.has_prefill` tells them apart; :meth:`Trace.require_prefill` is the one
+refusal every consumer of prefill counts raises, naming what it cannot do.
+
 On-disk format: one ``.npz`` file (``numpy.savez_compressed``), loaded with
 ``allow_pickle=False``. Arrays are stored under their field names; metadata is a UTF-8
 JSON document stored as a ``uint8`` array under ``meta_json``. Ragged per-token arrays
@@ -33,17 +39,25 @@ from pathlib import Path
 import numpy as np
 
 from eldr.fileio import NpzReader, atomic_file, open_regular
-from eldr.traces.fields import FORMAT_VERSION, GATE_FIELDS, TOPK_FIELDS, TraceMeta
+from eldr.traces.fields import (
+    FORMAT_VERSION,
+    GATE_FIELDS,
+    PREFILL_FIELDS,
+    READABLE_VERSIONS,
+    TOPK_FIELDS,
+    TraceMeta,
+)
 from eldr.traces.validation import validate
 
-__all__ = ["FORMAT_VERSION", "MAX_TRACE_BYTES", "MAX_TRACE_FILE_BYTES", "Trace", "TraceMeta",
-           "concat", "load", "save"]
+__all__ = ["FORMAT_VERSION", "MAX_TRACE_BYTES", "MAX_TRACE_FILE_BYTES", "READABLE_VERSIONS",
+           "Trace", "TraceMeta", "concat", "load", "save"]
 
 _OPTIONAL_ARRAYS = (
     "domains",
     *GATE_FIELDS,
     *TOPK_FIELDS,
     "prompt_token_ids",
+    "decode_token_ids",
 )
 
 
@@ -56,7 +70,8 @@ class Trace:
     """
 
     meta: TraceMeta
-    prefill_counts: np.ndarray  # (R, L, E) int32: prompt tokens that chose expert e at l
+    # (R, L, E) int32: prompt tokens that chose expert e at l; None: a decode-only trace
+    prefill_counts: np.ndarray | None
     decode_counts: np.ndarray  # (R, L, E) int32: decode tokens that chose expert e at l
     prompt_lens: np.ndarray  # (R,) int64, >= 0
     output_lens: np.ndarray  # (R,) int64, >= 1 (generated tokens, first one from prefill)
@@ -67,6 +82,7 @@ class Trace:
     prefill_topk: np.ndarray | None = None  # (P, L, k) int16 expert ids per prompt token
     decode_topk: np.ndarray | None = None  # (D, L, k) int16 expert ids per decode token
     prompt_token_ids: np.ndarray | None = None  # (P,) int32 prompt token ids
+    decode_token_ids: np.ndarray | None = None  # (D,) int32 token fed at each decode step
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +95,20 @@ class Trace:
 
     def __len__(self) -> int:
         return self.num_requests
+
+    @property
+    def has_prefill(self) -> bool:
+        """Whether the trace records prefill routing (False: a decode-only recording)."""
+        return self.prefill_counts is not None
+
+    def require_prefill(self, what: str) -> None:
+        """ValueError naming ``what`` (e.g. "the signature encoder") when the trace has no
+        prefill routing: the one refusal of every consumer of prefill counts."""
+        if self.prefill_counts is None:
+            raise ValueError(
+                f"{what} needs prefill expert counts, and this trace ({self.meta.model}, "
+                f"{self.meta.source}) is decode-only: its recording has no prefill routing "
+                "(docs/trace-format.md, 'Decode-only traces')")
 
     @property
     def decode_lens(self) -> np.ndarray:
@@ -123,6 +153,7 @@ class Trace:
         kw["prefill_topk"] = _take_ragged(self.prefill_topk, self.prefill_offsets, idx)
         kw["prompt_token_ids"] = _take_ragged(self.prompt_token_ids, self.prefill_offsets, idx)
         kw["decode_topk"] = _take_ragged(self.decode_topk, self.decode_offsets, idx)
+        kw["decode_token_ids"] = _take_ragged(self.decode_token_ids, self.decode_offsets, idx)
         return replace(self, _cache={}, **kw)
 
     def split(
@@ -139,10 +170,11 @@ class Trace:
     def describe(self) -> str:
         m = self.meta
         doms = "" if self.domain_names is None else f", domains={list(self.domain_names)}"
+        only = "" if self.has_prefill else ", decode-only (no prefill routing)"
         return (
             f"{m.model}: {self.num_requests} requests, L={m.num_layers} E={m.num_experts} "
             f"k={m.top_k}, mean prompt {self.prompt_lens.mean():.0f} / output "
-            f"{self.output_lens.mean():.0f} tokens, source={m.source}{doms}"
+            f"{self.output_lens.mean():.0f} tokens, source={m.source}{doms}{only}"
         )
 
 
@@ -166,15 +198,15 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
     """Write ``trace`` to ``path`` (``.npz``) atomically: a temporary file, then rename."""
     path = Path(path)
     meta = trace.meta.to_json()
+    meta["version"] = FORMAT_VERSION  # written as this eldr's version, whatever it was read as
     meta["domain_names"] = None if trace.domain_names is None else list(trace.domain_names)
     arrays = {
         "meta_json": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-        "prefill_counts": trace.prefill_counts,
         "decode_counts": trace.decode_counts,
         "prompt_lens": trace.prompt_lens,
         "output_lens": trace.output_lens,
     }
-    for name in _OPTIONAL_ARRAYS:
+    for name in ("prefill_counts", *_OPTIONAL_ARRAYS):
         arr = getattr(trace, name)
         if arr is not None:
             arrays[name] = arr
@@ -246,12 +278,15 @@ def _read_meta(npz: NpzReader, path: Path) -> tuple[TraceMeta, list | None]:
 
 
 def _read_arrays(npz: NpzReader, meta: TraceMeta, path: Path) -> dict[str, np.ndarray]:
-    """Lengths first, then every other array with the exact shape they imply."""
-    required = ("prefill_counts", "decode_counts", "prompt_lens", "output_lens")
+    """Lengths first, then every other array with the exact shape they imply. Version 1
+    requires ``prefill_counts``; version 2 makes it optional (a decode-only trace)."""
+    required = ("decode_counts", "prompt_lens", "output_lens")
+    if meta.version < 2:
+        required = ("prefill_counts", *required)
     missing = [n for n in required if n not in npz.names]
     if missing:
         raise ValueError(f"{path}: missing trace field(s) {missing}")
-    extra = set(npz.names) - {"meta_json", *required, *_OPTIONAL_ARRAYS}
+    extra = set(npz.names) - {"meta_json", "prefill_counts", *required, *_OPTIONAL_ARRAYS}
     if extra:
         raise ValueError(f"{path}: unknown trace field(s) {sorted(extra)}")
 
@@ -273,10 +308,11 @@ def _read_arrays(npz: NpzReader, meta: TraceMeta, path: Path) -> dict[str, np.nd
     shapes = {"prefill_counts": (R, L, E), "decode_counts": (R, L, E),
               "prefill_gate_prob": (R, L, E), "prefill_gate_logit": (R, L, E),
               "domains": (R,), "prefill_topk": (P, L, k), "decode_topk": (D, L, k),
-              "prompt_token_ids": (P,)}
+              "prompt_token_ids": (P,), "decode_token_ids": (D,)}
     for name in npz.names:
         if name not in arrays and name != "meta_json":
             arrays[name] = npz.read(name, _exactly(name, shapes[name]))
+    arrays.setdefault("prefill_counts", None)  # a decode-only trace (version 2)
     return arrays
 
 
@@ -307,9 +343,16 @@ def concat(traces: Sequence[Trace]) -> Trace:
                 f"E={first.num_experts} k={first.top_k} block={first.block_size}"
             )
     kw: dict = {}
-    for name in ("prefill_counts", "decode_counts", "prompt_lens", "output_lens"):
+    for name in ("decode_counts", "prompt_lens", "output_lens"):
         kw[name] = np.concatenate([getattr(t, name) for t in traces])
-    for name in (*GATE_FIELDS, *TOPK_FIELDS, "prompt_token_ids"):
+    for name in PREFILL_FIELDS[1:]:  # prefill routing only if every trace has it
+        if any(t.prefill_counts is None for t in traces):
+            kw[name] = None
+    kw["prefill_counts"] = None if any(t.prefill_counts is None for t in traces) else \
+        np.concatenate([t.prefill_counts for t in traces])
+    for name in (*GATE_FIELDS, *TOPK_FIELDS, "prompt_token_ids", "decode_token_ids"):
+        if name in kw:
+            continue
         parts = [getattr(t, name) for t in traces]
         kw[name] = None if any(p is None for p in parts) else np.concatenate(parts)
     if all(t.domains is not None for t in traces):
@@ -322,4 +365,8 @@ def concat(traces: Sequence[Trace]) -> Trace:
              for t in traces]
         )
     sources = sorted({t.meta.source for t in traces})
-    return Trace(meta=replace(first, source="+".join(sources)), **kw)
+    licences = sorted({t.meta.licence for t in traces if t.meta.licence})
+    prov = first.provenance if all(t.meta.provenance == first.provenance for t in traces) \
+        else {"concatenated": f"{len(traces)} traces of differing provenance"}
+    return Trace(meta=replace(first, source="+".join(sources), licence="; ".join(licences),
+                              provenance=prov, version=FORMAT_VERSION), **kw)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from eldr.traces.fields import COUNT_FIELDS, GATE_FIELDS, TOPK_FIELDS, TraceMeta
+from eldr.traces.fields import COUNT_FIELDS, GATE_FIELDS, PREFILL_FIELDS, TOPK_FIELDS, TraceMeta
 
 if TYPE_CHECKING:  # the trace module imports this one: the record is an annotation here
     from eldr.traces.trace import Trace
@@ -37,11 +37,26 @@ def validate(t: Trace) -> None:
     if not isinstance(t.meta, TraceMeta):
         _fail("meta", f"must be a TraceMeta, got {type(t.meta).__name__}")
     _check_lengths(t)
+    _check_prefill_present(t)
     _check_counts(t)
     _check_gates(t)
     _check_domains(t)
     _check_topk(t)
     _check_prompt_token_ids(t)
+    _check_decode_token_ids(t)
+
+
+def _check_prefill_present(t: Trace) -> None:
+    """A decode-only trace (version 2: ``prefill_counts`` is None) has no prefill routing at
+    all: no gate sums and no per-token prefill experts either."""
+    if t.prefill_counts is not None:
+        return
+    if t.meta.version < 2:
+        _fail("prefill_counts", "required in a version 1 trace")
+    present = [name for name in PREFILL_FIELDS[1:] if getattr(t, name) is not None]
+    if present:
+        _fail(present[0], "prefill routing without prefill_counts (a decode-only trace has "
+              "none)")
 
 
 def _check_lengths(t: Trace) -> None:
@@ -71,6 +86,8 @@ def _check_counts(t: Trace) -> None:
     tokens = {"prefill_counts": t.prompt_lens, "decode_counts": t.output_lens - 1}
     for name in COUNT_FIELDS:
         arr = getattr(t, name)
+        if arr is None and name == "prefill_counts":
+            continue  # a decode-only trace (checked by _check_prefill_present)
         if not isinstance(arr, np.ndarray):
             _fail(name, "must be a numpy array")
         if arr.shape != (R, L, E):
@@ -172,3 +189,19 @@ def _check_prompt_token_ids(t: Trace) -> None:
     if not np.issubdtype(arr.dtype, np.integer) or (n and arr.min() < 0):
         _fail("prompt_token_ids", "must be non-negative integers")
     object.__setattr__(t, "prompt_token_ids", arr.astype(np.int32, copy=False))
+
+
+def _check_decode_token_ids(t: Trace) -> None:
+    """Optional ids of the token fed at each decode step: (Σ (output_lens − 1),)
+    non-negative integers, stored int32 (version 2)."""
+    arr = t.decode_token_ids
+    if arr is None:
+        return
+    n = int((t.output_lens - 1).sum())
+    if not isinstance(arr, np.ndarray) or arr.shape != (n,):
+        _fail("decode_token_ids", f"shape {getattr(arr, 'shape', None)}, expected ({n},)")
+    if not np.issubdtype(arr.dtype, np.integer) or (n and arr.min() < 0):
+        _fail("decode_token_ids", "must be non-negative integers")
+    if n and arr.dtype.itemsize > 4 and arr.max() > np.iinfo(np.int32).max:
+        _fail("decode_token_ids", "an id does not fit int32")
+    object.__setattr__(t, "decode_token_ids", arr.astype(np.int32, copy=False))
