@@ -27,14 +27,16 @@ COMMANDS: tuple[str, ...] = (
     "cluster",
     "orchestrate",
     "learn",
+    "import",  # eldr/commands/importing.py (``import`` is a keyword)
 )
 
 
 def _load(name: str):
     try:
-        return importlib.import_module(f"eldr.commands.{name}")
+        module = {"import": "importing"}.get(name, name)
+        return importlib.import_module(f"eldr.commands.{module}")
     except ModuleNotFoundError as exc:
-        if exc.name == f"eldr.commands.{name}":
+        if exc.name == f"eldr.commands.{module}":
             return None  # not built yet
         raise
 
