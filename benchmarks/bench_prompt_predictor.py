@@ -15,11 +15,12 @@
    2,048-token prompt (ids from a 151,936-token vocabulary, Qwen3's), p50 / p99 over
    ``--calls`` calls after warm-up, at (bits, rank) = (16, 32), (18, 32) and the largest
    within budget (18, 46), for the tf/token path (one gather of the n-grams' rows) and the
-   tfidf path (which aggregates repeated n-grams first); and ``route_inputs_from_prompt``
-   (prediction + signature + cost-policy profile) at (16, 32); then the three steps over
-   memory that bound a prediction, each alone (hashing, the gather and sum of the
-   n-grams' rows, the basis product). Wall clock and this thread's CPU time: on a shared
-   machine the wall clock's p99 is mostly waiting.
+   tfidf path (which aggregates repeated n-grams first), each by the numpy kernel and the
+   compiled one (numba, when installed; :mod:`eldr.fit.prompt_kernel`); and
+   ``route_inputs_from_prompt`` (prediction + signature + cost-policy profile) at (16, 32);
+   then the three steps over memory that bound a prediction, each alone (hashing, the
+   gather and sum of the n-grams' rows, the basis product) of the numpy kernel. Wall clock
+   and this thread's CPU time: on a shared machine the wall clock's p99 is mostly waiting.
 4. ``--simulate``: the simulator on the tiny-MoE CPU preset (docs/simulator.md, the
    comparison there: 8 prefill and 4 decode workers, 10 s warm-up + 60 s): ``eldr`` and
    ``eldr_cost`` routed on the prefill signature/profile and on the prompt predictions
@@ -132,13 +133,21 @@ def cost(args) -> None:
     ids = rng.integers(0, vocab, P)
     print(f"\n3. prediction cost, {L}x{E} top-{k}, a {P}-token prompt, {args.calls} calls "
           "(wall clock, after 200 warm-up calls)")
+    from eldr.fit.prompt import compiled_kernels
+
+    kernels = ["numpy"] + (["compiled"] if compiled_kernels() is not None else [])
+    if len(kernels) == 1:
+        print("   (numba is not installed: the numpy kernel only)")
     for bits, rank in ((16, 32), (18, 32), (18, 46)):
         p = _random_predictor(bits, rank, L, E, k, vocab, rng)
         for weighting in ("token", "tfidf"):  # tf predicts exactly as token does
             p.weighting_ = weighting
-            figs = _percentiles(lambda p=p: p.predict(ids), args.calls)
-            print(f"   predict, 2**{bits} x rank {rank} ({p.nbytes / 2**20:4.1f} MiB), "
-                  f"{'tf/token' if weighting == 'token' else weighting:<8}: {figs}")
+            for kernel in kernels:
+                figs = _percentiles(lambda p=p, k=kernel: p.predict(ids, kernel=k),
+                                    args.calls)
+                print(f"   predict, 2**{bits} x rank {rank} ({p.nbytes / 2**20:4.1f} MiB), "
+                      f"{'tf/token' if weighting == 'token' else weighting:<8} "
+                      f"{kernel:<8}: {figs}")
     p = _random_predictor(16, 32, L, E, k, vocab, rng)
     enc = SignatureEncoder.from_state({
         "representation": "count_idf", "num_layers": L, "num_experts": E,
@@ -150,10 +159,12 @@ def cost(args) -> None:
                           prompt_predictor=p)
     p.weighting_ = "token"
     figs = _percentiles(lambda: art.route_inputs_from_prompt(ids), args.calls)
-    print(f"   route_inputs_from_prompt, 2**16 x 32 token, 16-layer mask: {figs}")
+    print(f"   route_inputs_from_prompt, 2**16 x 32 token, 16-layer mask ({kernels[-1]}): "
+          f"{figs}")
     short = ids[:256]
-    figs = _percentiles(lambda: p.predict(short), args.calls)
-    print(f"   predict, a 256-token prompt, 2**16 x 32 token: {figs}")
+    for kernel in kernels:
+        figs = _percentiles(lambda k=kernel: p.predict(short, kernel=k), args.calls)
+        print(f"   predict, a 256-token prompt, 2**16 x 32 token, {kernel:<8}: {figs}")
     _floor(p, ids, args.calls)
 
 

@@ -41,7 +41,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,8 +52,8 @@ import numpy as np
 
 from eldr.traces.trace import Trace
 
-__all__ = ["HASH_NAME", "WEIGHTINGS", "PromptPredictor", "ngram_hashes", "tokenizer_fingerprint",
-           "tokenizer_vocab_size"]
+__all__ = ["HASH_NAME", "KERNELS", "WEIGHTINGS", "PromptPredictor", "compiled_kernels",
+           "ngram_hashes", "tokenizer_fingerprint", "tokenizer_vocab_size"]
 
 HASH_NAME = "mul64-unigram-bigram-v1"  # names the feature hash below; stored, checked
 WEIGHTINGS = ("tfidf", "tf", "token")  # feature weightings / models (module docstring)
@@ -63,6 +65,8 @@ _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xC2B2AE3D27D4EB4F)
 _S32 = np.uint64(32)
 _M1_HIGH = np.uint64((0x9E3779B97F4A7C15 << 32) % (1 << 64))  # M1 << 32
+KERNELS = ("auto", "numpy", "compiled")  # PromptPredictor.predict(kernel=...)
+_log = logging.getLogger(__name__)
 
 
 # -- tokenizer identity ------------------------------------------------------------------
@@ -104,6 +108,44 @@ def tokenizer_vocab_size(tokenizer_json_path_or_bytes: str | os.PathLike | bytes
     if not ids or min(ids) < 0:
         raise ValueError("tokenizer.json has no vocabulary")
     return max(ids) + 1
+
+
+# -- the compiled kernel (optional) -------------------------------------------------------
+_compiled: list = []  # [module | None] once tried
+_compiled_lock = threading.Lock()
+
+
+def compiled_kernels():
+    """:mod:`eldr.fit.prompt_kernel` (numba), compiled on the first call (or read from
+    numba's on-disk cache) and tried once on a tiny predictor; None when numba is missing
+    or the kernels fail to build, said once in the log: predictions then use numpy."""
+    if not _compiled:
+        with _compiled_lock:
+            if not _compiled:
+                _compiled.append(_load_compiled())
+    return _compiled[0]
+
+
+def _load_compiled():
+    try:
+        from eldr.fit import prompt_kernel
+    except ImportError as exc:
+        _log.info("prompt predictions use the numpy path (%s; pip install -e '.[serve]' "
+                  "adds numba, the compiled one)", exc)
+        return None
+    try:  # compile every kernel now, not on a request
+        ids = np.arange(3, dtype=np.int64)
+        rows, basis = np.zeros((1 << 8, 16), dtype=np.float32), np.ones((5, 8), np.float32)
+        mean = np.ones(8, dtype=np.float32)
+        for per_token in (False, True):
+            prompt_kernel.predict_bag(ids, rows, 56, 1 << 20, per_token, basis, mean, 2, 1)
+        prompt_kernel.predict_tfidf(ids, rows, np.ones(1 << 8, dtype=np.float32), 56,
+                                    1 << 20, basis, mean, 2, 1)
+    except Exception as exc:  # numba's own error types: the numpy path is always there
+        _log.warning("the compiled prompt-prediction kernel failed to build (%s: %s): "
+                     "predictions use the numpy path", type(exc).__name__, exc)
+        return None
+    return prompt_kernel
 
 
 # -- features ----------------------------------------------------------------------------
@@ -839,11 +881,26 @@ class PromptPredictor:
                 f"prompt predictor was fitted for tokenizer {self.tokenizer_fingerprint[:12]}…, "
                 f"not {fingerprint[:12]}… (another model or vocabulary): refit it")
 
-    def predict(self, token_ids) -> np.ndarray:
+    def predict(self, token_ids, *, kernel: str = "auto") -> np.ndarray:
         """(P,) int token ids -> (L, E) float32 expected per-token prefill profile (each
         layer's row sums to ``top_k``). ValueError on an empty prompt, ids outside
-        ``[0, vocab_size)``, non-integer input."""
+        ``[0, vocab_size)``, non-integer input.
+
+        ``kernel``: ``auto`` the compiled kernel (:func:`compiled_kernels`) when it
+        loads, else numpy; ``numpy``; ``compiled`` (ValueError when it does not load).
+        Both give the same profile up to float32 summation order."""
         self._check_fitted()
+        if kernel != "numpy":
+            if kernel not in KERNELS:
+                raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+            compiled = compiled_kernels()
+            if compiled is not None:
+                y = self._predict_compiled(compiled, token_ids)
+                if y is not None:
+                    return y
+            elif kernel == "compiled":
+                raise ValueError("the compiled prompt-prediction kernel is not available "
+                                 "(numba missing or failing: see the log)")
         ids = _check_ids(token_ids, self.vocab_size)
         hashes = ngram_hashes(ids)
         if self.weighting_ == "tfidf":  # repeated n-grams aggregated first (a sort)
@@ -859,6 +916,30 @@ class PromptPredictor:
         y = z[:self.rank_] @ self.basis_  # (rank,) of the padded row's (rank') sums
         y += self.mean_
         return _finish(y.reshape(self.num_layers, self.num_experts), self.top_k)
+
+    def _predict_compiled(self, compiled, token_ids) -> np.ndarray | None:
+        """:meth:`predict` by the compiled kernels; None for input numpy's checks must
+        name (not a 1-D integer array, empty, an id outside the vocabulary)."""
+        ids = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            return None
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 1 << 62:
+                return None
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+        shift = 64 - self.bits_
+        vocab = self.vocab_size if self.vocab_size is not None else 1 << 62
+        if self.weighting_ == "tfidf":
+            y, ok = compiled.predict_tfidf(ids, self._rows, self.idf_, shift, vocab,
+                                           self.basis_, self.mean_, self.num_layers,
+                                           self.top_k)
+        else:
+            y, ok = compiled.predict_bag(ids, self._rows, shift, vocab,
+                                         self.weighting_ == "token", self.basis_,
+                                         self.mean_, self.num_layers, self.top_k)
+        if not ok:
+            return None
+        return y.reshape(self.num_layers, self.num_experts)
 
     def predict_many(self, prompts: Sequence) -> np.ndarray:
         """(R, L, E) float32: :meth:`predict` of each prompt."""

@@ -1,0 +1,189 @@
+"""The prompt predictor's prediction, compiled (numba), with numpy as the fallback.
+
+:meth:`eldr.fit.prompt.PromptPredictor.predict` is three passes over memory: hash the
+prompt's 2P − 1 n-grams, gather and sum one weight row per n-gram, multiply the rank-r sum
+by the (r, L·E) basis and clip / rescale each layer's row. In numpy each pass is a few
+calls over arrays the size of the prompt (the gather alone materialises a (2P − 1, r) float32
+copy of the rows it reads); here the first two are one loop that never stores the hashes
+nor the gathered rows, and the last is one loop over the output, so a prediction reads the
+rows and the basis once and writes only its (L, E) answer. The kernels release the GIL
+(``nogil``): predictions on a thread pool run beside the event loop.
+
+numba is an optional extra (``pip install -e '.[serve]'``); this module imports it, and
+:func:`eldr.fit.prompt.compiled_kernels` imports this one: without numba, or when the
+kernels fail to compile, predictions stay on numpy (said once in the log). Both paths
+compute the same float32 arithmetic up to summation order: they agree within 1e-6
+absolute on every profile entry (tests/test_prompt_kernel.py). The feature hash is
+:func:`eldr.fit.prompt.ngram_hashes`' (same constants, same keys).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["predict_bag", "predict_tfidf"]
+
+u64 = np.uint64
+_M1, _M2, _S32, _ONE = u64(0x9E3779B97F4A7C15), u64(0xC2B2AE3D27D4EB4F), u64(32), u64(1)
+# reassociation lets LLVM vectorise the row sums (the float32 results differ from numpy's
+# in the last bits only); nogil: a prediction on a worker thread leaves the loop running
+# log1p of the small counts an n-gram has in one prompt, as numpy's float32 log1p gives
+# them (a libm call per distinct bucket cost more than the rest of the tfidf path)
+_LOG1P = np.log1p(np.arange(256, dtype=np.float32))
+_jit = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+
+
+@_jit
+def _mix(key):
+    """A 64-bit key's hash, as :func:`eldr.fit.prompt.ngram_hashes` mixes it."""
+    k = key * _M1
+    k ^= k >> _S32
+    return k * _M2
+
+
+@_jit
+def _buckets(ids, shift, vocab):
+    """(2P − 1,) int64 buckets (hash >> ``shift``) of the P unigrams then P − 1 bigrams of
+    ``ids`` (P,) int64, and False when an id is outside [0, ``vocab``) (a negative id
+    wraps beyond any vocabulary)."""
+    n = ids.size
+    out = np.empty(2 * n - 1, dtype=np.int64)
+    sh = u64(shift)
+    lim = u64(vocab)
+    prev = u64(0)
+    for i in range(n):
+        t = u64(ids[i])
+        if t >= lim:
+            return out, False
+        out[i] = np.int64(_mix(t) >> sh)
+        if i > 0:
+            out[n + i - 1] = np.int64(_mix(((prev + _ONE) << _S32) | t) >> sh)
+        prev = t
+    return out, True
+
+
+@_jit
+def _sum_rows(rows, buckets, weights, num):
+    """(r',) float32 Σ_i weights[i] · rows[buckets[i]] over i < ``num`` (``weights`` None:
+    plain sum). Four rows per step: the accumulator's chain of dependent adds, not the
+    loads, bounds a one-row loop."""
+    width = rows.shape[1]
+    z = np.zeros(width, dtype=np.float32)
+    i = 0
+    while i + 4 <= num:
+        r0, r1 = rows[buckets[i]], rows[buckets[i + 1]]
+        r2, r3 = rows[buckets[i + 2]], rows[buckets[i + 3]]
+        if weights is None:
+            for j in range(width):
+                z[j] += (r0[j] + r1[j]) + (r2[j] + r3[j])
+        else:
+            w0, w1, w2, w3 = weights[i], weights[i + 1], weights[i + 2], weights[i + 3]
+            for j in range(width):
+                z[j] += (w0 * r0[j] + w1 * r1[j]) + (w2 * r2[j] + w3 * r3[j])
+        i += 4
+    while i < num:
+        r0 = rows[buckets[i]]
+        w0 = np.float32(1.0) if weights is None else weights[i]
+        for j in range(width):
+            z[j] += w0 * r0[j]
+        i += 1
+    return z
+
+
+@_jit
+def _finish(z, scale, basis, mean, num_layers, top_k):
+    """(L·E,) float32 ``mean + scale · z[:rank] @ basis``, clipped at 0, each of the
+    ``num_layers`` rows rescaled to sum to ``top_k`` (an all-zero row uniform); ``basis``
+    (rank, L·E). Four basis rows per pass over y: one row per pass made y's loads and
+    stores, not the basis stream, the bound."""
+    rank, n = basis.shape
+    y = mean.copy()
+    r = 0
+    while r + 4 <= rank:
+        z0, z1, z2, z3 = scale * z[r], scale * z[r + 1], scale * z[r + 2], scale * z[r + 3]
+        b0, b1, b2, b3 = basis[r], basis[r + 1], basis[r + 2], basis[r + 3]
+        for j in range(n):
+            y[j] += (z0 * b0[j] + z1 * b1[j]) + (z2 * b2[j] + z3 * b3[j])
+        r += 4
+    while r < rank:
+        z0, b0 = scale * z[r], basis[r]
+        for j in range(n):
+            y[j] += z0 * b0[j]
+        r += 1
+    E = n // num_layers
+    k = np.float32(top_k)
+    for ell in range(num_layers):
+        seg = y[ell * E:(ell + 1) * E]
+        total = np.float32(0.0)
+        for j in range(E):
+            v = max(seg[j], np.float32(0.0))
+            seg[j] = v
+            total += v
+        if total <= 0:
+            for j in range(E):
+                seg[j] = k / np.float32(E)
+        else:
+            f = k / total
+            for j in range(E):
+                seg[j] *= f
+    return y
+
+
+@_jit
+def predict_bag(ids, rows, shift, vocab, per_token, basis, mean, num_layers, top_k):
+    """(L·E,) float32 profile of the ``tf`` / ``token`` models: the mean of ``rows``
+    (2**bits, r') over the buckets of the prompt's P unigrams and P − 1 bigrams (divided by
+    P when ``per_token``, the token model, else by 2P − 1), through :func:`_finish`; and
+    False when an id of ``ids`` (P,) int64 is outside [0, ``vocab``) (the profile is then
+    meaningless: the caller refuses the prompt)."""
+    b, ok = _buckets(ids, shift, vocab)
+    if not ok:
+        return mean, False
+    z = _sum_rows(rows, b, None, b.size)
+    scale = np.float32(1.0 / (ids.size if per_token else b.size))
+    return _finish(z, scale, basis, mean, num_layers, top_k), True
+
+
+@_jit
+def predict_tfidf(ids, rows, idf, shift, vocab, basis, mean, num_layers, top_k):
+    """(L·E,) float32 profile of the ``tfidf`` model: Σ_b w_b · rows[b] over the distinct
+    buckets b of the prompt's n-grams, w_b = log1p(count_b) · idf[b] / ||w||, through
+    :func:`_finish`; False for a bad id. Repeated buckets are counted in an
+    open-addressing table of 2-4 slots per n-gram (no sort, no 2**bits scratch array)."""
+    b, ok = _buckets(ids, shift, vocab)
+    if not ok:
+        return mean, False
+    n = b.size
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    slots = np.full(size, -1, dtype=np.int32)  # the bucket held by each slot (< 2**24)
+    counts = np.zeros(size, dtype=np.int32)
+    distinct = np.empty(n, dtype=np.int64)  # slots in order of first use
+    used = 0
+    for i in range(n):
+        s = b[i] & mask  # buckets are top bits of a mixed hash: their low bits are too
+        while slots[s] != -1 and slots[s] != b[i]:
+            s = (s + 1) & mask
+        if slots[s] == -1:
+            slots[s] = b[i]
+            distinct[used] = s
+            used += 1
+        counts[s] += 1
+    w = np.empty(used, dtype=np.float32)
+    norm2 = np.float32(0.0)
+    for u in range(used):
+        s = distinct[u]
+        b[u] = slots[s]  # b is done with: now the distinct buckets
+        c = counts[s]
+        lg = _LOG1P[c] if c < _LOG1P.size else np.float32(np.log1p(np.float32(c)))
+        w[u] = lg * idf[b[u]]
+        norm2 += w[u] * w[u]
+    if norm2 > 0:
+        norm = np.float32(np.sqrt(norm2))
+        for u in range(used):
+            w[u] /= norm
+    z = _sum_rows(rows, b, w, used)
+    return _finish(z, np.float32(1.0), basis, mean, num_layers, top_k), True
