@@ -110,7 +110,7 @@ def test_get_hardware_reads_a_path_and_simconfig_takes_it(tmp_path):
     assert get_hardware(str(path)).name == "my-gpu"
     assert get_hardware("  H200 ") is HARDWARE["h200"]
     with pytest.raises(ValueError, match="or a hardware file"):
-        get_hardware("h100")
+        get_hardware("a100")
     cfg = SimConfig(model="qwen3-30b-a3b", hardware=str(path))
     with pytest.raises(ValueError, match="measured constants of qwen3-30b-a3b only"):
         SimConfig(model="qwen3-235b-a22b", hardware=str(path))

@@ -14,6 +14,16 @@ Qwen3-30B-A3B step is 2.0 + 48·(18.7 + 2.22·8) µs + 2.46 GB / 4.8 TB/s ≈ 4.
 on H100/H200. It dilutes every relative TPOT gain, so it is a CLI option
 (``--t-fixed-ms``).
 
+H100 (``h100``, H100 SXM 80 GB). The same GH100 chip as the H200 with HBM3 at 3.35 TB/s
+instead of HBM3e at 4.8 TB/s, 80 GB. What CARRIES OVER from the H200: the dense bf16 peak
+(989 TFLOPS, the same tensor cores), ``t_fixed`` = 2.0 ms (the same ASSUMPTION: kernels,
+sampling and scheduling of the same chip and stack) and each measured fit's ``a`` (the
+per-layer launch and routing overhead, not a weight read). What is DERIVED from bandwidth:
+each measured ``b`` × 4.8 / 3.35 (an expert's weights are streamed at the HBM rate, the
+kernel's efficiency assumed equal), and every weight and KV read of the step model (they
+divide by the preset's bandwidth). Models without a fit get the derived constants below at
+3.35 TB/s. No H100 measurement backs any of it: ``eldr calibrate`` on a real H100 replaces it.
+
 MI300X (``mi300x``). No measured fits are published here, so the constants are DERIVED:
 ``b`` = bytes of one expert / (5.3 TB/s × η), with η = 0.886 the bandwidth efficiency the
 H200 fit implies for Qwen3-30B-A3B (9.44 MB / 4.8 TB/s = 1.97 µs vs the measured
@@ -59,6 +69,9 @@ _ETA = 9_437_184 / 4.8e12 / 2.22e-6  # = 0.886
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware("h200", hbm_bandwidth=4.8e12, hbm_bytes=141e9, peak_flops=989e12,
                      t_fixed_s=2.0e-3, measured_moe=True),
+    # H200 fits scaled to the H100's bandwidth (module docstring)
+    "h100": Hardware("h100", hbm_bandwidth=3.35e12, hbm_bytes=80e9, peak_flops=989e12,
+                     t_fixed_s=2.0e-3, measured_moe=True, fit_bandwidth=4.8e12),
     "mi300x": Hardware("mi300x", hbm_bandwidth=5.3e12, hbm_bytes=192e9, peak_flops=1307e12,
                        t_fixed_s=3.0e-3, measured_moe=False),
     # measured for tiny-moe only (module docstring; docs/simulator.md#the-tiny-moe-cpu-preset)
@@ -91,7 +104,8 @@ def moe_constants(hardware: Hardware, model: ModelPreset) -> tuple[float, float]
 
     A hardware with its own ``moe_fits`` (the ``cpu`` preset) resolves exactly those
     models and raises ``ValueError`` for any other. Otherwise: measured fits when the
-    hardware has them and the preset carries them, else ``b = expert_bytes /
+    hardware has them and the preset carries them (``b`` scaled to this hardware's bandwidth
+    when they were taken at another, ``Hardware.fit_bandwidth``), else ``b = expert_bytes /
     (bandwidth · η)`` and ``a = a_over_b · b`` (module docstring).
     """
     if hardware.moe_fits:
@@ -104,7 +118,10 @@ def moe_constants(hardware: Hardware, model: ModelPreset) -> tuple[float, float]
                          "benchmarks/bench_tiny_moe_step.py) or pick another --hardware")
     if (hardware.measured_moe and model.moe_layer_fixed_us is not None
             and model.moe_layer_per_expert_us is not None):
-        return model.moe_layer_fixed_us * 1e-6, model.moe_layer_per_expert_us * 1e-6
+        b = model.moe_layer_per_expert_us * 1e-6
+        if hardware.fit_bandwidth is not None:  # fits taken at another bandwidth (h100)
+            b *= hardware.fit_bandwidth / hardware.hbm_bandwidth
+        return model.moe_layer_fixed_us * 1e-6, b
     b = model.expert_bytes / (hardware.hbm_bandwidth * _ETA)
     return hardware.a_over_b * b, b
 

@@ -62,6 +62,11 @@ class Hardware:
     # (model preset, a µs, b µs) measured on THIS hardware; when any is given, the hardware
     # resolves those models only (no derived constants for the rest)
     moe_fits: tuple[tuple[str, float, float], ...] = ()
+    # the HBM bandwidth (B/s) the model presets' measured a, b were taken at, when that is
+    # not this hardware's (the h100 preset reads the H200 fits: 4.8e12): b is scaled by
+    # fit_bandwidth / hbm_bandwidth (an expert is streamed at this bandwidth), a is kept
+    # (launch and routing overheads of the same chip). None: the fits are this hardware's
+    fit_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("hbm_bandwidth", "hbm_bytes", "peak_flops", "a_over_b"):
@@ -72,6 +77,9 @@ class Hardware:
             if not (a_us >= 0 and b_us > 0):
                 raise ValueError(f"hardware {self.name!r}: fit of {model!r} needs a >= 0 and "
                                  f"b > 0 µs, got a={a_us!r}, b={b_us!r}")
+        if self.fit_bandwidth is not None and not self.fit_bandwidth > 0:
+            raise ValueError(f"hardware {self.name!r}: fit_bandwidth must be > 0 or None, "
+                             f"got {self.fit_bandwidth!r}")
         if not self.t_fixed_s >= 0:
             raise ValueError(f"hardware {self.name!r}: t_fixed_s must be >= 0, "
                              f"got {self.t_fixed_s!r}")

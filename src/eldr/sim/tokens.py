@@ -7,6 +7,9 @@ routing of the ``n_out - 1`` tokens after the first (trace.py's token convention
 0 reuses the routing of decode token 0 (a request with ``n_out = 1`` selects nothing in its
 one step). Hence :meth:`TokenBank.decode` returns ``n_out`` rows.
 
+A decode-only trace (no prefill routing) gets a stand-in prompt expert set for the prefill
+step's weight read (:func:`prefill_bitsets`); its decode rows are what it recorded.
+
 Rows come from the trace's per-token top-k when present (``decode_topk``), otherwise from
 :func:`~eldr.sim.steptime.deal_bitsets` on the request's decode counts, seeded per trace
 request (``(seed, request index)``), so every policy of a sweep sees the same tokens.
@@ -31,7 +34,24 @@ import numpy as np
 from eldr.sim.steptime import deal_bitsets, expert_bitsets, num_words, topk_bitsets
 from eldr.traces.trace import Trace
 
-__all__ = ["TokenBank"]
+__all__ = ["TokenBank", "prefill_bitsets"]
+
+
+def prefill_bitsets(trace: Trace) -> np.ndarray:
+    """(R, L, W) uint64: the experts each request's prompt selects at least once.
+
+    A decode-only trace (format version 2, ``prefill_counts`` None) does not say: its
+    prompt of ``P`` tokens is taken to select ``min(E, k·P)`` experts at every layer (the
+    lowest ids, as a stand-in set). That is an upper bound of its prefill's weight read
+    (exact once ``k·P ≥ E`` and the prompt touches every expert: GPT-OSS-20B's prompts of
+    72+ tokens choose 288+ of 32 experts); it moves prefill time, never a decode step."""
+    if trace.prefill_counts is not None:
+        return expert_bitsets(trace.prefill_counts > 0)
+    m = trace.meta
+    n = np.minimum(m.num_experts, m.top_k * trace.prompt_lens.astype(np.int64))  # (R,)
+    mask = np.arange(m.num_experts)[None, :] < n[:, None]  # (R, E)
+    return expert_bitsets(np.broadcast_to(mask[:, None, :],
+                                          (trace.num_requests, m.num_layers, m.num_experts)))
 
 
 class TokenBank:
@@ -57,7 +77,7 @@ class TokenBank:
         self._starts = np.concatenate([[0], np.cumsum(trace.output_lens, dtype=np.int64)])
         self._offsets = trace.decode_offsets if trace.decode_topk is not None else None
         # (R, L, W) uint64: experts each request's prompt selects at least once
-        self.prefill = expert_bitsets(trace.prefill_counts > 0)
+        self.prefill = prefill_bitsets(trace)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

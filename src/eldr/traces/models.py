@@ -1,5 +1,6 @@
-"""Presets of the four MoE models the paper evaluates (and of the tiny MoE shipped with
-eldr): routing shape and weight/KV bytes.
+"""Presets of the four MoE models the paper evaluates, of the two production-size models
+whose real routing eldr ships (``gpt-oss-20b``, ``deepseek-v2-lite``; docs/real-models.md)
+and of the tiny MoE shipped with eldr: routing shape and weight/KV bytes.
 
 Every number carries its source in a comment. Architecture facts (layers, hidden size,
 heads, experts, top-k, vocabulary) come from each model's ``config.json`` as summarised in
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALL_PRESETS", "PRESETS", "TINY_MOE", "ModelPreset", "get_preset"]
+__all__ = ["ALL_PRESETS", "PRESETS", "REAL_PRESETS", "TINY_MOE", "ModelPreset", "get_preset"]
 
 BF16 = 2  # bytes per bf16 parameter
 
@@ -231,6 +232,80 @@ PRESETS: dict[str, ModelPreset] = {
 }
 """The paper's four models (the ones with a synthetic-routing calibration)."""
 
+# -- the two models of the shipped real routing (docs/real-models.md) -------------------------
+# GPT-OSS-20B. config.json (openai/gpt-oss-20b): 24 layers, hidden 2880, 64 query heads and 8
+# KV heads of head_dim 64, intermediate_size 2880, 32 experts, top-4, vocab 201088, untied
+# embeddings. Attention alternates sliding-window (128 tokens) and full layers: 12 of each.
+# Attention, router and LM head are bf16 (the attention block is GPT-OSS-120B's: same width
+# and heads); experts are MXFP4 (4.25 bits per weight), an expert exactly GPT-OSS-120B's.
+_GPT_OSS_20B_ROUTER = (2880 * 32 + 32) * BF16  # router weight + bias = 184,384 B
+_GPT_OSS_20B = ModelPreset(
+    name="gpt-oss-20b",
+    hf_id="openai/gpt-oss-20b",
+    num_layers=24,
+    num_experts=32,
+    top_k=4,
+    hidden_size=2880,
+    expert_intermediate_size=2880,
+    vocab_size=201088,
+    dtype="mxfp4",
+    # as GPT-OSS-120B's: 4-bit weights + one scale byte per 32 + bf16 biases = 13,236,480 B
+    expert_bytes=_GPT_OSS_EXPERT_WEIGHTS // 2 + _GPT_OSS_EXPERT_WEIGHTS // 32
+    + (2 * 2880 + 2880) * BF16,
+    attn_bytes_per_layer=_GPT_OSS_ATTN,  # 53,100,288 B
+    # 24 x (attention + router) + LM head 201088 x 2880 bf16 = 2,437,099,008 B
+    dense_bytes_per_step=24 * (_GPT_OSS_ATTN + _GPT_OSS_20B_ROUTER) + 201088 * 2880 * BF16,
+    kv_bytes_per_token=12 * 2 * 8 * 64 * BF16,  # 12 full layers x (K,V) x 8 x 64 = 24 KiB
+    sliding_window=128,  # config.json sliding_window
+    kv_sliding_bytes_per_token=12 * 2 * 8 * 64 * BF16,  # x 128 tokens = 3 MiB per request
+    # CARRIED OVER from GPT-OSS-120B's H200 fit (docs/method.md#h200-constants): the same
+    # expert (2880 x 2880 MXFP4, same fused-MoE kernel), so the same time per distinct
+    # expert; a is ASSUMED equal although the router picks among 32, not 128, experts
+    moe_layer_fixed_us=61.9,
+    moe_layer_per_expert_us=5.07,
+    max_context_tokens=131072,  # config.json max_position_embeddings
+)
+
+# DeepSeek-V2-Lite (deepseek-ai/DeepSeek-V2-Lite; its fine-tune ESFT-vanilla-lite routed the
+# shipped ESFT trace). config.json: 27 layers, the first dense (intermediate_size 10944,
+# first_k_dense_replace 1), 26 MoE layers of 64 routed experts (moe_intermediate_size 1408)
+# plus 2 shared experts every token uses, top-6; hidden 2048; MLA attention with 16 heads,
+# no query compression (q_lora_rank null), kv_lora_rank 512, qk_nope_head_dim 128,
+# qk_rope_head_dim 64, v_head_dim 128; vocab 102400, untied embeddings, bf16.
+# The KV cache of MLA holds per token per layer the 512-dim latent plus the 64-dim rope key.
+_DSV2_LITE_ATTN = (2048 * 16 * (128 + 64)  # q_proj (no q compression)
+                   + 2048 * (512 + 64)  # kv_a_proj_with_mqa: latent + rope key
+                   + 512 * 16 * (128 + 128)  # kv_b_proj: latent -> K nope, V
+                   + 16 * 128 * 2048  # o_proj
+                   ) * BF16  # = 27,525,120 B
+_DSV2_LITE_ROUTER = 2048 * 64 * BF16  # gate: 262,144 B per MoE layer
+_DSV2_LITE_SHARED = 3 * 2048 * (2 * 1408) * BF16  # 2 shared experts: 34,603,008 B per layer
+_DSV2_LITE_DENSE_FFN = 3 * 2048 * 10944 * BF16  # layer 0's dense MLP: 134,479,872 B
+_DSV2_LITE = ModelPreset(
+    name="deepseek-v2-lite",
+    hf_id="deepseek-ai/DeepSeek-V2-Lite",
+    num_layers=26,  # MoE layers (the routing shape); the dense first layer is in dense bytes
+    num_experts=64,
+    top_k=6,
+    hidden_size=2048,
+    expert_intermediate_size=1408,
+    vocab_size=102400,
+    dtype="bf16",
+    expert_bytes=3 * 2048 * 1408 * BF16,  # 17,301,504 B (17.3 MB)
+    attn_bytes_per_layer=_DSV2_LITE_ATTN,
+    # 27 x attention + 26 x (router + shared experts) + layer 0's MLP + LM head
+    # 102400 x 2048 bf16 = 2,203,582,464 B
+    dense_bytes_per_step=27 * _DSV2_LITE_ATTN + 26 * (_DSV2_LITE_ROUTER + _DSV2_LITE_SHARED)
+    + _DSV2_LITE_DENSE_FFN + 102400 * 2048 * BF16,
+    kv_bytes_per_token=27 * (512 + 64) * BF16,  # 27 layers x (latent + rope key) = 31,104 B
+    # a, b: no measured fit of this model; eldr.sim.config.moe_constants DERIVES them from
+    # bandwidth (b = 17.3 MB / (4.8 TB/s x 0.886) = 4.07 us on the H200, a = 14.27 b)
+    # max_context_tokens: unset (the YaRN-scaled position limit is no serving context)
+)
+
+REAL_PRESETS: dict[str, ModelPreset] = {p.name: p for p in (_GPT_OSS_20B, _DSV2_LITE)}
+"""The models of the shipped real routing (no synthetic-routing calibration)."""
+
 # -- tiny MoE shipped with eldr ----------------------------------------------------------------
 # src/eldr/data/tiny_moe/config.json (Qwen3MoeForCausalLM, trained by scripts/train_tiny_moe.py):
 # 6 layers, hidden 128, 4 query heads and 2 KV heads of head_dim 32, moe_intermediate_size
@@ -266,16 +341,30 @@ TINY_MOE = ModelPreset(
     max_context_tokens=1024,  # config.json max_position_embeddings
 )
 
-ALL_PRESETS: dict[str, ModelPreset] = {**PRESETS, TINY_MOE.name: TINY_MOE}
-"""Every preset :func:`get_preset` resolves: the paper's four and the shipped tiny MoE."""
+ALL_PRESETS: dict[str, ModelPreset] = {**PRESETS, **REAL_PRESETS, TINY_MOE.name: TINY_MOE}
+"""Every preset :func:`get_preset` resolves: the paper's four, the two real-routing models
+and the shipped tiny MoE."""
+
+# other names a trace's ``meta.model`` may carry for a preset: its Hugging Face id (matched
+# whole or by its last part), and the fine-tunes whose routing was recorded on its
+# architecture (ESFT-vanilla-lite is DeepSeek-V2-Lite fine-tuned)
+_ALIASES: dict[str, str] = {
+    **{p.hf_id.lower(): p.name for p in ALL_PRESETS.values()},
+    **{p.hf_id.lower().rsplit("/", 1)[-1]: p.name for p in ALL_PRESETS.values()},
+    "deepseek-ai/esft-vanilla-lite": "deepseek-v2-lite",
+    "esft-vanilla-lite": "deepseek-v2-lite",
+}
 
 
 def get_preset(name: str | ModelPreset) -> ModelPreset:
     """The preset called ``name`` (case-insensitive, ``_`` read as ``-``, so a trace's
-    ``tiny_moe`` resolves); a preset passes through unchanged."""
+    ``tiny_moe`` resolves; a Hugging Face id such as ``openai/gpt-oss-20b`` or a recorded
+    fine-tune's, ``deepseek-ai/ESFT-vanilla-lite``, resolves to its preset); a preset
+    passes through unchanged."""
     if isinstance(name, ModelPreset):
         return name
     key = str(name).strip().lower().replace("_", "-")
+    key = _ALIASES.get(key, _ALIASES.get(str(name).strip().lower(), key))
     if key not in ALL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid names: "
                          f"{', '.join(ALL_PRESETS)}")
