@@ -50,6 +50,7 @@ def shrink(prefill: np.ndarray, alpha: float, mean: np.ndarray | None) -> np.nda
 
 def prefill_profiles(trace: Trace) -> np.ndarray:
     """(R, L, E) float32 ``prefill_counts / prompt_len`` (rows of empty prompts: 0)."""
+    trace.require_prefill("the prefill profile")
     n = np.maximum(trace.prompt_lens, 1).astype(np.float32)[:, None, None]
     return trace.prefill_counts.astype(np.float32) / n
 

@@ -63,6 +63,7 @@ def prefill_decode_pearson(trace: Trace) -> np.ndarray:
     statistics.
     """
     R = trace.num_requests
+    trace.require_prefill("the prefill-decode Pearson premise")
     x = trace.prefill_counts.reshape(R, -1).astype(np.float64)
     y = trace.decode_counts.reshape(R, -1).astype(np.float64)
     x -= x.mean(axis=1, keepdims=True)
@@ -179,10 +180,13 @@ def effective_experts(trace: Trace) -> np.ndarray:
     """(L,) float64: exp(entropy) of each layer's expert popularity.
 
     Popularity = all selections of the trace at that layer (prefill + decode counts summed
-    over requests). E when every expert is equally popular, 1 when one expert takes all.
+    over requests; a decode-only trace: decode counts alone). E when every expert is equally
+    popular, 1 when one expert takes all.
     """
-    pop = (trace.prefill_counts.sum(axis=0, dtype=np.int64)
-           + trace.decode_counts.sum(axis=0, dtype=np.int64)).astype(np.float64)
+    pop = trace.decode_counts.sum(axis=0, dtype=np.int64)
+    if trace.has_prefill:
+        pop = pop + trace.prefill_counts.sum(axis=0, dtype=np.int64)
+    pop = pop.astype(np.float64)
     tot = pop.sum(axis=1, keepdims=True)
     p = np.divide(pop, tot, out=np.zeros_like(pop), where=tot > 0)
     logp = np.log(p, out=np.zeros_like(p), where=p > 0)

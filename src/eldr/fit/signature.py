@@ -198,6 +198,7 @@ class SignatureEncoder:
 
     def _raw(self, trace: Trace) -> np.ndarray:
         """(R, L, E) float64 raw input of the representation from a trace."""
+        trace.require_prefill("a prefill signature")
         name = _GATE_INPUT.get(self.representation)
         if name is None:
             return trace.prefill_counts.astype(np.float64)
@@ -230,6 +231,7 @@ class SignatureEncoder:
             )
         if not isinstance(trace, Trace):
             raise ValueError(f"fit expects an eldr Trace, got {type(trace).__name__}")
+        trace.require_prefill("the signature encoder (IDF, layer mask by rho)")
         R, L, E = trace.prefill_counts.shape
         if R < 3:
             raise ValueError(f"fit needs at least 3 requests, got {R}")
