@@ -27,6 +27,7 @@ TINY = Plan(
     grid_workloads=("task",), grid_pools=(4,), grid_rates=(150.0,), grid_warmup_s=0.05,
     grid_duration_s=0.4, grid_min_requests=10, grid_max_seeds=3, main_seeds=2,
     tiny_rates=(100.0,), tiny_num_prefill=2, tiny_warmup_s=0.1, tiny_duration_s=0.5,
+    real_models=False,  # tests/test_reproduce_real_models.py
 )
 
 

@@ -19,8 +19,9 @@ claim with its intervals in about 15 minutes on 2 cores, ``eldr reproduce``) or 
   to cells whose intervals are still wider than ``target_half_width``;
 - ``tiny``: the shipped tiny MoE's real trace on its measured CPU preset.
 
-The report's "Routing before prefill" section (``prompt_rates``) is not a task list: it
-runs its few simulations itself (:mod:`eldr.reproduce.before_prefill`).
+The report's "Routing before prefill" section (``prompt_rates``) and its "Real models"
+section (``real_models``) are not task lists: each runs its few simulations itself
+(:mod:`eldr.reproduce.before_prefill`, :mod:`eldr.reproduce.real_models`).
 
 The policy groups and the tiny trace's set-up key live here, beside the plan that uses
 them, so the modules that build, run and report a plan all import them from one place.
@@ -114,6 +115,14 @@ class Plan:
     # empty: no such section (a plan made for tests)
     prompt_rates: tuple[float, ...] = ()
     prompt_duration_s: float = 60.0
+    # "Real models" (eldr.reproduce.real_models): the shipped real routing of GPT-OSS-20B
+    # and of ESFT (DeepSeek-V2-Lite) replayed at the load the data sustains, each seed its
+    # own split, fit and arrivals; ESFT also with outputs capped at real_output_cap tokens
+    real_models: bool = True
+    real_seeds: int = 3
+    real_warmup_s: float = 10.0
+    real_duration_s: float = 30.0
+    real_output_cap: int = 64
     selection_max_pairs: int | None = 100_000  # layer-mask search pairs (encoder fit)
     max_pairs: int | None = 200_000  # pairs for the reported ρ
     hardware: str = "h200"
@@ -128,6 +137,9 @@ class Plan:
         if not self.target_half_width > 0:
             raise ValueError(f"Plan: target_half_width must be > 0 percentage points, got "
                              f"{self.target_half_width!r}")
+        if not isinstance(self.real_seeds, int) or self.real_seeds < 2:
+            raise ValueError(f"Plan: real_seeds must be an integer >= 2 (an interval needs "
+                             f"two seeds), got {self.real_seeds!r}")
         if not isinstance(self.main_seeds, int) or self.main_seeds < 1:
             raise ValueError(f"Plan: main_seeds must be an integer >= 1, got "
                              f"{self.main_seeds!r}")
@@ -150,6 +162,7 @@ QUICK = Plan(
     tiny_warmup_s=5.0,
     tiny_duration_s=20.0, grid_max_seeds=3, main_seeds=2,
     prompt_rates=(160,), prompt_duration_s=10.0,
+    real_seeds=2, real_warmup_s=5.0, real_duration_s=15.0,
 )
 # --full: the paper's setting. Full-size traces (11k-13k held-out requests), the headline
 # at 5 rates with 120 s windows, pools at 3 rates, prefix caching (a per-token trace) and
@@ -158,7 +171,7 @@ QUICK = Plan(
 # at several times the run time) and 2 per headline point.
 FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=True,
             ep_experiment=True, grid_max_seeds=3, main_seeds=2,
-            prompt_rates=(40, 100, 160, 220))
+            prompt_rates=(40, 100, 160, 220), real_seeds=5, real_duration_s=60.0)
 # The default run (no flag), sized for about 15 minutes on 2 cores: every claim of the
 # report with its intervals, on less. 4,000-request traces (3,000 held out; built two at
 # a time), the headline at 20 / 60 / 100 req/s with 60 s windows, 2 seeds each; the τ
@@ -168,7 +181,8 @@ FULL = Plan(name="full", num_requests=None, pool_rates=(20, 60, 100), prefix=Tru
 # 120 s windows of the headline, pools at 20 and 100 req/s, the full-size traces.
 DEFAULT = replace(FULL, name="default", num_requests=4000, rates=(20, 60, 100),
                   duration_s=60.0, tau_rate=60, pool_rates=(60,), prefix=False,
-                  ep_experiment=False, grid_pools=(8, 32), grid_rates=(10, 40, 80))
+                  ep_experiment=False, grid_pools=(8, 32), grid_rates=(10, 40, 80),
+                  real_seeds=3, real_duration_s=30.0)
 PLANS = {"quick": QUICK, "default": DEFAULT, "full": FULL}  # by the name the CLI takes
 
 

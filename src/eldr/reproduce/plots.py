@@ -10,7 +10,7 @@ from eldr.reproduce.analysis import Analysis
 from eldr.reproduce.grid import CLASSES, TOLERANCE_PCT
 from eldr.reproduce.plan import GRID_POLICIES, LOAD_BALANCERS
 
-__all__ = ["plot_bars", "plot_decoders", "plot_grid", "plot_main", "pyplot",
+__all__ = ["plot_bars", "plot_decoders", "plot_grid", "plot_intervals", "plot_main", "pyplot",
            "require_matplotlib"]
 
 MISSING = "the report's plots need matplotlib: pip install 'eldr[report]' (scripts/setup.sh does)"
@@ -81,6 +81,31 @@ def plot_bars(labels, series: dict[str, list[float]], title: str, ylabel: str,
     ax.set_title(title)
     # below the axes: bars may fill the whole plot (and go negative), so no corner is free
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              ncol=max(len(series), 1), frameon=False)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_intervals(labels, series: dict[str, list[tuple[float, float]]], title: str,
+                   ylabel: str, path: Path) -> None:
+    """Grouped bars of means with 95 % error bars: ``series[name][i]`` = (mean, half-width)
+    at ``labels[i]`` (nan: no bar; a nan half-width: no error bar)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) + 2), 4))
+    x = np.arange(len(labels))
+    w = 0.8 / max(len(series), 1)
+    for j, (name, vals) in enumerate(series.items()):
+        mean = np.array([v[0] for v in vals], dtype=float)
+        half = np.array([v[1] for v in vals], dtype=float)
+        ax.bar(x + j * w - 0.4 + w / 2, mean, w, label=name,
+               yerr=np.where(np.isfinite(half), half, 0.0), capsize=3)
+    ax.set_xticks(x, [str(v) for v in labels], fontsize=8)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
               ncol=max(len(series), 1), frameon=False)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

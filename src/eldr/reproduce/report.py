@@ -28,7 +28,8 @@ from eldr.reproduce.grid import (
     grid_table,
 )
 from eldr.reproduce.plan import GRID_BALANCERS, Plan
-from eldr.reproduce.plots import plot_bars, plot_decoders, plot_grid, plot_main
+from eldr.reproduce.plots import plot_bars, plot_decoders, plot_grid, plot_intervals, plot_main
+from eldr.reproduce.real_models import CASES, real_models, real_models_markdown
 from eldr.reproduce.sweeps import Results
 from eldr.sim.metrics import write_csv, write_json
 
@@ -334,6 +335,33 @@ def _prompt_section(an: Analysis, out: Path) -> Section:
     return before_prefill_markdown(res, plan), [res]
 
 
+def _real_section(an: Analysis, out: Path) -> Section:
+    """Real models: the shipped GPT-OSS-20B and ESFT routing replayed, beside the synthetic
+    presets' own figures (:mod:`eldr.reproduce.real_models`, computed here)."""
+    plan = an.plan
+    synthetic = {wl: an.results.setups[wl].eval for wl in plan.workloads
+                 if wl in an.results.setups and an.results.setups[wl].eval.domains is not None}
+    res = real_models(plan, synthetic, jobs=int(an.results.seconds.get("jobs", 1)))
+    if res is None:
+        return [], []
+    md = real_models_markdown(res, plan, an.headline())
+    ok = [c for c in res["cases"] if "error" not in c]
+    if ok:
+        names = {"eldr_cost": "eldr_cost", "eldr": "band (eldr)",
+                 "oracle_signature": "oracle (true decode)"}
+        series = {label: [(c["deltas"].get(p, {}).get("p50", {}).get("mean", float("nan")),
+                           c["deltas"].get(p, {}).get("p50", {}).get("half_width",
+                                                                     float("nan")))
+                          for c in ok] for p, label in names.items()}
+        labels = {c.key: c.label for c in CASES}
+        plot_intervals([labels[c["key"]].replace(" (DeepSeek-V2-Lite)", "").replace(", ", "\n")
+                        for c in ok], series,
+                       "real routing: median TPOT vs the best balancer (95 % intervals)",
+                       "Δ median TPOT %", out / "real_models.png")
+        md.append("\n![real models](real_models.png)\n")
+    return md, [res]
+
+
 _SOURCE_NAMES = {"prompt": "prompt predictor (before prefill)",
                  "prefill": "prefill signature (after prefill)",
                  "tfidf": "TF-IDF of the prompt's tokens"}
@@ -379,4 +407,5 @@ def _decoders_section(an: Analysis, out: Path) -> list[str]:
 # report order; the names are results.json's keys
 SECTIONS = (("headline", _headline_section), ("tau", _tau_section), ("pool", _pool_section),
             ("vanilla", _vanilla_section), ("prefix", _prefix_section), ("ep", _ep_section),
-            ("grid", _grid_section), ("tiny", _tiny_section), ("prompt", _prompt_section))
+            ("grid", _grid_section), ("tiny", _tiny_section), ("prompt", _prompt_section),
+            ("real_models", _real_section))

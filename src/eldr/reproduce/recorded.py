@@ -1,0 +1,512 @@
+"""Simulating a recorded trace's own routing: which input each policy routes on, the load
+the data sustains, and every policy against the balancers with paired intervals
+(docs/real-models.md, "Simulated on real routing").
+
+The simulator replays each held-out request's recorded per-token experts
+(:class:`~eldr.sim.TokenBank` reads ``decode_topk``). What differs from a synthetic trace:
+
+**Routing inputs.** What a locality policy knows of a request when it picks its decoder
+is explicit (:data:`INPUTS`, :func:`routing_input`):
+
+- ``prefill``: the trace records prefill routing (ESFT): the prefill signature and the
+  profile predicted from the prefill counts, the project's fit recipe
+  (:func:`eldr.reproduce.setup.fit_split`) on the calibration split;
+- ``prompt``: decode-only, with the prompts' token ids (GPT-OSS-20B): a
+  :class:`~eldr.fit.prompt.PromptPredictor` fitted on the calibration split maps a prompt
+  to its DECODE profile (per-token inclusion probability of each expert, the target the
+  cost policy needs); the band's signature is that profile as a unit row. The calibration
+  requests are clustered on their own predicted profiles, predicted by a predictor that
+  did not see them (two folds), so clusters and held-out requests live in one space;
+- ``none``: decode-only without token ids: nothing is known before decode, so a locality
+  policy has nothing to route on; it is not simulated (it would route by load, as JSQ) and
+  the rows say so.
+
+The balancers need no input; ``oracle_signature`` reads each request's true decode
+pattern (an upper bound no router reaches), clustered on the calibration split's.
+
+**Load.** The held-out split is a few hundred requests; arrivals replay them over and over.
+Arrivals cycle through ONE seeded permutation (:func:`recycled_arrivals`), so copies of a
+request are exactly ``R`` arrivals apart, and the rate is the highest at which no copy
+arrives while another is still in flight (:func:`sustainable_rate`, measured on JSQ with a
+margin; every run's count of such overlaps is in its row, ``copies_in_flight``). A request
+batched with a copy of itself would share all its experts: a locality policy would pack
+them and win for nothing.
+
+**Seeds.** Seed ``j`` draws its own calibration/held-out split, fit and arrivals; every
+policy of a seed sees the same arrivals, so differences are paired per seed
+(:func:`eldr.intervals.paired_interval`: mean ± 95 % half-width, Student t).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from eldr.fit.calibration import FitSettings
+from eldr.fit.cluster import BalancedKMeans
+from eldr.fit.predictor import decode_profiles
+from eldr.fit.predictor import decoder_profiles as _cluster_log_miss
+from eldr.intervals import paired_interval
+from eldr.reproduce.plan import GRID_BALANCERS
+from eldr.reproduce.setup import RoutingSetup, fit_split
+from eldr.routing import POLICIES, decode_patterns
+from eldr.sim import SimConfig, TokenBank, simulate
+from eldr.sim.steptime import routing_resources
+from eldr.traces.models import get_preset
+from eldr.traces.trace import Trace
+
+__all__ = ["BALANCERS", "INPUTS", "INPUT_LABELS", "LOCALITY", "ORACLES", "PROMPT_OPTIONS",
+           "Comparison", "PromptSetup", "cap_outputs", "compare", "copies_in_flight",
+           "fit_recorded", "heldout_rho", "policy_input", "recycled_arrivals",
+           "routing_input", "sustainable_rate"]
+
+BALANCERS = GRID_BALANCERS  # round_robin, jsq, p2c (random never wins a cell)
+LOCALITY = ("eldr", "eldr_cost")  # what ELDR ships
+ORACLES = ("oracle_signature",)  # the whole-decode bound
+INPUTS = ("prefill", "prompt", "none")
+INPUT_LABELS = {"prefill": "prefill signature", "prompt": "prompt prediction",
+                "none": "none (decode-only, no prompt token ids)",
+                "load": "none needed (load only)", "decode": "true decode pattern (oracle)"}
+# The prompt predictor's candidates, fixed before any real trace was looked at: the
+# cross-validation on the calibration split picks among these two weightings and two
+# penalties (one bucket count and rank: the full grid costs 20 s per fit)
+PROMPT_OPTIONS = {"bits": (16,), "weightings": ("tfidf", "tf"), "ranks": (32,),
+                  "alphas": (0.01, 0.1), "folds": 2}
+_P_MAX = 1.0 - 1e-6
+
+
+def routing_input(trace: Trace) -> str:
+    """What a locality policy can route ``trace``'s requests on (:data:`INPUTS`)."""
+    if trace.prefill_counts is not None:
+        return "prefill"
+    if trace.prompt_token_ids is not None and (trace.prompt_lens > 0).all():
+        return "prompt"
+    return "none"
+
+
+def policy_input(policy: str, trace_input: str) -> str:
+    """The routing input ``policy`` has on a trace whose locality input is ``trace_input``
+    (a key of :data:`INPUT_LABELS`)."""
+    role = POLICIES[policy].role
+    if role == "balancer":
+        return "load"
+    if role == "oracle":
+        return "decode"
+    return trace_input
+
+
+# -- set-ups ----------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class _RowsCalibration:
+    """What :class:`RoutingSetup` asks of a calibration, for a trace without prefill
+    routing: the calibration requests' routing rows (``None``: no routing input) and their
+    per-token profiles (the cost policy's cluster profiles)."""
+
+    trace: Trace  # the calibration split
+    rows: np.ndarray | None  # (R, d) float32 unit rows, or None: nothing to cluster on
+    profiles_: np.ndarray | None  # (R, L, E) float32 predicted per-token decode profiles
+    settings: FitSettings
+    predictor: object = None  # the fitted PromptPredictor (reported), or None
+    encoder: object = None  # no signature encoder (no prefill counts)
+    encoder_seconds: float = 0.0
+
+    def signatures(self) -> np.ndarray:
+        if self.rows is None:
+            raise ValueError("this decode-only trace has no prompt token ids: no routing "
+                             "input to cluster (only balancers and the decode oracle run)")
+        return self.rows
+
+    def clusters(self, num_clusters: int, *, balanced: bool = True,
+                 rows: np.ndarray | None = None) -> BalancedKMeans:
+        X = self.signatures() if rows is None else rows
+        return BalancedKMeans(num_clusters, balanced=balanced, n_init=self.settings.n_init,
+                              random_state=self.settings.random_state).fit(X)
+
+    def cluster_profiles(self, labels: np.ndarray, num_clusters: int) -> np.ndarray:
+        if self.profiles_ is None:
+            raise ValueError("no routing input: no cluster profiles")
+        return _cluster_log_miss(self.profiles_, labels, num_clusters)
+
+
+@dataclass(eq=False)
+class PromptSetup(RoutingSetup):
+    """A :class:`RoutingSetup` of a decode-only trace: the held-out requests' routing
+    inputs are predicted from their prompts (``eval_profiles``; ``signatures`` their unit
+    rows), or absent (``eval_profiles`` None: no routing input)."""
+
+    eval_profiles: np.ndarray | None = None  # (R_eval, L, E) float32, or None
+
+    def profile(self, r: int) -> np.ndarray:
+        if self.eval_profiles is None:
+            raise ValueError("no routing input: no predicted profile")
+        return self.eval_profiles[r]
+
+    def inputs(self, policy, *, patterns: bool = True) -> dict:
+        out: dict = {}
+        if "signature" in policy.inputs and self.eval_profiles is not None:
+            out["signatures"] = self.signatures
+        if "decode_pattern" in policy.inputs and patterns:
+            out["decode_patterns"] = self.patterns
+        if "profile" in policy.inputs and self.eval_profiles is not None:
+            out["profiles"] = self.eval_profiles
+        return out
+
+
+def _unit_rows(profiles: np.ndarray) -> np.ndarray:
+    return decode_patterns(profiles)  # (R, L·E) float32 unit rows (the oracle's transform)
+
+
+def _prompt_predictor(fit: Trace, seed: int, vocab: int):
+    """A :class:`~eldr.fit.prompt.PromptPredictor` of ``fit``'s prompts → decode
+    profiles (requests with at least one decode token), options :data:`PROMPT_OPTIONS`."""
+    from eldr.fit.prompt import PromptPredictor
+
+    keep = np.flatnonzero(fit.decode_lens > 0)
+    if keep.size < 2 * PROMPT_OPTIONS["folds"]:
+        raise ValueError(f"{keep.size} calibration requests with decode tokens: too few to "
+                         "fit a prompt predictor")
+    prompts = [fit.prompt_tokens(int(r)) for r in keep]
+    pred = PromptPredictor(random_state=seed, **PROMPT_OPTIONS).fit_prompts(
+        prompts, decode_profiles(fit)[keep], top_k=fit.meta.top_k, vocab_size=vocab)
+    return pred
+
+
+def _predict(pred, trace: Trace) -> np.ndarray:
+    out = np.stack([pred.predict(trace.prompt_tokens(r)) for r in range(trace.num_requests)])
+    return np.minimum(out.astype(np.float32), np.float32(_P_MAX))
+
+
+def _prompt_setup(calib: Trace, ev: Trace, name: str, seed: int) -> PromptSetup:
+    """Routing inputs from the prompts (module docstring): a predictor on the whole
+    calibration split for the held-out requests; two fold predictors for the calibration
+    requests' own rows (each predicts the half it was not fitted on)."""
+    t0 = time.perf_counter()
+    vocab = int(max(calib.prompt_token_ids.max(), ev.prompt_token_ids.max())) + 1
+    pred = _prompt_predictor(calib, seed, vocab)
+    eval_profiles = _predict(pred, ev)
+    halves = np.random.default_rng((seed, 0xF01D)).permutation(calib.num_requests) % 2
+    calib_profiles = np.empty((calib.num_requests, *eval_profiles.shape[1:]), np.float32)
+    for h in (0, 1):
+        part = calib.subset(halves != h)
+        held = np.flatnonzero(halves == h)
+        calib_profiles[held] = _predict(_prompt_predictor(part, seed, vocab),
+                                        calib.subset(held))
+    cal = _RowsCalibration(calib, _unit_rows(calib_profiles), calib_profiles,
+                           FitSettings(random_state=seed), predictor=pred,
+                           encoder_seconds=time.perf_counter() - t0)
+    return PromptSetup(workload=name, calib=calib, eval=ev, calibration=cal,
+                       signatures=_unit_rows(eval_profiles), domain_shares=None,
+                       tokens=TokenBank(ev, seed=seed), seed=seed,
+                       eval_profiles=eval_profiles)
+
+
+def fit_recorded(trace: Trace, *, seed: int = 0, calib_share: float = 0.5,
+                 name: str | None = None) -> RoutingSetup:
+    """Split ``trace`` (seeded by ``seed``; ``calib_share`` calibrates) and fit the routing
+    inputs it allows (:func:`routing_input`). The returned set-up carries
+    ``routing_input`` (an attribute) and replays the held-out split."""
+    if not 0.0 < calib_share < 1.0:
+        raise ValueError(f"calib_share must be in (0, 1), got {calib_share}")
+    if trace.decode_topk is None:
+        raise ValueError(f"trace ({trace.meta.source}) has no per-token decode experts "
+                         "(decode_topk): there is no recorded routing to replay")
+    if trace.num_requests < 8:
+        raise ValueError(f"{trace.num_requests} requests: too few to split into a "
+                         "calibration and a held-out part")
+    name = name or trace.meta.model
+    calib, ev = trace.split(calib_share, random_state=seed)
+    kind = routing_input(trace)
+    if kind == "prefill":
+        setup = fit_split(calib, ev, name, seed=seed, selection_max_pairs=20_000,
+                          max_pairs=50_000)
+    elif kind == "prompt":
+        setup = _prompt_setup(calib, ev, name, seed)
+    else:
+        cal = _RowsCalibration(calib, None, None, FitSettings(random_state=seed))
+        setup = PromptSetup(workload=name, calib=calib, eval=ev, calibration=cal,
+                            signatures=None, domain_shares=None,
+                            tokens=TokenBank(ev, seed=seed), seed=seed, eval_profiles=None)
+    setup.routing_input = kind
+    return setup
+
+
+def heldout_rho(setup: RoutingSetup) -> float:
+    """ρ (docs/method.md Eq. 1) of the held-out requests' routing input against their
+    decode patterns: the prefill signature's or the prompt prediction's (nan: no input)."""
+    from eldr.fit.signature import rho
+
+    if getattr(setup, "routing_input", "prefill") == "none" or setup.signatures is None:
+        return float("nan")
+    keep = np.flatnonzero(setup.eval.decode_lens > 0)
+    if keep.size < 3:
+        return float("nan")
+    return float(rho(setup.signatures[keep], setup.eval.decode_counts[keep]))
+
+
+# -- arrivals and load ------------------------------------------------------------------------
+def recycled_arrivals(num_requests: int, qps: float, horizon_s: float, seed: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson arrivals at ``qps`` in [0, ``horizon_s``), each replaying held-out request
+    ``perm[i mod R]`` of one seeded permutation: copies of a request are exactly R
+    arrivals apart (no two close together by chance). Returns (times, indices)."""
+    if num_requests < 1:
+        raise ValueError("no held-out requests to replay")
+    rng = np.random.default_rng((seed, 0x2EC0))
+    perm = rng.permutation(num_requests)
+    expected = qps * horizon_s
+    n = int(expected + 6 * np.sqrt(expected) + 16)
+    times = np.cumsum(rng.exponential(1.0 / qps, size=n))
+    while times[-1] < horizon_s:
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / qps,
+                                                                             size=n))])
+    times = times[times < horizon_s]
+    return times, perm[np.arange(times.size) % num_requests].astype(np.int64)
+
+
+def copies_in_flight(res) -> int:
+    """Arrivals of a finished run routed to the decoder where an earlier copy of the same
+    request was still decoding (0: no request was ever batched with itself). Copies are
+    ``R`` arrivals apart (:func:`recycled_arrivals`), so only consecutive ones can meet."""
+    req = res.requests
+    idx, start, end = req["trace_index"], req["t_prefill_end"], req["t_last"]
+    dec = req["decoder"]
+    order = np.lexsort((start, idx))
+    i, s, e, d = idx[order], start[order], end[order], dec[order]
+    meet = (i[1:] == i[:-1]) & (s[1:] < e[:-1]) & (d[1:] == d[:-1])
+    return int(meet.sum())
+
+
+def cap_outputs(trace: Trace, max_decode_tokens: int) -> Trace:
+    """``trace`` with every request's recorded decode cut after its first
+    ``max_decode_tokens`` tokens (what ``max_tokens`` would have done: its routing up to
+    there is the recorded one). Needs ``decode_topk``."""
+    if trace.decode_topk is None:
+        raise ValueError("cap_outputs needs per-token decode experts (decode_topk)")
+    n = int(max_decode_tokens)
+    if n < 1:
+        raise ValueError(f"max_decode_tokens must be >= 1, got {max_decode_tokens!r}")
+    lens = np.minimum(trace.decode_lens, n)
+    off = trace.decode_offsets
+    rows = np.concatenate([np.arange(off[r], off[r] + lens[r]) for r in
+                           range(trace.num_requests)] or [np.zeros(0, np.int64)])
+    topk = trace.decode_topk[rows]
+    m = trace.meta
+    req = np.repeat(np.arange(trace.num_requests), lens)
+    flat = ((req[:, None, None] * m.num_layers + np.arange(m.num_layers)[None, :, None])
+            * m.num_experts + topk.astype(np.int64)).ravel()
+    counts = np.bincount(flat, minlength=trace.num_requests * m.num_layers * m.num_experts)
+    kw = {"decode_topk": topk, "output_lens": (lens + 1).astype(np.int64),
+          "decode_counts": counts.reshape(trace.decode_counts.shape).astype(np.int32)}
+    ids = getattr(trace, "decode_token_ids", None)
+    if ids is not None:
+        kw["decode_token_ids"] = ids[rows]
+    return replace(trace, _cache={}, **kw)
+
+
+def _config(model: str, hardware: str, num_decode: int, qps: float, seed: int, *,
+            warmup_s: float, duration_s: float, num_prefill: int) -> SimConfig:
+    return SimConfig(model=model, hardware=hardware, num_prefill=num_prefill,
+                     num_decode=num_decode, qps=float(qps), warmup_s=warmup_s,
+                     duration_s=duration_s, seed=seed)
+
+
+def sustainable_rate(setup: RoutingSetup, model: str, hardware: str, num_decode: int, *,
+                     policies: tuple[str, ...] = ("jsq",), margin: float = 0.65,
+                     num_prefill: int = 4, warmup_s: float = 10.0, duration_s: float = 30.0,
+                     rounds: int = 3, tau: float = 0.1) -> float:
+    """The highest rate (req/s) at which no held-out request meets a copy of itself.
+
+    Copies arrive ``R / qps`` seconds apart (:func:`recycled_arrivals`), so the rate is
+    ``margin · R`` over the longest time a request spends from arrival to its last token
+    under any of ``policies`` (a locality policy that packs requests keeps some longer
+    than a balancer does), measured at the rate found so far, starting from batch-1 step
+    times, for ``rounds`` rounds or until it moves by less than 5 %."""
+    from eldr.sim.steptime import StepModel
+
+    ev = setup.eval
+    R = ev.num_requests
+    probe = _config(model, hardware, num_decode, 1.0, setup.seed, warmup_s=warmup_s,
+                    duration_s=duration_s, num_prefill=num_prefill)
+    sm = StepModel(probe)
+    m = ev.meta
+    one = sm.decode_step_time(m.num_layers * m.top_k, int(ev.prompt_lens.max()))
+    qps = margin * R / float(ev.output_lens.max() * one)
+    for _ in range(rounds):
+        cfg = replace(probe, qps=qps)
+        arrivals = recycled_arrivals(R, qps, cfg.horizon_s, setup.seed)
+        stay = 0.0
+        for name in policies:
+            pol = setup.policy(name, num_decode, tau=tau, seed=setup.seed,
+                               **routing_resources(cfg))
+            res = simulate(ev, cfg, pol, tokens=setup.tokens, arrivals=arrivals,
+                           **setup.inputs(pol))
+            req = res.requests
+            stay = max(stay, float(np.nanmax(req["t_last"] - req["t_arrival"])))
+        new = margin * R / stay
+        if abs(new - qps) <= 0.05 * qps:
+            return float(new)
+        qps = new
+    return float(qps)
+
+
+# -- the comparison ---------------------------------------------------------------------------
+@dataclass
+class Comparison:
+    """Every policy of :func:`compare` on every seed, and its paired differences.
+
+    ``rows``: one per (seed, policy): the simulator's summary plus ``seed``, ``input``
+    (key of :data:`INPUT_LABELS`), ``copies_in_flight``. ``deltas[policy]``: per metric
+    (``p50``, ``p99``, ``distinct``) the :class:`~eldr.intervals.PairedInterval` of the %
+    differences against the best balancer (lowest mean median TPOT over seeds), and
+    ``vs_jsq`` the same against JSQ."""
+
+    model: str
+    hardware: str
+    num_decode: int
+    qps: float
+    trace_input: str  # the locality policies' input (key of INPUT_LABELS)
+    rows: list[dict]
+    best_balancer: str
+    deltas: dict = field(default_factory=dict)  # policy -> {"p50", "p99", "distinct"}
+    vs_jsq: dict = field(default_factory=dict)  # policy -> {"p50", "p99", "distinct"}
+    skipped: dict = field(default_factory=dict)  # policy -> why it did not run
+    notes: list[str] = field(default_factory=list)
+    rho: list[float] = field(default_factory=list)  # held-out ρ of the routing input, per seed
+    heldout: int = 0  # held-out requests of a seed (the first)
+    seconds: float = 0.0
+
+    def mean(self, policy: str, column: str) -> float:
+        vals = [r[column] for r in self.rows if r["policy"] == policy]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    @property
+    def seeds(self) -> int:
+        return len({r["seed"] for r in self.rows})
+
+    def as_dict(self) -> dict:
+        def iv(d):
+            return {p: {k: {"mean": v.mean, "half_width": v.half_width, "n": v.n}
+                        for k, v in m.items()} for p, m in d.items()}
+        return {"model": self.model, "hardware": self.hardware,
+                "num_decode": self.num_decode, "qps": self.qps,
+                "trace_input": self.trace_input, "best_balancer": self.best_balancer,
+                "deltas": iv(self.deltas), "vs_jsq": iv(self.vs_jsq),
+                "skipped": dict(self.skipped), "notes": list(self.notes),
+                "rho": list(self.rho), "heldout": self.heldout, "seeds": self.seeds,
+                "rows": self.rows, "seconds": self.seconds}
+
+
+_METRICS = {"p50": "tpot_median_ms", "p99": "tpot_p99_ms",
+            "distinct": "mean_distinct_per_layer"}
+
+
+def _paired(rows: list[dict], policy: str, base: str) -> dict:
+    by = {(r["seed"], r["policy"]): r for r in rows}
+    seeds = sorted({s for s, p in by if p == policy} & {s for s, p in by if p == base})
+    out = {}
+    for key, col in _METRICS.items():
+        diffs = [100.0 * (by[s, policy][col] / by[s, base][col] - 1.0) for s in seeds
+                 if np.isfinite(by[s, policy][col]) and by[s, base][col]]
+        if diffs:
+            out[key] = paired_interval(diffs)
+    return out
+
+
+def _runnable(policies: tuple[str, ...], kind: str) -> tuple[list[str], dict[str, str]]:
+    """(policies that run on a trace whose locality input is ``kind``, {skipped: why})."""
+    run, skipped = [], {}
+    for p in policies:
+        if POLICIES[p].role == "locality" and kind == "none":
+            skipped[p] = ("no routing input: the trace is decode-only without prompt token "
+                          "ids, so this policy would route by load alone (as JSQ)")
+        else:
+            run.append(p)
+    return run, skipped
+
+
+def _run_seed(setup: RoutingSetup, cfg: SimConfig, policies: list[str], kind: str,
+              tau: float) -> list[dict]:
+    """One row per policy of ``policies`` on one seed's set-up, all on the same arrivals."""
+    arrivals = recycled_arrivals(setup.eval.num_requests, cfg.qps, cfg.horizon_s, cfg.seed)
+    rows = []
+    for p in policies:
+        pol = setup.policy(p, cfg.num_decode, tau=tau, seed=cfg.seed, **routing_resources(cfg))
+        res = simulate(setup.eval, cfg, pol, tokens=setup.tokens, arrivals=arrivals,
+                       **setup.inputs(pol))
+        rows.append({**res.summary(), "seed": cfg.seed, "input": policy_input(p, kind),
+                     "copies_in_flight": copies_in_flight(res),
+                     "heldout_requests": setup.eval.num_requests})
+    return rows
+
+
+def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
+            num_decode: int = 8, seeds: int = 3, qps: float | None = None,
+            policies: tuple[str, ...] = (*BALANCERS, *LOCALITY, *ORACLES),
+            warmup_s: float = 10.0, duration_s: float = 30.0, num_prefill: int = 4,
+            calib_share: float = 0.5, tau: float = 0.1, base_seed: int = 0,
+            setups: list | None = None, log=None) -> Comparison:
+    """Every policy of ``policies`` on ``trace``'s recorded routing, ``seeds`` seeds (seed
+    ``base_seed + j``: its split, fit and arrivals), at ``qps`` (None: the rate the data
+    sustains, :func:`sustainable_rate`, found on the first seed's split and used for all).
+
+    ``model``: the preset of the step-time model (default: the one ``trace.meta.model``
+    names); ``setups``: already fitted set-ups, one per seed (:func:`fit_recorded`)."""
+    t0 = time.perf_counter()
+    preset = get_preset(model or trace.meta.model)
+    if (preset.num_layers, preset.num_experts) != (trace.meta.num_layers,
+                                                   trace.meta.num_experts):
+        raise ValueError(f"trace is (L, E) = ({trace.meta.num_layers}, "
+                         f"{trace.meta.num_experts}), model preset {preset.name} is "
+                         f"({preset.num_layers}, {preset.num_experts})")
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}")
+    kind = routing_input(trace)
+    run, skipped = _runnable(policies, kind)
+    balancers = [p for p in run if POLICIES[p].role == "balancer"]
+    if not balancers:
+        raise ValueError("compare needs at least one balancer among the policies")
+    say = log or (lambda _msg: None)
+    rows: list[dict] = []
+    if setups is None:
+        ts = time.perf_counter()
+        setups = [fit_recorded(trace, seed=base_seed + j, calib_share=calib_share)
+                  for j in range(seeds)]
+        say(f"{preset.name}: {seeds} split(s) fitted, routing input "
+            f"{INPUT_LABELS[kind]} ({time.perf_counter() - ts:.1f} s)")
+    if qps is None:  # the lowest of the seeds' sustainable rates: one rate for all
+        probes = tuple(p for p in ("jsq", "eldr") if p in run) or (balancers[0],)
+        qps = min(sustainable_rate(st, preset.name, hardware, num_decode, policies=probes,
+                                   num_prefill=num_prefill, warmup_s=warmup_s,
+                                   duration_s=duration_s, tau=tau) for st in setups)
+        say(f"{preset.name}: {qps:.1f} req/s, the highest rate at which no request meets a "
+            f"copy of itself ({setups[0].eval.num_requests} held-out requests)")
+    rhos = []
+    for j in range(seeds):
+        ts = time.perf_counter()
+        cfg = _config(preset.name, hardware, num_decode, qps, base_seed + j,
+                      warmup_s=warmup_s, duration_s=duration_s, num_prefill=num_prefill)
+        rhos.append(heldout_rho(setups[j]))
+        rows += _run_seed(setups[j], cfg, run, kind, tau)
+        say(f"{preset.name} seed {cfg.seed}: {len(run)} policies at {qps:.1f} req/s "
+            f"({time.perf_counter() - ts:.1f} s)")
+    means = {p: float(np.mean([r["tpot_median_ms"] for r in rows if r["policy"] == p]))
+             for p in balancers}
+    best = min(means, key=means.get)
+    out = Comparison(preset.name, hardware, num_decode, float(qps), kind, rows, best,
+                     skipped=skipped, rho=rhos, heldout=setups[0].eval.num_requests)
+    for p in run:
+        if p != best:
+            out.deltas[p] = _paired(rows, p, best)
+        if p != "jsq" and "jsq" in run:
+            out.vs_jsq[p] = _paired(rows, p, "jsq")
+    overlaps = sum(r["copies_in_flight"] for r in rows)
+    if overlaps:
+        out.notes.append(f"{overlaps} arrivals (all runs together) met a copy of their "
+                         "request still in flight: the load is above what the data sustains")
+    out.seconds = time.perf_counter() - t0
+    return out
