@@ -113,6 +113,13 @@ PINNED = {  # family -> (type, help text, label names of its samples)
     "eldr_prompt_predictions_total": (
         "counter", "Predictions of a request's routing inputs from its prompt, by result (ok, "
         "or why none: the request is then routed by load).", ("result",)),
+    "eldr_prompt_queue_seconds": (
+        "histogram", "Prompt prediction jobs: seconds from submitted to started on a prompt "
+        "thread.", ()),
+    "eldr_prompt_work_seconds": (
+        "histogram", "Prompt prediction jobs: seconds of tokenization (in a tokenizer process "
+        "or on the thread) and prediction, off the event loop.", ()),
+    "eldr_prompt_jobs": ("gauge", "Prompt prediction jobs in flight (running or queued).", ()),
     "eldr_routing_band_size": (
         "histogram", "Decoders inside the locality band (eldr policies).", ()),
     "eldr_routing_latency_seconds": (

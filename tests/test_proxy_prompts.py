@@ -182,6 +182,13 @@ def with_prompt(router, tokenizer=None) -> None:
         predict=_predict, tokenizer=tokenizer, fingerprint="")))
 
 
+async def tokenizer_ready(router, tokenizer) -> None:
+    """Wait until the router's tokenizer processes have loaded ``tokenizer``."""
+    import asyncio
+
+    await asyncio.gather(*map(asyncio.wrap_future, router.flow.prompts.prepare(tokenizer)))
+
+
 def _m(router, name, **labels):
     return getattr(router.metrics, name).get(**labels)
 
@@ -227,7 +234,8 @@ def test_text_prompts_are_tokenized_by_the_router():
 
     async def go():
         async with cluster(engine_kw={"payload": "none"}) as (router, client, _, _d):
-            with_prompt(router, code_text)
+            with_prompt(router, code_text)  # its tokenizer process starts
+            await tokenizer_ready(router, code_text)
             r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a b"})
             return router, r.status
 

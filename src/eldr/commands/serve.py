@@ -60,6 +60,17 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the chat template the engines use (vllm --chat-template), when the "
                         "tokenizer's folder has none")
+    p.add_argument("--prompt-threads", type=int, default=2, metavar="N",
+                   help="threads predicting prompts off the event loop (default 2)")
+    p.add_argument("--prompt-processes", type=int, default=1, metavar="N",
+                   help="processes tokenizing text prompts and chats (the tokenizer holds "
+                        "the GIL); 0: the prompt threads tokenize (default 1)")
+    p.add_argument("--prompt-queue", type=int, default=32, metavar="N",
+                   help="prompt jobs in flight at most; a request finding it full is routed "
+                        "by load, counted (default 32)")
+    p.add_argument("--prompt-timeout", type=float, default=0.25, metavar="S",
+                   help="seconds a decision waits for its prompt's prediction before routing "
+                        "by load, counted (default 0.25)")
     p.add_argument("--decode-first", action="store_true",
                    help="choose the decoder before the prefill is sent (on the prompt's "
                         "prediction, else by load) and hold it while the prefill runs")
@@ -210,6 +221,10 @@ def config_from_args(args: argparse.Namespace):
         breaker_max_backoff=max(120.0, args.breaker_backoff), workers=args.workers,
         decoders_file=decoders_file, tokenizer=getattr(args, "tokenizer", None),
         chat_template=getattr(args, "chat_template", None),
+        prompt_threads=getattr(args, "prompt_threads", 2),
+        prompt_processes=getattr(args, "prompt_processes", 1),
+        prompt_queue=getattr(args, "prompt_queue", 32),
+        prompt_timeout=getattr(args, "prompt_timeout", 0.25),
         decode_first=getattr(args, "decode_first", False),
         decode_kv_params=_decode_kv_params(getattr(args, "decode_kv_params", [])))
 

@@ -142,6 +142,8 @@ class Router:
         self.live.state = state
         if config is not None:
             self.live.config = config
+        if state.prompt is not None:  # its tokenizer's processes started before a request
+            self.flow.prompts.prepare(state.prompt.tokenizer)
 
     async def reload(self, artifact: str | None = None) -> RoutingState:
         """Reload the artifact (``POST /admin/reload`` and SIGHUP call this; with

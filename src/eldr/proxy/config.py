@@ -135,6 +135,13 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     # (None: the artifact's model folder when known) and a chat template file overriding it
     tokenizer: str | None = None
     chat_template: str | None = None
+    # prompt work off the event loop (eldr.proxy.request.offload): prediction threads,
+    # tokenizer processes (0: the threads tokenize), jobs in flight at most, and the seconds
+    # a decision waits for its job; a full queue or a late job: routed by load, counted
+    prompt_threads: int = 2
+    prompt_processes: int = 1
+    prompt_queue: int = 32
+    prompt_timeout: float = 0.25
     # choose the decoder before the prefill is sent (from the prompt's prediction, else by
     # load), and name it in the prefill request's kv_transfer_params
     decode_first: bool = False
@@ -147,6 +154,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         self._check_routing()
         self._check_server()
         self._check_bounds()
+        self._check_prompt_work()
 
     def _check_engines(self) -> None:
         """URLs well-formed, none twice; decode ids one per decode URL, none twice."""
@@ -232,6 +240,18 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) \
                 or not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be an integer in [1, 256], got {self.workers!r}")
+
+    def _check_prompt_work(self) -> None:
+        for name, lo, hi in (("prompt_threads", 1, 64), ("prompt_processes", 0, 64),
+                             ("prompt_queue", 1, 1 << 16)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        t = self.prompt_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+                math.isfinite(t) and 0 < t <= 60):
+            raise ValueError(f"prompt_timeout must be a number of seconds in (0, 60], got "
+                             f"{t!r}")
 
     def _check_bounds(self) -> None:
         """Timeouts, sizes, intervals, the breaker, containment, footprints, affinity."""

@@ -248,7 +248,7 @@ FALLBACK_REASONS = ("missing", "malformed", "mismatch", "unencodable", "unknown_
 ROUTE_INPUT_SOURCES = ("prefill", "prompt", "none")
 # eldr.proxy.request.prompts.PREDICTION_RESULTS (repeated: this module imports no request code)
 PREDICTION_RESULTS = ("ok", "no_predictor", "no_tokenizer", "no_chat_template",
-                      "untokenizable", "invalid")
+                      "untokenizable", "invalid", "busy", "timeout", "failed")
 ABANDON_REASONS = ("no_decoder", "decoder_4xx", "decode_failed")  # eldr.proxy.request.flow
 KV_RELEASE_RESULTS = ("ok", "refused", "failed")
 RELOAD_RESULTS = ("ok", "error")
@@ -305,6 +305,17 @@ class RouterMetrics:
             "eldr_prompt_predictions_total",
             "Predictions of a request's routing inputs from its prompt, by result (ok, or "
             "why none: the request is then routed by load).", ("result",))
+        self.prompt_queue = reg.histogram(
+            "eldr_prompt_queue_seconds",
+            "Prompt prediction jobs: seconds from submitted to started on a prompt thread.",
+            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))
+        self.prompt_work = reg.histogram(
+            "eldr_prompt_work_seconds",
+            "Prompt prediction jobs: seconds of tokenization (in a tokenizer process or on "
+            "the thread) and prediction, off the event loop.",
+            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0))
+        self.prompt_jobs = reg.gauge(
+            "eldr_prompt_jobs", "Prompt prediction jobs in flight (running or queued).")
         self.band = reg.histogram(
             "eldr_routing_band_size", "Decoders inside the locality band (eldr policies).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))

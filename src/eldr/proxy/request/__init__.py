@@ -6,7 +6,8 @@ a decode, the decoder's answer relayed out (docs/serve.md#one-request).
 :mod:`~eldr.proxy.request.decision`'s, what a prefill answer tells the policy
 :mod:`~eldr.proxy.request.signatures`'; :mod:`~eldr.proxy.request.affinity` picks the
 prefill instance, :mod:`~eldr.proxy.request.containment` keeps poison requests and retry
-storms out, :mod:`~eldr.proxy.request.decodepayload` strips the decode engines' counts and
+storms out, :mod:`~eldr.proxy.request.decodepayload` strips the decode engines' counts,
+:mod:`~eldr.proxy.request.offload` tokenizes and predicts prompts off the event loop and
 :mod:`~eldr.proxy.request.forward` answers vLLM's other routes.
 """
 

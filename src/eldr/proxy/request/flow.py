@@ -62,7 +62,8 @@ from eldr.proxy.request.affinity import PrefixAffinity
 from eldr.proxy.request.containment import RequestGuards, Strikes, body_digest
 from eldr.proxy.request.decision import LiveRouting, RoutingState
 from eldr.proxy.request.decodepayload import decode_report
-from eldr.proxy.request.prompts import RequestPrompt, predict_reading
+from eldr.proxy.request.offload import PromptOffload
+from eldr.proxy.request.prompts import RequestPrompt
 from eldr.proxy.request.relay import (
     ERROR_BODY_LIMIT,
     Decision,
@@ -167,6 +168,9 @@ class RequestFlow:
         self.budget = ByteBudget(config.max_buffered_bytes)  # of non-streaming answers
         self._background: set[asyncio.Task] = set()  # KV releases, streams read to their end
         self.relay = DecodeRelay(config, pool, metrics, guards, self.budget, self._background)
+        self.prompts = PromptOffload(config, metrics)  # tokenization and prediction, off the loop
+        routing = live.state.prompt
+        self.prompts.prepare(routing.tokenizer if routing is not None else None)
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
         self._id_count = itertools.count()
         self._kv_params_for: tuple | None = None  # (state, learning, params) last computed
@@ -214,7 +218,8 @@ class RequestFlow:
                 self._check_decoders()
                 if first:  # the decoder first, held while its prefill runs
                     state = self._current(state)
-                    held, holder = self._hold(state, attempt_id, prompt, excluded, faults)
+                    held, holder = await self._hold(state, attempt_id, prompt, excluded,
+                                                    faults)
                     prefill, doc = await self._prefill_for(
                         state, held, holder, body, kind, prefill_data, hashes, headers, faults)
                 elif not whole:
@@ -225,8 +230,8 @@ class RequestFlow:
                 headers["X-Request-Id"] = attempt_id
             if held is None:
                 state = self._current(state)
-                decision = self._route(state, attempt_id, doc, excluded, faults, whole,
-                                       prompt)
+                decision = await self._route(state, attempt_id, doc, excluded, faults,
+                                             whole, prompt)
             else:  # the held decoder, with what its prefill answered
                 decision = self._held_decision(held, holder, doc)
             decoder = holder or self.pool.decode[decision.worker]
@@ -343,9 +348,9 @@ class RequestFlow:
         headers.update(self.pool.auth_headers())
         return headers
 
-    def _route(self, state: RoutingState, attempt_id: str, doc: dict | None,
-               excluded: list[Instance], faults: Strikes, whole: bool,
-               prompt: RequestPrompt) -> Decision:
+    async def _route(self, state: RoutingState, attempt_id: str, doc: dict | None,
+                     excluded: list[Instance], faults: Strikes, whole: bool,
+                     prompt: RequestPrompt) -> Decision:
         """The decoder of an attempt whose prefill answered (``doc``), or of a short
         prompt served whole (``doc`` None): the prefill's signature when it has one, else
         the prompt's prediction, else by load (the prediction also stands in for a
@@ -354,7 +359,7 @@ class RequestFlow:
         t0 = time.perf_counter()
         if doc is None:
             kv_params = pt = None
-            reading, _ = self._predict(state, prompt)
+            reading, _ = await self._predict(state, prompt)
             if reading is None:
                 reading = Reading(None, None, 0, "none", "short_prompt")
         else:
@@ -362,11 +367,13 @@ class RequestFlow:
             if (reading.problem is not None and reading.problem != "not_used") or (
                     reading.problem is None and state.prompt is not None
                     and _mostly_missing(split_kv_params(doc)[1], pt)):
-                predicted, _ = self._predict(state, prompt)
+                predicted, _ = await self._predict(state, prompt)
                 if predicted is not None:  # the prompt stands in for the missing signature
                     reading = Reading(predicted.signature, predicted.profile,
                                       pt if pt is not None else predicted.context_tokens,
                                       "prompt", None)
+        if state is not self.live.state:  # the decoder set changed while it predicted
+            state = self._current(state)
         try:
             return self._decide(state, attempt_id, reading, kv_params, pt, excluded, faults,
                                 t0)
@@ -375,12 +382,15 @@ class RequestFlow:
                 self.metrics.abandoned.inc(reason="no_decoder")
             raise
 
-    def _predict(self, state: RoutingState, prompt: RequestPrompt) -> tuple[Reading | None, str]:
+    async def _predict(self, state: RoutingState,
+                       prompt: RequestPrompt) -> tuple[Reading | None, str]:
         """The policy's inputs predicted from the prompt (None: it reads none, or they
-        cannot be predicted), counted by outcome when the policy reads any."""
+        cannot be predicted), counted by outcome when the policy reads any. Tokenization
+        and prediction run off the loop, bounded (:mod:`eldr.proxy.request.offload`): a
+        full queue or a late job gives None, and the request is routed by load."""
         if not (state.needs_signature or state.needs_profile):
             return None, "not_used"
-        reading, result = predict_reading(state, prompt)
+        reading, result = await self.prompts.predict(state, prompt)
         self.metrics.predictions.inc(result=result)
         return reading, result
 
@@ -417,8 +427,8 @@ class RequestFlow:
         return Decision(k, route, reading, kv_params, pt, faults)
 
     # -- decode-first ----------------------------------------------------------------------
-    def _hold(self, state: RoutingState, attempt_id: str, prompt: RequestPrompt,
-              excluded: list[Instance], faults: Strikes) -> tuple[Decision, Instance]:
+    async def _hold(self, state: RoutingState, attempt_id: str, prompt: RequestPrompt,
+                    excluded: list[Instance], faults: Strikes) -> tuple[Decision, Instance]:
         """Decode-first: the attempt's decoder, chosen on the prompt's prediction (by load
         without one) before any prefill, and held: dispatched to the policy, its breaker
         and its load, exactly as a decode in flight, until the decode takes it over or
@@ -426,9 +436,10 @@ class RequestFlow:
         another decoder during the prefill moves indices, never the held one (its request
         in flight keeps it in the pool)."""
         t0 = time.perf_counter()
-        reading, _ = self._predict(state, prompt)
+        reading, _ = await self._predict(state, prompt)
         if reading is None:
             reading = Reading(None, None, 0, "none", "decode_first")
+        state = self._current(state)  # the decoder set may have changed while it predicted
         decision = self._decide(state, attempt_id, reading, None, None, excluded, faults, t0)
         decoder = self.pool.decode[decision.worker]
         state.policy.on_dispatch(decision.request, decision.worker)
@@ -556,6 +567,7 @@ class RequestFlow:
     async def stop(self) -> None:
         """Cancel background work (KV releases, streams read to their end) when the
         router stops."""
+        self.prompts.close()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

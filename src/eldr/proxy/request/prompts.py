@@ -32,15 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr.proxy.request.signatures import Reading
-
 __all__ = ["PREDICTION_RESULTS", "PromptRouting", "PromptTokenizer", "RequestPrompt",
-           "Untokenizable", "predict_reading", "prompt_token_ids", "tokenizer_dir_for"]
+           "Untokenizable", "prompt_token_ids", "tokenizer_dir_for"]
 
 # outcomes of one attempt to predict a request's routing inputs from its prompt
 # (eldr_prompt_predictions_total{result}): "ok", or why not
+# ("busy": the prompt work queue was full, "timeout": its job took too long, "failed": the
+# tokenizer process died; eldr.proxy.request.offload)
 PREDICTION_RESULTS = ("ok", "no_predictor", "no_tokenizer", "no_chat_template",
-                      "untokenizable", "invalid")
+                      "untokenizable", "invalid", "busy", "timeout", "failed")
 _MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json larger than this is refused
 _MAX_TEMPLATE_BYTES = 1 << 20
 
@@ -272,15 +272,35 @@ class PromptRouting:
 
 class RequestPrompt:
     """One request's prompt, tokenized at most once, when a decision first needs it (a
-    retry's decision reuses the ids)."""
+    retry's decision reuses the ids). Tokenized by one prediction job at a time
+    (:mod:`eldr.proxy.request.offload`): ``job`` is the request's last one."""
 
-    __slots__ = ("_done", "_ids", "_reason", "body", "kind")
+    __slots__ = ("_done", "_ids", "_reason", "body", "job", "kind")
 
     def __init__(self, body: dict, kind: str) -> None:
         self.body, self.kind = body, kind
         self._done = False
         self._ids: np.ndarray | None = None
         self._reason = "ok"
+        self.job = None  # the asyncio future of the request's last prediction job, or None
+
+    @property
+    def is_done(self) -> bool:
+        """Whether the ids (or why there are none) are known."""
+        return self._done
+
+    def needs_tokenizer(self) -> bool:
+        """Whether the prompt is text (or a chat) to encode, not token ids."""
+        if self.kind == "chat":
+            return True
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return isinstance(prompt, str)
+
+    def set_token_ids(self, ids: np.ndarray | None, reason: str) -> None:
+        """Record ids (or why none) found elsewhere (a tokenizer process)."""
+        self._done, self._ids, self._reason = True, ids, reason
 
     def token_ids(self, tokenizer: PromptTokenizer | None) -> tuple[np.ndarray | None, str]:
         """((P,) int64 ids or None, "ok" or why not: a :data:`PREDICTION_RESULTS` value)."""
@@ -293,34 +313,3 @@ class RequestPrompt:
             except RecursionError:  # a message nested deeper than the template recurses
                 self._reason = "untokenizable"
         return self._ids, self._reason
-
-
-def predict_reading(state, prompt: RequestPrompt) -> tuple[Reading | None, str]:
-    """(the routing inputs ``state.policy`` declares, predicted from the prompt, or None;
-    the outcome, one of :data:`PREDICTION_RESULTS`).
-
-    ``state``: a :class:`~eldr.proxy.request.decision.RoutingState`. Only the inputs the
-    policy reads are filled; the context is the prompt's token count. A prompt the
-    predictor refuses (no tokens, ids outside its vocabulary) is "invalid", never an
-    error of the request.
-    """
-    routing = state.prompt
-    if routing is None:
-        return None, "no_predictor"
-    ids, result = prompt.token_ids(routing.tokenizer)
-    if ids is None:
-        return None, result
-    try:
-        signature, profile = routing.predict(ids)
-    except ValueError:
-        return None, "invalid"
-    want_sig, want_profile = state.needs_signature, state.needs_profile
-    signature = np.asarray(signature, dtype=np.float32).reshape(-1)  # (d,), as payloads give
-    if not np.isfinite(signature).all():
-        return None, "invalid"
-    if want_profile:
-        bind = getattr(state.policy, "bind", None)
-        if bind is not None:
-            bind(*np.shape(profile))
-    return Reading(signature if want_sig else None, profile if want_profile else None,
-                   int(ids.shape[0]), "prompt", None), "ok"

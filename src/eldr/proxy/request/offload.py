@@ -1,0 +1,236 @@
+"""Prompt work off the event loop: tokenization, chat templating and prediction.
+
+The event loop relays every request's bytes; anything slow on it delays them all.
+Tokenizing a 2,048-token prompt takes milliseconds, and the ``tokenizers`` library holds
+the GIL while it encodes (measured: a loop beside an encoding thread waits for the GIL
+switch interval, 5 ms), as jinja2 does while it renders a chat template. So:
+
+- a **prediction job** (tokenize if needed, then ``route_inputs_from_prompt``) runs on a
+  small thread pool (``ServeConfig.prompt_threads``); the compiled prediction kernel
+  releases the GIL (:mod:`eldr.fit.prompt_kernel`);
+- **tokenization and templating** of text prompts run in ``prompt_processes`` worker
+  processes (spawned, each holding its own copy of the tokenizer), where holding the GIL
+  stalls no one: the job's thread waits for the answer with the GIL released. With
+  ``prompt_processes`` 0 the thread tokenizes itself;
+- the work is **bounded**: at most ``prompt_queue`` jobs in flight, and a decision waits
+  at most ``prompt_timeout`` seconds for its job. A request that finds the queue full, or
+  whose job times out, is routed by load, counted as a fallback
+  (``eldr_prompt_predictions_total{result="busy"|"timeout"}``), never refused; a job
+  that timed out still finishes (a thread cannot be stopped), keeping its queue place
+  until then, and a retry of that request reuses its token ids once it has them.
+
+Queueing is measured (``eldr_prompt_queue_seconds``: submitted → started on a thread;
+``eldr_prompt_work_seconds``: the job's own time; ``eldr_prompt_jobs``: in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.metrics import RouterMetrics
+from eldr.proxy.request.prompts import PromptTokenizer, RequestPrompt, Untokenizable
+from eldr.proxy.request.signatures import Reading
+
+__all__ = ["PromptOffload"]
+
+log = logging.getLogger("eldr.serve")
+
+
+@dataclass(frozen=True, slots=True)
+class _Predicted:
+    """What a job hands back to the loop."""
+
+    signature: np.ndarray  # (d,) float32 finite unit signature
+    profile: np.ndarray  # (L, E) float32 predicted profile
+    num_tokens: int  # the prompt's token count (the decision's context)
+
+
+# -- the tokenizer process ------------------------------------------------------------------
+_worker_tokenizer: PromptTokenizer | None = None
+
+
+def _init_worker(directory: str, chat_template: str | None) -> None:
+    """Load the tokenizer once per worker process (the parent's template text, which may
+    come from a file given to the parent only)."""
+    global _worker_tokenizer
+    _worker_tokenizer = PromptTokenizer(directory)
+    _worker_tokenizer.chat_template = chat_template
+
+
+def _tokenize_in_worker(body: dict, kind: str) -> tuple[bytes | None, str]:
+    """(int64 ids as bytes, or None; the :data:`PREDICTION_RESULTS` reason)."""
+    ids, reason = RequestPrompt(body, kind).token_ids(_worker_tokenizer)
+    return (None if ids is None else ids.astype(np.int64).tobytes()), reason
+
+
+def _warm() -> None:
+    """A no-op job: the first real one then finds the process started."""
+
+
+_TOKENIZE_KEYS = ("prompt", "prompt_embeds", "add_special_tokens", "messages",
+                  "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
+class _TokenizerProcesses:
+    """The tokenizer worker processes of one tokenizer (spawned: never a fork of a process
+    running an event loop and threads)."""
+
+    def __init__(self, tokenizer: PromptTokenizer, processes: int) -> None:
+        import multiprocessing
+
+        self.tokenizer = tokenizer
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(str(tokenizer.directory), tokenizer.chat_template))
+        # started now, each with its tokenizer loaded: done when all answered
+        self.ready = [self.pool.submit(_warm) for _ in range(processes)]
+
+    def token_ids(self, prompt: RequestPrompt, timeout: float) -> tuple[np.ndarray | None, str]:
+        """The prompt's ids, tokenized in a worker (called on a job's thread: waiting
+        releases the GIL); TimeoutError after ``timeout`` s."""
+        body = {k: prompt.body[k] for k in _TOKENIZE_KEYS if k in prompt.body}
+        raw, reason = self.pool.submit(_tokenize_in_worker, body, prompt.kind).result(timeout)
+        return (None if raw is None else np.frombuffer(raw, dtype=np.int64)), reason
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PromptOffload:
+    """Runs prompt predictions off the event loop (module docstring). ``config``: the
+    router's (``prompt_threads``, ``prompt_processes``, ``prompt_queue``,
+    ``prompt_timeout``); ``metrics``: the router's (``prompt_queue``, ``prompt_work``,
+    ``prompt_jobs``)."""
+
+    def __init__(self, config: ServeConfig, metrics: RouterMetrics) -> None:
+        self.config, self.metrics = config, metrics
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.prompt_threads, thread_name_prefix="eldr-prompt")
+        self._in_flight = 0
+        self._processes: _TokenizerProcesses | None = None
+        self._lock = threading.Lock()  # guards _processes (jobs' threads create it)
+        self._closed = False
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def predict(self, state, prompt: RequestPrompt) -> tuple[Reading | None, str]:
+        """(the inputs ``state.policy`` reads, predicted from the prompt, or None; the
+        outcome, one of :data:`~eldr.proxy.request.prompts.PREDICTION_RESULTS`)."""
+        routing = state.prompt
+        if routing is None:
+            return None, "no_predictor"
+        if prompt.job is not None and not prompt.job.done():
+            return None, "timeout"  # the request's last job is still running
+        if self._in_flight >= self.config.prompt_queue or self._closed:
+            return None, "busy"
+        submitted = time.perf_counter()
+        job = asyncio.wrap_future(self._threads.submit(self._run, routing, prompt, submitted))
+        prompt.job = job
+        self._in_flight += 1
+        self.metrics.prompt_jobs.set(self._in_flight)
+        job.add_done_callback(self._finished)
+        try:
+            predicted, result = await asyncio.wait_for(asyncio.shield(job),
+                                                       self.config.prompt_timeout)
+        except TimeoutError:
+            return None, "timeout"
+        if predicted is None:
+            return None, result
+        if state.needs_profile:
+            bind = getattr(state.policy, "bind", None)
+            if bind is not None:  # the policy's own state: touched on the loop only
+                bind(*np.shape(predicted.profile))
+        return Reading(predicted.signature if state.needs_signature else None,
+                       predicted.profile if state.needs_profile else None,
+                       predicted.num_tokens, "prompt", None), "ok"
+
+    def _finished(self, job: asyncio.Future) -> None:
+        self._in_flight -= 1
+        self.metrics.prompt_jobs.set(self._in_flight)
+        if not job.cancelled() and job.exception() is not None:
+            log.warning("a prompt prediction job failed: %r", job.exception())
+
+    # -- on a job's thread ---------------------------------------------------------------
+    def _run(self, routing, prompt: RequestPrompt,
+             submitted: float) -> tuple[_Predicted | None, str]:
+        started = time.perf_counter()
+        self.metrics.prompt_queue.observe(started - submitted)
+        try:
+            return self._predict(routing, prompt)
+        finally:
+            self.metrics.prompt_work.observe(time.perf_counter() - started)
+
+    def _predict(self, routing, prompt: RequestPrompt) -> tuple[_Predicted | None, str]:
+        ids, result = self._token_ids(routing.tokenizer, prompt)
+        if ids is None:
+            return None, result
+        try:
+            signature, profile = routing.predict(ids)
+        except ValueError:
+            return None, "invalid"
+        signature = np.asarray(signature, dtype=np.float32).reshape(-1)  # as payloads give
+        if not np.isfinite(signature).all():
+            return None, "invalid"
+        return _Predicted(signature, profile, int(ids.shape[0])), "ok"
+
+    def _token_ids(self, tokenizer: PromptTokenizer | None,
+                   prompt: RequestPrompt) -> tuple[np.ndarray | None, str]:
+        """The prompt's ids: in a tokenizer process for text, on this thread for ids (no
+        tokenizer) or when processes are off."""
+        if tokenizer is None or self.config.prompt_processes == 0 or prompt.is_done \
+                or not prompt.needs_tokenizer():
+            return prompt.token_ids(tokenizer)
+        procs = self._tokenizer_processes(tokenizer)
+        try:
+            ids, reason = procs.token_ids(prompt, self.config.prompt_timeout * 4 + 1.0)
+        except concurrent.futures.TimeoutError:
+            return None, "timeout"
+        except Untokenizable as exc:
+            return None, exc.reason
+        except Exception as exc:  # a worker died (BrokenProcessPool) or failed: start anew
+            log.warning("the prompt tokenizer process failed (%r): restarting it", exc)
+            with self._lock:
+                if self._processes is procs:
+                    self._processes = None
+            procs.close()
+            return None, "failed"
+        prompt.set_token_ids(ids, reason)
+        return ids, reason
+
+    def prepare(self, tokenizer: PromptTokenizer | None) -> list[concurrent.futures.Future]:
+        """Start the tokenizer processes for ``tokenizer`` now (the router does when its
+        routing state has one), not on the first request, which would wait for them and
+        be routed by load; the futures are done once every process has loaded it."""
+        if tokenizer is None or self.config.prompt_processes == 0 or self._closed:
+            return []
+        return self._tokenizer_processes(tokenizer).ready
+
+    def _tokenizer_processes(self, tokenizer: PromptTokenizer) -> _TokenizerProcesses:
+        with self._lock:
+            procs = self._processes
+            if procs is None or procs.tokenizer is not tokenizer:
+                if procs is not None:
+                    procs.close()
+                procs = self._processes = _TokenizerProcesses(tokenizer,
+                                                              self.config.prompt_processes)
+            return procs
+
+    def close(self) -> None:
+        """Stop taking jobs; running ones are left to finish (threads cannot be stopped)."""
+        self._closed = True
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._processes is not None:
+                self._processes.close()
+                self._processes = None

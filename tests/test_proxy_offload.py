@@ -1,0 +1,148 @@
+"""Prompt work off the event loop (eldr.proxy.request.offload): a slow tokenization or
+prediction holds up no other request, a full queue or a late job routes by load (counted,
+never refused), and text is tokenized in a worker process as in the router."""
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from _proxy_fakes import cluster, domain_counts, fake_encoder, run
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.request.prompts import PromptRouting, PromptTokenizer, tokenizer_dir_for
+
+SLOW = 0.8  # seconds a slow tokenization or prediction takes
+CODE_IDS = [11, 12, 13]  # the fake predictor's "code" prompt
+LAW_IDS = [21, 22, 23]
+
+
+def _predict(ids):
+    """The fake model's inputs (prompts holding 11 look like code); a prompt holding 99 is
+    slow to predict (a blocking call, as a prediction on the loop would be)."""
+    ids = np.asarray(ids).tolist()
+    if 99 in ids:
+        time.sleep(SLOW)
+    counts = domain_counts("code" if 11 in ids else "law")
+    signature = fake_encoder().transform(counts).reshape(-1).astype(np.float32)
+    profile = (counts / counts.sum(axis=1, keepdims=True) * 4).astype(np.float32)
+    return signature, profile
+
+
+class SlowTokenizer:
+    """Encodes any text as the code prompt, blocking for ``SLOW`` seconds."""
+
+    def encode(self, text, *, add_special_tokens=True):
+        time.sleep(SLOW)
+        return list(CODE_IDS)
+
+
+def _with_prompt(router, tokenizer=None) -> None:
+    router.swap(dataclasses.replace(router.state, prompt=PromptRouting(
+        predict=_predict, tokenizer=tokenizer, fingerprint="")))
+
+
+def _m(router, name, **labels):
+    return getattr(router.metrics, name).get(**labels)
+
+
+async def _timed(client, body):
+    t0 = time.perf_counter()
+    r = await client.post("/v1/completions", json={"model": "tiny", **body})
+    await r.read()
+    return r.status, r.headers["X-Eldr-Decoder"], time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("slow_body", [{"prompt": "some text"}, {"prompt": [99, 11]}],
+                         ids=["tokenization", "prediction"])
+def test_a_slow_prompt_does_not_hold_up_another_requests_relay(slow_body):
+    """The slow request's job blocks a prompt thread for SLOW s; a request sent just after
+    it, routed on its own (quick) prediction, is relayed meanwhile."""
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}, prompt_processes=0,
+                           prompt_timeout=2 * SLOW + 1) as (router, client, _, _d):
+            _with_prompt(router, SlowTokenizer())
+            slow = asyncio.ensure_future(_timed(client, slow_body))
+            await asyncio.sleep(0.1)  # the slow job has started
+            quick = await _timed(client, {"prompt": LAW_IDS})
+            return router, await slow, quick
+
+    router, slow, quick = run(go())
+    assert slow[:2] == (200, "w-code") and slow[2] >= SLOW  # routed on its prediction
+    assert quick[:2] == (200, "w-other")
+    assert quick[2] < SLOW / 2  # not behind the slow one
+    assert _m(router, "predictions", result="ok") == 2
+    assert router.metrics.prompt_work.count() == 2
+
+
+def test_a_full_queue_routes_by_load_and_never_refuses():
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}, prompt_threads=1, prompt_queue=1,
+                           prompt_timeout=2 * SLOW + 1) as (router, client, _, _d):
+            _with_prompt(router)
+            slow = asyncio.ensure_future(_timed(client, {"prompt": [99, 11]}))
+            await asyncio.sleep(0.1)
+            busy = await _timed(client, {"prompt": CODE_IDS})
+            return router, await slow, busy
+
+    router, slow, busy = run(go())
+    assert slow[0] == busy[0] == 200
+    assert busy[2] < SLOW / 2
+    assert _m(router, "predictions", result="busy") == 1
+    assert _m(router, "predictions", result="ok") == 1
+    assert _m(router, "fallbacks", reason="missing") == 1  # routed by load, counted
+    assert _m(router, "route_inputs", source="none") == 1
+
+
+def test_a_late_prediction_routes_by_load_and_its_retry_does_not_wait_again():
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}, prompt_timeout=0.1) as (
+                router, client, _, _d):
+            _with_prompt(router)
+            late = await _timed(client, {"prompt": [99, 11]})
+            ok = await _timed(client, {"prompt": CODE_IDS})
+            await asyncio.sleep(SLOW)  # the late job ends: its place in the queue is free
+            return router, late, ok, router.flow.prompts.in_flight
+
+    router, late, ok, in_flight = run(go())
+    assert late[0] == 200 and late[2] < SLOW
+    assert ok[:2] == (200, "w-code")
+    assert _m(router, "predictions", result="timeout") == 1
+    assert _m(router, "predictions", result="ok") == 1
+    assert in_flight == 0
+    assert router.metrics.prompt_queue.count() == 2  # both jobs started on a thread
+
+
+def test_text_is_tokenized_in_a_worker_process_as_in_the_router():
+    pytest.importorskip("tokenizers")
+    tok = PromptTokenizer(tokenizer_dir_for("tiny_moe"))
+    seen = []
+
+    def predict(ids):
+        seen.append(np.asarray(ids).tolist())
+        return _predict(CODE_IDS)
+
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}, prompt_processes=1) as (
+                router, client, _, _d):
+            router.swap(dataclasses.replace(router.state, prompt=PromptRouting(
+                predict=predict, tokenizer=tok, fingerprint="")))
+            await asyncio.gather(*map(asyncio.wrap_future, router.flow.prompts.prepare(tok)))
+            r = await _timed(client, {"prompt": "hello there, router"})
+            return router, r
+
+    router, r = run(go())
+    assert r[:2] == (200, "w-code")
+    assert seen == [tok.encode("hello there, router")]
+    assert _m(router, "predictions", result="ok") == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("prompt_threads", 0), ("prompt_threads", True), ("prompt_processes", -1),
+    ("prompt_queue", 0), ("prompt_timeout", 0), ("prompt_timeout", float("nan")),
+    ("prompt_timeout", 61)])
+def test_prompt_work_settings_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                    **{field: value})
