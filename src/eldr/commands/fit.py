@@ -85,6 +85,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trace = load(args.trace)
     print(trace.describe())
+    if not trace.has_prefill:
+        raise ValueError(
+            "a routing artifact needs prefill counts (the router's signature is the prefill "
+            "signature) and this trace is decode-only, so nothing is fitted. What the trace "
+            "still tells: eldr score TRACE (rho and the distinct-expert cut of the "
+            "whole-decode oracle, the first decode tokens as a labelled stand-in, domain "
+            "labels and, with prompt token ids, the prompt predictor on decode profiles); "
+            "docs/trace-format.md, 'Decode-only traces'")
 
     def stage(name: str) -> None:
         print(f"[{time.perf_counter() - t0:6.2f}s] {name} ...", file=sys.stderr, flush=True)

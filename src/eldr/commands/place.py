@@ -25,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     art = artifact.load(args.artifact)
     trace = load(args.trace)
     art.check_model(trace)
+    trace.require_prefill("eldr place (it assigns each request to a decoder by its prefill "
+                          "signature)")
     K = art.num_workers
     # Each decoder's requests: the balanced assignment of the trace to the centroids, i.e.
     # the clusters as fitted (on the calibration trace, exactly the K-means labels).

@@ -15,14 +15,17 @@ the band may do worse than load balancing. The router's rule (:class:`Prediction
 - **global**: the predictor's cross-validated R² on its own fit data must reach
   ``min_r2`` (0.1 by default, fixed before looking at any held-out data); below it the
   predictor is not used at all (load balancing);
-- **per request**: the share of the prompt's n-grams (unigrams and bigrams, hashed as the
-  predictor hashes them) seen in the fit prompts, its *coverage*, must reach the
-  ``quantile`` (5 %) of the coverages the cross-validation folds' held-out prompts had
-  against their own training folds. A prompt less familiar than 95 % of the calibration's
-  held-out prompts is routed by load alone (an all-zero signature makes the band every
-  decoder).
+- **per request**: a statistic of how familiar the prompt is must reach the ``quantile``
+  (5 %) of the values the cross-validation folds' held-out prompts had against their own
+  training folds; a prompt less familiar than 95 % of the calibration's held-out prompts is
+  routed by load alone (an all-zero signature makes the band every decoder). Two
+  statistics: ``coverage``, the share of the prompt's hashed n-grams (unigrams and bigrams,
+  as the predictor hashes them) seen in the fit prompts, the first design; and
+  ``familiarity``, the highest TF-IDF cosine to a fit prompt, designed after coverage
+  admitted every prompt of a held-out family (docs/real-models.md says which result is
+  clean).
 
-Both thresholds come from the fit data alone; the held-out family is only measured.
+Both thresholds come from the fit data alone; held-out families are only measured.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import numpy as np
 from eldr.fit.prompt import PromptPredictor, ngram_hashes
 from eldr.traces.trace import Trace
 
-__all__ = ["PredictionGate", "decode_profiles", "fit_decode_predictor", "ngram_coverage"]
+__all__ = ["STATISTICS", "PredictionGate", "decode_profiles", "familiarity", "fit_decode_predictor",
+           "ngram_coverage"]
 
 
 def decode_profiles(trace: Trace) -> np.ndarray:
@@ -81,49 +85,79 @@ def _seen(prompts: list[np.ndarray], bits: int) -> np.ndarray:
         else np.zeros(0, dtype=np.uint64)
 
 
+def familiarity(prompts: list[np.ndarray], reference: list[np.ndarray],
+                vocab_size: int) -> np.ndarray:
+    """(R,) each prompt's highest cosine similarity to a ``reference`` prompt, both as
+    unigram TF-IDF over the token ids (IDF from the reference; :func:`token_tfidf`)."""
+    from eldr.fit.prompt_eval import token_tfidf
+
+    ref = token_tfidf(reference, reference, vocab_size)
+    x = token_tfidf(reference, prompts, vocab_size)
+    return (x @ ref.T).max(axis=1) if len(reference) else np.zeros(len(prompts))
+
+
+STATISTICS = ("coverage", "familiarity")
+
+
 @dataclass(frozen=True)
 class PredictionGate:
-    """When a router may route on a prompt prediction (module docstring)."""
+    """When a router may route on a prompt prediction (module docstring).
+
+    ``statistic``: ``coverage`` (share of the prompt's hashed n-grams seen in the fit
+    prompts) or ``familiarity`` (highest TF-IDF cosine to a fit prompt; the fit prompts'
+    unigram TF-IDF rows are kept, so it costs their size)."""
 
     cv_r2: float  # the predictor's cross-validated R² on its fit data
     min_r2: float  # below it: never route on the prediction
-    min_coverage: float  # a prompt's n-gram coverage below it: load balancing
-    quantile: float  # the calibration quantile min_coverage is
+    statistic: str  # "coverage" or "familiarity"
+    threshold: float  # a prompt whose statistic is below it: load balancing
+    quantile: float  # the calibration quantile the threshold is
     bits: int  # the hash of the coverage (the predictor's)
     seen: np.ndarray  # sorted buckets of the fit prompts' n-grams
+    reference: tuple  # the fit prompts (familiarity)
+    vocab_size: int
 
     @classmethod
     def calibrate(cls, predictor: PromptPredictor, prompts: list[np.ndarray], *,
-                  min_r2: float = 0.1, quantile: float = 0.05, folds: int = 3,
-                  random_state: int | None = 0) -> PredictionGate:
-        """From the fit prompts alone: each fold's held-out prompts' coverage against the
+                  statistic: str = "coverage", min_r2: float = 0.1, quantile: float = 0.05,
+                  folds: int = 3, random_state: int | None = 0) -> PredictionGate:
+        """From the fit prompts alone: each fold's held-out prompts' statistic against the
         other folds, its ``quantile`` the per-request threshold."""
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
         bits = predictor.bits_
+        vocab = int(max(int(p.max()) for p in prompts)) + 1
         fold = np.random.default_rng(random_state).permutation(len(prompts)) % folds
-        cov = []
+        values = []
         for f in range(folds):
             train = [p for p, g in zip(prompts, fold, strict=True) if g != f]
             held = [p for p, g in zip(prompts, fold, strict=True) if g == f]
-            cov.append(ngram_coverage(held, _seen(train, bits), bits))
-        threshold = float(np.quantile(np.concatenate(cov), quantile))
-        return cls(cv_r2=float(predictor.cv_r2_), min_r2=min_r2, min_coverage=threshold,
-                   quantile=quantile, bits=bits, seen=_seen(prompts, bits))
+            values.append(ngram_coverage(held, _seen(train, bits), bits)
+                          if statistic == "coverage" else familiarity(held, train, vocab))
+        threshold = float(np.quantile(np.concatenate(values), quantile))
+        return cls(cv_r2=float(predictor.cv_r2_), min_r2=min_r2, statistic=statistic,
+                   threshold=threshold, quantile=quantile, bits=bits,
+                   seen=_seen(prompts, bits), reference=tuple(prompts), vocab_size=vocab)
 
     @property
     def enabled(self) -> bool:
         """Whether the predictor is good enough to route on at all."""
         return bool(np.isfinite(self.cv_r2) and self.cv_r2 >= self.min_r2)
 
-    def coverage(self, prompts: list[np.ndarray]) -> np.ndarray:
-        return ngram_coverage(prompts, self.seen, self.bits)
+    def score(self, prompts: list[np.ndarray]) -> np.ndarray:
+        """(R,) the gate's statistic of each prompt."""
+        if self.statistic == "coverage":
+            return ngram_coverage(prompts, self.seen, self.bits)
+        vocab = max(self.vocab_size, max(int(p.max()) for p in prompts) + 1)
+        return familiarity(prompts, list(self.reference), vocab)
 
     def admit(self, prompts: list[np.ndarray]) -> np.ndarray:
         """(R,) bool: route on the prediction (True) or by load alone (False)."""
         if not self.enabled:
             return np.zeros(len(prompts), dtype=bool)
-        return self.coverage(prompts) >= self.min_coverage
+        return self.score(prompts) >= self.threshold
 
     def as_dict(self) -> dict:
-        return {"cv_r2": round(self.cv_r2, 6), "min_r2": self.min_r2,
-                "min_coverage": round(self.min_coverage, 6), "quantile": self.quantile,
-                "bits": self.bits, "enabled": self.enabled}
+        return {"statistic": self.statistic, "cv_r2": round(self.cv_r2, 6),
+                "min_r2": self.min_r2, "threshold": round(self.threshold, 6),
+                "quantile": self.quantile, "enabled": self.enabled}
