@@ -7,6 +7,33 @@ import pytest
 
 from eldr.traces.trace import Trace, TraceMeta
 
+# Test files whose outcomes pass through BLAS kernels (numpy's OpenBLAS, torch's MKL), numpy's
+# SIMD loops (float32 exp and log, reductions) or thread counts. They assert what holds on
+# every CPU (docs/testing.md), and `.ci/run` runs them a second time under other kernel
+# paths (`scripts/other_kernels.sh`, `-m floats`) so a test that holds on one CPU's kernels
+# only fails on any machine. A new test file of that kind belongs here.
+FLOAT_SENSITIVE = frozenset({
+    "test_artifact.py", "test_assign.py", "test_capture_hf.py", "test_capture_wide.py",
+    "test_cluster.py", "test_commands_calibrate.py", "test_fit_prompt.py",
+    "test_fit_prompt_eval.py", "test_intervals.py", "test_learn_drift.py",
+    "test_learn_refit.py", "test_placement.py", "test_predictor.py", "test_premises.py",
+    "test_routing.py", "test_routing_cost.py", "test_routing_stages.py", "test_signature.py",
+    "test_sim_engine.py", "test_sim_golden.py", "test_sim_metrics.py", "test_sim_stepfit.py",
+    "test_sim_steptime.py", "test_synth.py", "test_traces_sampling.py",
+})
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "floats: results depend on BLAS kernels, SIMD paths or thread counts "
+        "(run again under scripts/other_kernels.sh in CI)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in FLOAT_SENSITIVE:
+            item.add_marker(pytest.mark.floats)
+
 
 def make_trace(
     num_requests: int = 40,
