@@ -47,9 +47,7 @@ def local_serve(num_cpus: int = 8, **init_kw):
     tmp = tempfile.mkdtemp(prefix="eldr-ray-")  # short: Ray keeps sockets there
     port = free_port()
     ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES,
-             include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"ELDR_RAY_LOG_DIR": os.path.join(tmp, "engines")}},
-             **init_kw)
+             include_dashboard=False, _temp_dir=tmp, log_to_driver=False, **init_kw)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}", tmp
@@ -57,4 +55,51 @@ def local_serve(num_cpus: int = 8, **init_kw):
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def two_node_serve(head_cpus: int = 4, worker_cpus: int = 6):
+    """(Serve's HTTP base URL, head node id, worker node id) of a Ray cluster of two nodes
+    on this machine: a head with resource ``eldr_head`` and a worker with ``eldr_worker``,
+    each its own raylet and object store (Ray's ``cluster_utils``, what ``ray start --head``
+    and ``ray start --address`` give, with every process ours to stop). Serve's HTTP proxy
+    runs on the head only (both nodes share this machine's ports)."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from eldr.deploy import free_port
+
+    tmp = tempfile.mkdtemp(prefix="eldr-ray2-")
+    # Ray's cluster_utils writes the cluster's address where a bare ray.init() on this
+    # machine would find and join it: into our own folder, never the shared default
+    saved_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    os.makedirs(os.path.join(tmp, "ray"))
+    common = {"object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "resources": {"eldr_head": 100},
+        "temp_dir": os.path.join(tmp, "ray"), **common})
+    try:
+        worker = cluster.add_node(num_cpus=worker_cpus, resources={"eldr_worker": 100},
+                                  **common)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = free_port()
+        serve.start(proxy_location="HeadOnly",
+                    http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}", cluster.head_node.node_id, worker.node_id
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        if saved_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmpdir
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,9 +4,11 @@ whole app on a local Ray with stand-in engines (no vLLM).
 The stand-in engines (tests/_ray_standin_engine.py) are processes the engine replicas
 start instead of vLLM: their prefill answers carry the eldr payload of the prompt's
 expert counts ("code" prompts experts 0-3, others 4-7), and the artifact is fitted on a
-trace of exactly those two families, so each family has its decoder. The Serve test checks
-that the decoder each request got is the one the artifact names for its payload, with
-two ingress replicas sharing one table, that every reservation is released, and that a
+trace of exactly those two families, so each family has its decoder. The Serve test runs on
+a Ray cluster of two nodes on this machine (decoders on the worker node, prefill and two
+ingress replicas on the head) and checks that the decoders are placed there, that the
+decoder each request got is the one the artifact names for its payload, with the two
+ingress replicas sharing one table, that every reservation is released, and that a
 decode engine killed before its first byte is retried on the other decoder.
 """
 
@@ -156,9 +158,28 @@ def _settled(base: str, timeout: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
+def _leave_mid_stream(base: str, prompt: str) -> None:
+    """Open a streamed completion, read its first event, check it holds its decoder, and
+    close the connection."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert b"data: " in resp.fp.readline() + resp.fp.readline()
+    assert _table(base)["held"] == 1
+    conn.sock.shutdown(2)
+    conn.close()
+
+
 @pytest.mark.slow
-def test_the_app_on_ray_routes_on_the_payload_and_releases_everything(tmp_path):
-    from _ray_serve import local_serve
+def test_the_app_on_two_ray_nodes_routes_on_the_payload_and_releases_everything(tmp_path):
+    from _ray_serve import two_node_serve
 
     art = _families_artifact(tmp_path)
     args = _args(_model(tmp_path), store=str(tmp_path / "kv"), policy="eldr",
@@ -169,8 +190,14 @@ def test_the_app_on_ray_routes_on_the_payload_and_releases_everything(tmp_path):
                                                  "{port}", role.split("_")[0]],
                                      "ready_timeout": 60}
         args[role]["deployment_config"]["health_check_period_s"] = 3.0
-    args["ingress_deployment_config"] = {"num_replicas": 2}
-    with local_serve() as (base, _tmp):
+    # decoders on the worker node; prefill and ingress on the head
+    args["decode_config"]["deployment_config"]["ray_actor_options"] = {
+        "resources": {"eldr_worker": 1}}
+    args["prefill_config"]["deployment_config"]["ray_actor_options"] = {
+        "resources": {"eldr_head": 1}}
+    args["ingress_deployment_config"] = {"num_replicas": 2,
+                                         "ray_actor_options": {"resources": {"eldr_head": 1}}}
+    with two_node_serve() as (base, head, worker):
         from ray import serve
 
         from eldr.integrations.ray import build_eldr_pd_app
@@ -182,6 +209,9 @@ def test_the_app_on_ray_routes_on_the_payload_and_releases_everything(tmp_path):
             assert time.monotonic() < deadline, _table(base)
             time.sleep(0.2)
         print(f"app ready in {time.monotonic() - t0:.1f} s")
+        snap = _table(base)
+        assert [d["node"] for d in snap["decoders"]] == [worker, worker]
+        assert [p["node"] for p in snap["prefills"]] == [head]
         prompts = ["code: a quicksort", "the law of contracts", "more code", "a legal brief"]
         for stream in (False, True):
             for prompt in prompts:
@@ -200,6 +230,15 @@ def test_the_app_on_ray_routes_on_the_payload_and_releases_everything(tmp_path):
         assert snap["counters"]["reservations:completed"] == 9
         assert len({d["replica"] for d in snap["decoders"]}) == 2
 
+        # a client that leaves mid-stream: Serve cancels the ingress, which releases
+        _leave_mid_stream(base, "code, slowly")
+        deadline = time.monotonic() + 10
+        while _table(base)["counters"].get("reservations:cancelled", 0) != 1:
+            assert time.monotonic() < deadline, _table(base)
+            time.sleep(0.1)
+        snap = _settled(base)
+        assert snap["held"] == 0 and [d["load"] for d in snap["decoders"]] == [0.0, 0.0]
+
         # a decode engine killed before its first byte: retried on the other decoder
         victim_name = _expected(art, "code")
         victim = next(d for d in snap["decoders"] if d["name"] == victim_name)
@@ -210,6 +249,7 @@ def test_the_app_on_ray_routes_on_the_payload_and_releases_everything(tmp_path):
         assert hdr["X-Eldr-Decoder"] != victim_name and hdr["X-Eldr-Attempts"] == "2"
         snap = _settled(base)
         assert snap["held"] == 0 and snap["counters"]["reservations:failed"] == 1
+        assert snap["counters"]["reservations:completed"] == 10
         # Serve replaces the dead replica; the new one takes the dead one's slot
         deadline = time.monotonic() + 60
         while True:
