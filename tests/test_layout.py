@@ -24,6 +24,7 @@ FORBIDDEN = {
     "learn": ("sim", "reproduce", "proxy", "commands", "capture", "cache", "deploy"),
     "proxy": ("reproduce", "commands", "sim"),
     "deploy": ("reproduce", "commands", "sim", "proxy", "routing", "learn"),
+    "integrations": ("reproduce", "commands", "sim", "learn"),
 }
 
 
@@ -204,6 +205,10 @@ PUBLIC_API = {
     "eldr.deploy": {"ChildProcess", "ClusterSpec", "LocalCluster", "engine_command",
                     "free_port"},
     "eldr.fit": set(),
+    "eldr.integrations": set(),
+    "eldr.integrations.ray": {"TESTED_RAY", "Answer", "DecodeTable", "PDAppConfig", "PDRelay",
+                              "RelayConfig", "TableConfig", "build_eldr_pd_app",
+                              "check_ray_version", "parse_args"},
     "eldr.learn": set(),
     "eldr.proxy": {"ServeConfig"},
     "eldr.proxy.control": {"AdminToken", "ElasticPool", "ForwardLearning", "JournalLink",
