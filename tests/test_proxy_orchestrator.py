@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from _proxy_fakes import FakeEngine, cluster, domain_counts, run
 from eldr.cli import main
-from eldr.commands.orchestrate import OrchestrateConfig, Orchestrator
+from eldr.proxy.orchestrator import OrchestrateConfig, Orchestrator
 from eldr.proxy.selection import service as selection_service
 
 TOKEN = "orchestrate-token-1"
@@ -211,3 +211,31 @@ def test_bad_arguments_end_with_one_line_and_exit_2(argv, says, capsys, monkeypa
     assert main(["orchestrate", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
+
+
+def test_unknown_paths_and_wrong_methods_get_eldr_serves_json_errors():
+    async def go():
+        engine = await FakeEngine("p").start()
+        config = OrchestrateConfig(router="http://127.0.0.1:9", prefill_urls=(engine.url,),
+                                   token=TOKEN, timeout=2.0)
+        client = TestClient(TestServer(Orchestrator(config).make_app(), port=0))
+        await client.start_server()
+        try:
+            out = []
+            for method, path in (("GET", "/nowhere"), ("GET", "/v1/completions"),
+                                 ("DELETE", "/health")):
+                resp = await client.request(method, path)
+                out.append((resp.status, resp.content_type, resp.headers.get("Allow"),
+                            await resp.json()))
+            return out
+        finally:
+            await client.close()
+            await engine.close()
+
+    missing, get_completions, delete_health = run(go())
+    assert missing[:3] == (404, "application/json", None)
+    assert missing[3]["error"]["message"] == "no route GET /nowhere"
+    assert missing[3]["error"]["code"] == 404
+    assert get_completions[:3] == (405, "application/json", "POST")
+    assert get_completions[3]["error"]["code"] == 405
+    assert delete_health[0] == 405 and "GET" in delete_health[2]

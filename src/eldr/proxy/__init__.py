@@ -9,6 +9,8 @@ the modules every part reads: :mod:`~eldr.proxy.config` (settings),
 :mod:`~eldr.proxy.errors`, :mod:`~eldr.proxy.metrics`, :mod:`~eldr.proxy.bodies` (bounded
 reads, request bodies); and the two that make the server: :mod:`~eldr.proxy.app` (the
 router: its parts wired together, the HTTP routes) and :mod:`~eldr.proxy.httpserver`.
+:mod:`~eldr.proxy.orchestrator` is apart: ``eldr orchestrate``, the selection API's
+reference client, an HTTP app of its own that takes every decision from a router.
 aiohttp is needed (the ``serve`` extra); it is imported only when the router runs, so
 ``import eldr.proxy`` works without it.
 """
