@@ -80,8 +80,17 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
                         "address of it; repeatable)")
     p.add_argument("--load-slack", type=float, default=None, metavar="S",
                    help="eldr_cost only: no decoder may hold more than (1 + S) x the mean "
-                        "load + 1, at all times (default: S = 0.1 only near expert "
-                        "saturation)")
+                        "load + 1, at all times (default: no bound, except near expert "
+                        f"saturation, where S = {_cost_default('saturated_slack'):g})")
+
+
+def _cost_default(name: str):
+    """A default of :class:`eldr.routing.cost.CostPolicy` (the help states the code's)."""
+    import inspect
+
+    from eldr.routing.cost import CostPolicy
+
+    return inspect.signature(CostPolicy.__init__).parameters[name].default
 
 
 def _add_server(p: argparse.ArgumentParser) -> None:

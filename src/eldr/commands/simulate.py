@@ -14,6 +14,8 @@ import sys
 import time
 
 HELP = "Simulate a PD-disaggregated MoE cluster: policies x request rates -> TPOT/TTFT table."
+DEFAULT_QPS = (20.0, 40.0, 60.0, 80.0, 100.0)  # Poisson rates without --qps, req/s
+DEFAULT_WORKLOAD = "task"  # generated routing's domain mix without --workload
 
 
 def _floats(text: str) -> list[float]:
@@ -40,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-30b-a3b", help="model preset (default "
                    "qwen3-30b-a3b)")
     p.add_argument("--workload", help="domain mix of generated routing: task or language "
-                   "(default task; language with --arrivals, both shipped traces being chat)")
+                   f"(default {DEFAULT_WORKLOAD}; language with --arrivals, both shipped "
+                   "traces being chat)")
     p.add_argument("--requests", type=int, default=2000,
                    help="requests of a generated trace (default 2000)")
     p.add_argument("--calib", type=int, default=1000,
@@ -48,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=8, help="prefill workers")
     p.add_argument("--decode", type=int, default=16, help="decode workers")
     p.add_argument("--qps", type=_floats, help="Poisson request rates (comma-separated; "
-                   "default 20,40,60,80,100); not with --arrivals, see --rate")
+                   f"default {','.join(f'{q:g}' for q in DEFAULT_QPS)}); not with "
+                   "--arrivals, see --rate")
     p.add_argument("--policies", default="random,round_robin,jsq,p2c,domain,eldr",
                    help="comma-separated routing policies (eldr_top1, oracle_signature too)")
     p.add_argument("--tau", type=float, default=0.1, help="ELDR band width")
@@ -156,7 +160,7 @@ def _poisson_cells(args, config):
     """(label, [(config, setup, None)] per --qps): Poisson arrivals over a routing trace."""
     from eldr.reproduce.setup import fit_setup
 
-    workload = args.workload or "task"
+    workload = args.workload or DEFAULT_WORKLOAD
     t0 = time.perf_counter()
     if args.trace:
         from eldr.traces.trace import load
@@ -174,7 +178,7 @@ def _poisson_cells(args, config):
           f"{setup.encoder.rho_:.3f}, {setup.encoder.layers_.size} layers), replaying "
           f"{setup.eval.num_requests} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     model = _model_of(trace, args.model)
-    qps = args.qps if args.qps is not None else [20.0, 40.0, 60.0, 80.0, 100.0]
+    qps = list(args.qps if args.qps is not None else DEFAULT_QPS)
     return workload, [(config(model, q), setup, None) for q in qps]
 
 
