@@ -94,3 +94,22 @@ def test_the_gate_refuses_a_predictor_below_its_calibration_r2():
                                     statistic="familiarity")
     assert good.enabled and good.admit(prompts).all()  # the fit prompts themselves
     assert not good.admit([np.array([999, 998, 997])]).any()  # never-seen tokens
+
+
+def test_an_artifact_does_not_ship_a_prompt_predictor_below_the_gate():
+    from dataclasses import replace
+
+    from _prompt_data import token_trace
+    from eldr.fit.artifact import fit_artifact
+
+    good = token_trace(60)
+    art = fit_artifact(good, worker_ids=["a", "b"])
+    assert art.prompt_predictor is not None and art.prompt_predictor.cv_r2_ >= 0.1
+    # the same requests with prompts that say nothing about their experts
+    noise = np.random.default_rng(5).integers(0, 48, good.prompt_token_ids.size)
+    bad = replace(good, prompt_token_ids=noise.astype(np.int32), _cache={})
+    art = fit_artifact(bad, worker_ids=["a", "b"])
+    assert art.prompt_predictor is None
+    assert "refused" in art.fit_stats["prompt_predictor"]
+    forced = fit_artifact(bad, worker_ids=["a", "b"], prompt_predictor=True)
+    assert forced.prompt_predictor is not None  # --prompt-predictor keeps it

@@ -124,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
               f"alpha {pp.alpha_:g}, cross-validated R^2 {pp.cv_r2_:.3f} on "
               f"{pp.num_requests_} prompts, {pp.nbytes / 2**20:.1f} MiB, tokenizer {fp}, "
               f"vocabulary {pp.vocab_size}, fitted in {pp.fit_seconds_:.1f}s")
+    elif isinstance(stats.get("prompt_predictor"), dict) and "refused" in \
+            stats["prompt_predictor"]:
+        print(f"prompt predictor: fitted but not kept ({stats['prompt_predictor']['refused']}"
+              "): the router balances load before prefill; --prompt-predictor keeps it")
     elif not args.no_prompt_predictor and trace.prompt_token_ids is None:
         print("prompt predictor: not fitted (the trace has no prompt_token_ids)")
     elif not args.no_prompt_predictor:

@@ -53,6 +53,7 @@ from eldr.fit.calibration import Calibration, FitSettings, calibrate
 from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.predictor import shrink
 from eldr.fit.prompt import PromptPredictor, tokenizer_fingerprint, tokenizer_vocab_size
+from eldr.fit.prompt_decode import MIN_ROUTING_R2
 from eldr.fit.signature import SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
 
@@ -211,6 +212,14 @@ def fit_artifact(
     m = trace.meta
     stats = _fit_stats(cal, km, times)
     stats["prompt_predictor"] = None if prompt is None else prompt.summary()
+    if prompt is not None and prompt_predictor is None and not (
+            prompt.cv_r2_ >= MIN_ROUTING_R2):
+        # the gate: a prediction that explains less than this of the profiles on held-out
+        # folds of its own fit data is not shipped, so the router balances load before
+        # prefill instead of routing on noise (docs/real-models.md)
+        stats["prompt_predictor"] = {"refused": f"cross-validated R^2 {prompt.cv_r2_:.3f} < "
+                                     f"{MIN_ROUTING_R2}", **prompt.summary()}
+        prompt = None
     return RoutingArtifact(
         model=m.model, num_layers=m.num_layers, num_experts=m.num_experts, top_k=m.top_k,
         encoder=cal.encoder, centroids=np.asarray(km.cluster_centers_, dtype=np.float32),

@@ -37,8 +37,13 @@ import numpy as np
 from eldr.fit.prompt import PromptPredictor, ngram_hashes
 from eldr.traces.trace import Trace
 
-__all__ = ["STATISTICS", "PredictionGate", "decode_profiles", "familiarity", "fit_decode_predictor",
-           "ngram_coverage"]
+__all__ = ["MIN_ROUTING_R2", "STATISTICS", "PredictionGate", "decode_profiles", "familiarity",
+           "fit_decode_predictor", "ngram_coverage"]
+
+
+# A predictor whose cross-validated R² on its own fit data is below this is never routed on
+# (fixed before any held-out measurement; docs/real-models.md).
+MIN_ROUTING_R2 = 0.1
 
 
 def decode_profiles(trace: Trace) -> np.ndarray:
@@ -119,7 +124,8 @@ class PredictionGate:
 
     @classmethod
     def calibrate(cls, predictor: PromptPredictor, prompts: list[np.ndarray], *,
-                  statistic: str = "coverage", min_r2: float = 0.1, quantile: float = 0.05,
+                  statistic: str = "coverage", min_r2: float = MIN_ROUTING_R2,
+                  quantile: float = 0.05,
                   folds: int = 3, random_state: int | None = 0) -> PredictionGate:
         """From the fit prompts alone: each fold's held-out prompts' statistic against the
         other folds, its ``quantile`` the per-request threshold."""
