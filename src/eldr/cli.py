@@ -17,6 +17,7 @@ COMMANDS: tuple[str, ...] = (
     "reproduce",
     "synth",
     "score",
+    "advise",
     "fit",
     "place",
     "simulate",

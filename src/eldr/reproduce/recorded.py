@@ -203,13 +203,16 @@ def _prompt_setup(calib: Trace, ev: Trace, name: str, seed: int) -> PromptSetup:
 
 
 def fit_recorded(trace: Trace, *, seed: int = 0, calib_share: float = 0.5,
-                 name: str | None = None) -> RoutingSetup:
+                 name: str | None = None, allow_dealt: bool = False) -> RoutingSetup:
     """Split ``trace`` (seeded by ``seed``; ``calib_share`` calibrates) and fit the routing
     inputs it allows (:func:`routing_input`). The returned set-up carries
-    ``routing_input`` (an attribute) and replays the held-out split."""
+    ``routing_input`` (an attribute) and replays the held-out split. ``allow_dealt``: a
+    trace without per-token decode experts replays tokens dealt from its decode counts
+    (:func:`eldr.sim.steptime.deal_bitsets`: each token's inclusion probabilities exact,
+    the recorded token-to-token order lost); otherwise it is refused."""
     if not 0.0 < calib_share < 1.0:
         raise ValueError(f"calib_share must be in (0, 1), got {calib_share}")
-    if trace.decode_topk is None:
+    if trace.decode_topk is None and not allow_dealt:
         raise ValueError(f"trace ({trace.meta.source}) has no per-token decode experts "
                          "(decode_topk): there is no recorded routing to replay")
     if trace.num_requests < 8:
@@ -246,15 +249,20 @@ def heldout_rho(setup: RoutingSetup) -> float:
 
 
 # -- arrivals and load ------------------------------------------------------------------------
-def recycled_arrivals(num_requests: int, qps: float, horizon_s: float, seed: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Poisson arrivals at ``qps`` in [0, ``horizon_s``), each replaying held-out request
-    ``perm[i mod R]`` of one seeded permutation: copies of a request are exactly R
-    arrivals apart (no two close together by chance). Returns (times, indices)."""
+def recycled_arrivals(num_requests: int, qps: float, horizon_s: float, seed: int, *,
+                      times: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson arrivals at ``qps`` in [0, ``horizon_s``) (or the given ``times``: a real
+    trace's, those before the horizon), each replaying held-out request ``perm[i mod R]``
+    of one seeded permutation: copies of a request are exactly R arrivals apart (no two
+    close together by chance). Returns (times, indices)."""
     if num_requests < 1:
         raise ValueError("no held-out requests to replay")
     rng = np.random.default_rng((seed, 0x2EC0))
     perm = rng.permutation(num_requests)
+    if times is not None:
+        t = np.asarray(times, dtype=np.float64)
+        t = t[t < horizon_s]
+        return t, perm[np.arange(t.size) % num_requests].astype(np.int64)
     expected = qps * horizon_s
     n = int(expected + 6 * np.sqrt(expected) + 16)
     times = np.cumsum(rng.exponential(1.0 / qps, size=n))
@@ -305,24 +313,25 @@ def cap_outputs(trace: Trace, max_decode_tokens: int) -> Trace:
     return replace(trace, _cache={}, **kw)
 
 
-def _config(model: str, hardware: str, num_decode: int, qps: float, seed: int, *,
+def _config(model, hardware, num_decode: int, qps: float, seed: int, *,
             warmup_s: float, duration_s: float, num_prefill: int) -> SimConfig:
     return SimConfig(model=model, hardware=hardware, num_prefill=num_prefill,
                      num_decode=num_decode, qps=float(qps), warmup_s=warmup_s,
                      duration_s=duration_s, seed=seed)
 
 
-def sustainable_rate(setup: RoutingSetup, model: str, hardware: str, num_decode: int, *,
+def sustainable_rate(setup: RoutingSetup, model, hardware, num_decode: int, *,
                      policies: tuple[str, ...] = ("jsq",), margin: float = 0.65,
                      num_prefill: int = 4, warmup_s: float = 10.0, duration_s: float = 30.0,
-                     rounds: int = 3, tau: float = 0.1) -> float:
+                     rounds: int = 3, tau: float = 0.1, start: float | None = None) -> float:
     """The highest rate (req/s) at which no held-out request meets a copy of itself.
 
     Copies arrive ``R / qps`` seconds apart (:func:`recycled_arrivals`), so the rate is
     ``margin · R`` over the longest time a request spends from arrival to its last token
     under any of ``policies`` (a locality policy that packs requests keeps some longer
     than a balancer does), measured at the rate found so far, starting from batch-1 step
-    times, for ``rounds`` rounds or until it moves by less than 5 %."""
+    times (or from ``start``, e.g. another split's rate), for ``rounds`` rounds or until
+    it moves by less than 5 %."""
     from eldr.sim.steptime import StepModel
 
     ev = setup.eval
@@ -332,7 +341,7 @@ def sustainable_rate(setup: RoutingSetup, model: str, hardware: str, num_decode:
     sm = StepModel(probe)
     m = ev.meta
     one = sm.decode_step_time(m.num_layers * m.top_k, int(ev.prompt_lens.max()))
-    qps = margin * R / float(ev.output_lens.max() * one)
+    qps = margin * R / float(ev.output_lens.max() * one) if start is None else float(start)
     for _ in range(rounds):
         cfg = replace(probe, qps=qps)
         arrivals = recycled_arrivals(R, qps, cfg.horizon_s, setup.seed)
@@ -427,9 +436,11 @@ def _runnable(policies: tuple[str, ...], kind: str) -> tuple[list[str], dict[str
 
 
 def _run_seed(setup: RoutingSetup, cfg: SimConfig, policies: list[str], kind: str,
-              tau: float) -> list[dict]:
-    """One row per policy of ``policies`` on one seed's set-up, all on the same arrivals."""
-    arrivals = recycled_arrivals(setup.eval.num_requests, cfg.qps, cfg.horizon_s, cfg.seed)
+              tau: float, times: np.ndarray | None = None) -> list[dict]:
+    """One row per policy of ``policies`` on one seed's set-up, all on the same arrivals
+    (``times``: a real trace's arrival times instead of Poisson ones)."""
+    arrivals = recycled_arrivals(setup.eval.num_requests, cfg.qps, cfg.horizon_s, cfg.seed,
+                                 times=times)
     rows = []
     for p in policies:
         pol = setup.policy(p, cfg.num_decode, tau=tau, seed=cfg.seed, **routing_resources(cfg))
@@ -441,20 +452,50 @@ def _run_seed(setup: RoutingSetup, cfg: SimConfig, policies: list[str], kind: st
     return rows
 
 
+def _rate(setups: list, preset, hardware, num_decode: int, arrival_times, run: list[str],
+          balancers: list[str], *, num_prefill: int, warmup_s: float, duration_s: float,
+          tau: float, say) -> float:
+    """The rate of :func:`compare`: the mean rate of ``arrival_times`` over the run, or
+    the lowest of the splits' sustainable rates (:func:`sustainable_rate`)."""
+    horizon = warmup_s + duration_s
+    if arrival_times is not None:
+        t = np.asarray(arrival_times, dtype=np.float64)
+        n = int((t < horizon).sum())
+        if n < 2:
+            raise ValueError(f"the arrivals hold {n} request(s) in the first {horizon:g} s")
+        return n / min(horizon, float(t[n - 1]) + 1e-9)
+    probes = tuple(p for p in ("jsq", "eldr") if p in run) or (balancers[0],)
+    rates: list[float] = []
+    for st in setups:  # each split from the last one's rate: one or two rounds
+        rates.append(sustainable_rate(st, preset, hardware, num_decode, policies=probes,
+                                      num_prefill=num_prefill, warmup_s=warmup_s,
+                                      duration_s=duration_s, tau=tau,
+                                      start=rates[-1] if rates else None))
+    qps = min(rates)
+    say(f"{preset.name}: {qps:.1f} req/s, the highest rate at which no request meets a "
+        f"copy of itself ({setups[0].eval.num_requests} held-out requests)")
+    return qps
+
+
 def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
             num_decode: int = 8, seeds: int = 3, qps: float | None = None,
             policies: tuple[str, ...] = (*BALANCERS, *LOCALITY, *ORACLES),
             warmup_s: float = 10.0, duration_s: float = 30.0, num_prefill: int = 4,
             calib_share: float = 0.5, tau: float = 0.1, base_seed: int = 0,
-            setups: list | None = None, log=None) -> Comparison:
+            setups: list | None = None, arrival_times: np.ndarray | None = None,
+            allow_dealt: bool = False, log=None) -> Comparison:
     """Every policy of ``policies`` on ``trace``'s recorded routing, ``seeds`` seeds (seed
     ``base_seed + j``: its split, fit and arrivals), at ``qps`` (None: the rate the data
-    sustains, :func:`sustainable_rate`, found on the first seed's split and used for all).
+    sustains, :func:`sustainable_rate`, the lowest over the seeds' splits, for all).
 
-    ``model``: the preset of the step-time model (default: the one ``trace.meta.model``
-    names); ``setups``: already fitted set-ups, one per seed (:func:`fit_recorded`)."""
+    ``model``: the preset of the step-time model, a name or a
+    :class:`~eldr.traces.models.ModelPreset` (default: the one ``trace.meta.model``
+    names); ``setups``: already fitted set-ups, one per seed (:func:`fit_recorded`);
+    ``arrival_times``: replay these arrival times (a real trace's, seconds from 0) instead
+    of Poisson arrivals, ``qps`` then their mean rate over the run; ``allow_dealt``: see
+    :func:`fit_recorded`."""
     t0 = time.perf_counter()
-    preset = get_preset(model or trace.meta.model)
+    preset = get_preset(model if model is not None else trace.meta.model)
     if (preset.num_layers, preset.num_experts) != (trace.meta.num_layers,
                                                    trace.meta.num_experts):
         raise ValueError(f"trace is (L, E) = ({trace.meta.num_layers}, "
@@ -474,30 +515,28 @@ def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
     rows: list[dict] = []
     if setups is None:
         ts = time.perf_counter()
-        setups = [fit_recorded(trace, seed=base_seed + j, calib_share=calib_share)
-                  for j in range(seeds)]
+        setups = [fit_recorded(trace, seed=base_seed + j, calib_share=calib_share,
+                               allow_dealt=allow_dealt) for j in range(seeds)]
         say(f"{preset.name}: {seeds} split(s) fitted, routing input "
             f"{INPUT_LABELS[kind]} ({time.perf_counter() - ts:.1f} s)")
-    if qps is None:  # the lowest of the seeds' sustainable rates: one rate for all
-        probes = tuple(p for p in ("jsq", "eldr") if p in run) or (balancers[0],)
-        qps = min(sustainable_rate(st, preset.name, hardware, num_decode, policies=probes,
-                                   num_prefill=num_prefill, warmup_s=warmup_s,
-                                   duration_s=duration_s, tau=tau) for st in setups)
-        say(f"{preset.name}: {qps:.1f} req/s, the highest rate at which no request meets a "
-            f"copy of itself ({setups[0].eval.num_requests} held-out requests)")
+    if arrival_times is not None or qps is None:
+        qps = _rate(setups, preset, hardware, num_decode, arrival_times, run, balancers,
+                    num_prefill=num_prefill, warmup_s=warmup_s, duration_s=duration_s,
+                    tau=tau, say=say)
     rhos = []
     for j in range(seeds):
         ts = time.perf_counter()
-        cfg = _config(preset.name, hardware, num_decode, qps, base_seed + j,
+        cfg = _config(preset, hardware, num_decode, qps, base_seed + j,
                       warmup_s=warmup_s, duration_s=duration_s, num_prefill=num_prefill)
         rhos.append(heldout_rho(setups[j]))
-        rows += _run_seed(setups[j], cfg, run, kind, tau)
+        rows += _run_seed(setups[j], cfg, run, kind, tau, arrival_times)
         say(f"{preset.name} seed {cfg.seed}: {len(run)} policies at {qps:.1f} req/s "
             f"({time.perf_counter() - ts:.1f} s)")
     means = {p: float(np.mean([r["tpot_median_ms"] for r in rows if r["policy"] == p]))
              for p in balancers}
     best = min(means, key=means.get)
-    out = Comparison(preset.name, hardware, num_decode, float(qps), kind, rows, best,
+    out = Comparison(preset.name, str(getattr(hardware, "name", hardware)), num_decode,
+                     float(qps), kind, rows, best,
                      skipped=skipped, rho=rhos, heldout=setups[0].eval.num_requests)
     for p in run:
         if p != best:

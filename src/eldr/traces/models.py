@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALL_PRESETS", "PRESETS", "REAL_PRESETS", "TINY_MOE", "ModelPreset", "get_preset"]
+__all__ = ["ALL_PRESETS", "PRESETS", "REAL_PRESETS", "TINY_MOE", "ModelPreset", "get_preset",
+           "preset_from_config"]
 
 BF16 = 2  # bytes per bf16 parameter
 
@@ -369,3 +370,99 @@ def get_preset(name: str | ModelPreset) -> ModelPreset:
         raise ValueError(f"unknown model preset {name!r}; valid names: "
                          f"{', '.join(ALL_PRESETS)}")
     return ALL_PRESETS[key]
+
+
+# -- a preset from a Hugging Face config.json --------------------------------------------------
+def _first(doc: dict, *keys, default=None):
+    for k in keys:
+        if doc.get(k) is not None:
+            return doc[k]
+    return default
+
+
+def _positive(doc: dict, where: str, *keys) -> int:
+    v = _first(doc, *keys)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{where}: {' / '.join(keys)} must be a positive integer, got {v!r}")
+    return v
+
+
+def preset_from_config(doc: dict, *, name: str | None = None,
+                       where: str = "config.json") -> ModelPreset:
+    """A :class:`ModelPreset` from a Hugging Face MoE ``config.json`` (parsed), by the
+    same arithmetic as the presets above, for the common layouts: Qwen3-MoE / Qwen2-MoE,
+    Mixtral, OLMoE, GPT-OSS, DeepSeek-V2/V3 (MLA). Read: layers, hidden size, routed experts
+    (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), top-k, the expert's
+    intermediate size, shared experts (``n_shared_experts`` or
+    ``shared_expert_intermediate_size``), dense layers (``first_k_dense_replace``,
+    ``mlp_only_layers``), attention (GQA heads and ``head_dim``, or MLA's
+    ``kv_lora_rank`` / ``qk_rope_head_dim``), sliding-window layers (``layer_types``), tied
+    embeddings, and MXFP4 experts (``quantization_config.quant_method``). APPROXIMATE:
+    biases and norms are left out (< 0.1 % of any figure here) and every dense weight is
+    taken as bf16. No measured MoE-layer fit: the simulator derives ``a``, ``b`` from
+    bandwidth. ``ValueError`` naming the field for a config that is not a MoE model."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: must be a JSON object")
+    doc = {**doc, **(doc.get("text_config") or {})}  # multimodal configs nest the LM
+    hidden = _positive(doc, where, "hidden_size")
+    layers = _positive(doc, where, "num_hidden_layers")
+    vocab = _positive(doc, where, "vocab_size")
+    E = _first(doc, "num_experts", "num_local_experts", "n_routed_experts")
+    k = _first(doc, "num_experts_per_tok", "experts_per_token", "moe_topk")
+    if not E or not k:
+        raise ValueError(f"{where}: not a mixture-of-experts config (no expert count and "
+                         "top-k: num_experts / num_local_experts / n_routed_experts and "
+                         "num_experts_per_tok)")
+    E = _positive({"E": E}, where, "E")
+    k = _positive({"k": k}, where, "k")
+    inter = _positive(doc, where, "moe_intermediate_size", "intermediate_size")
+    dense_inter = int(_first(doc, "intermediate_size", default=inter))
+    first_dense = int(_first(doc, "first_k_dense_replace", default=0) or 0)
+    dense_layers = set(range(first_dense)) | set(doc.get("mlp_only_layers") or [])
+    moe_layers = layers - len(dense_layers)
+    if moe_layers <= 0:
+        raise ValueError(f"{where}: no MoE layer ({layers} layers, {len(dense_layers)} dense)")
+    heads = _positive(doc, where, "num_attention_heads")
+    quant = (doc.get("quantization_config") or {}).get("quant_method", "")
+    mxfp4 = str(quant).lower() == "mxfp4"
+    w = 3 * hidden * inter
+    expert_bytes = w // 2 + w // 32 if mxfp4 else w * BF16
+    if doc.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3)
+        rope, nope = int(doc.get("qk_rope_head_dim", 64)), int(doc.get("qk_nope_head_dim", 128))
+        v_dim, rank = int(doc.get("v_head_dim", 128)), int(doc["kv_lora_rank"])
+        q_rank = doc.get("q_lora_rank")
+        q = (hidden * heads * (nope + rope) if not q_rank
+             else hidden * q_rank + q_rank * heads * (nope + rope))
+        attn = (q + hidden * (rank + rope) + rank * heads * (nope + v_dim)
+                + heads * v_dim * hidden) * BF16
+        kv_token, sliding_token, window = layers * (rank + rope) * BF16, 0, None
+    else:
+        kv = int(_first(doc, "num_key_value_heads", default=heads))
+        hd = int(_first(doc, "head_dim", default=hidden // heads))
+        attn = (2 * hidden * heads * hd + 2 * hidden * kv * hd) * BF16
+        per_layer = 2 * kv * hd * BF16
+        types = doc.get("layer_types") or []
+        n_slide = sum(1 for t in types if "sliding" in str(t))
+        window = int(doc["sliding_window"]) if n_slide and doc.get("sliding_window") else None
+        n_slide = n_slide if window else 0
+        kv_token, sliding_token = (layers - n_slide) * per_layer, n_slide * per_layer
+        if kv_token == 0:  # every layer sliding: keep the format's full-layer slot nonzero
+            kv_token = 1
+    shared = _first(doc, "shared_expert_intermediate_size", default=0) or \
+        int(_first(doc, "n_shared_experts", default=0) or 0) * inter
+    # the LM head is read once per step, tied to the embedding or not
+    dense = (layers * attn + moe_layers * (hidden * E + 3 * hidden * int(shared)) * BF16
+             + len(dense_layers) * 3 * hidden * dense_inter * BF16 + vocab * hidden * BF16)
+    model_name = name or str(_first(doc, "_name_or_path", "model_type", default="custom"))
+    return ModelPreset(
+        name=model_name.strip().lower().replace("_", "-") or "custom",
+        hf_id=str(_first(doc, "_name_or_path", default=f"config:{model_name}")),
+        num_layers=moe_layers, num_experts=E, top_k=k, hidden_size=hidden,
+        expert_intermediate_size=inter, vocab_size=vocab,
+        dtype="mxfp4" if mxfp4 else "bf16", expert_bytes=expert_bytes,
+        attn_bytes_per_layer=attn, dense_bytes_per_step=dense,
+        kv_bytes_per_token=kv_token, sliding_window=window,
+        kv_sliding_bytes_per_token=sliding_token,
+        max_context_tokens=doc.get("max_position_embeddings") if isinstance(
+            doc.get("max_position_embeddings"), int) and doc["max_position_embeddings"] >= 2
+        else None)
