@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr.fileio import default_dir_mode
+
 __all__ = ["MAX_WIDTH", "RUNTIME_BYTES", "WIDTH_STEP", "check_width", "default_cache_dir",
            "pad_expert_tensor", "wide_engine_bytes", "wide_expert_bytes", "wide_tiny_moe_dir"]
 
@@ -307,7 +309,7 @@ def wide_tiny_moe_dir(width: int, cache_dir: str | Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         _build(source, tmp, width, source_sha)
-        tmp.chmod(0o777 & ~_umask())
+        tmp.chmod(default_dir_mode())
         if target.exists():  # stale: move it aside first, so the rename below is atomic
             stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=root))
             os.replace(target, stale / "old")
@@ -322,9 +324,3 @@ def wide_tiny_moe_dir(width: int, cache_dir: str | Path | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("built the wide tiny MoE (expert width %d) at %s", width, target)
     return target
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -7,19 +7,10 @@ import os
 import sys
 import time
 
+from eldr.commands._args import positive_floats
+
 HELP = ("Reproduce the paper's experiments in simulation on the embedded default data and "
         "write DIR/report.md with tables and plots (the main command).")
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return vals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="use this trace (.npz) for the first workload instead of "
                    "generating it")
     p.add_argument("--workloads", help="comma-separated workloads (default task,language)")
-    p.add_argument("--rates", type=_floats, help="request rates, e.g. 20,40,60,80,100")
+    p.add_argument("--rates", type=positive_floats, help="request rates, e.g. 20,40,60,80,100")
     p.add_argument("--duration", type=float, help="measured seconds per point")
     p.add_argument("--warmup", type=float, help="warm-up seconds per point")
     p.add_argument("--requests", type=int, help="requests per generated trace")

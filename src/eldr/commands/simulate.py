@@ -13,20 +13,11 @@ import json
 import sys
 import time
 
+from eldr.commands._args import positive_floats
+
 HELP = "Simulate a PD-disaggregated MoE cluster: policies x request rates -> TPOT/TTFT table."
 DEFAULT_QPS = (20.0, 40.0, 60.0, 80.0, 100.0)  # Poisson rates without --qps, req/s
 DEFAULT_WORKLOAD = "task"  # generated routing's domain mix without --workload
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(not v > 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return vals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", help="replay a real request trace: an Azure CSV or Mooncake "
                    "JSONL file (told apart by content), or a shipped one: azure_conv, "
                    "mooncake_conv")
-    p.add_argument("--rate", type=_floats, help="with --arrivals: scale the arrivals to these "
-                   "mean rates, req/s (comma-separated; default: the file's own rate)")
+    p.add_argument("--rate", type=positive_floats, help="with --arrivals: scale the arrivals "
+                   "to these mean rates, req/s (comma-separated; default: the file's own rate)")
     p.add_argument("--model", default="qwen3-30b-a3b", help="model preset (default "
                    "qwen3-30b-a3b)")
     p.add_argument("--workload", help="domain mix of generated routing: task or language "
@@ -50,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration requests the artifact is fitted on; the rest is replayed")
     p.add_argument("--prefill", type=int, default=8, help="prefill workers")
     p.add_argument("--decode", type=int, default=16, help="decode workers")
-    p.add_argument("--qps", type=_floats, help="Poisson request rates (comma-separated; "
+    p.add_argument("--qps", type=positive_floats, help="Poisson request rates (comma-separated; "
                    f"default {','.join(f'{q:g}' for q in DEFAULT_QPS)}); not with "
                    "--arrivals, see --rate")
     p.add_argument("--policies", default="random,round_robin,jsq,p2c,domain,eldr",
