@@ -360,3 +360,27 @@ def test_cost_policy_footprint_follows_a_removal():
     # the new, empty, idle decoder is the cheapest place: J = 0 + (0 + 1) * sum(p)
     d = pol.decide(RouteRequest("c", profile=p), np.array([1.0, 1.0, 0.0]))
     assert d.worker == 2 and d.cost == pytest.approx(float(p.sum()))
+
+
+def test_a_policy_overriding_neither_decide_nor_choose_is_refused_at_definition():
+    from eldr.routing.protocol import Decision, PolicyBase
+
+    with pytest.raises(TypeError, match=r"Idle must override decide.*or choose"):
+        class Idle(PolicyBase):
+            name = "idle"
+
+    class First(PolicyBase):  # one of the two is enough; the other follows from it
+        name, num_workers = "first", 2
+
+        def choose(self, request, loads, healthy=None):
+            return 0
+
+    class Second(PolicyBase):
+        name, num_workers = "second", 2
+
+        def decide(self, request, loads, healthy=None):
+            return Decision(1)
+
+    loads = np.zeros(2)
+    assert First().decide(None, loads).worker == 0
+    assert Second().choose(None, loads) == 1

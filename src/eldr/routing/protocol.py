@@ -127,6 +127,15 @@ class PolicyBase:
     num_fallbacks: int = 0
     inputs: frozenset[str] = frozenset()
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # the two defaults below are defined through each other: a subclass that overrides
+        # neither would recurse forever on its first request, so it is refused here
+        super().__init_subclass__(**kwargs)
+        if cls.decide is PolicyBase.decide and cls.choose is PolicyBase.choose:
+            raise TypeError(f"{cls.__name__} must override decide() (returning a Decision) "
+                            f"or choose() (returning a worker index): PolicyBase's defaults "
+                            f"each call the other")
+
     def decide(self, request: RouteRequest, loads: np.ndarray,
                healthy: np.ndarray | None = None) -> Decision:
         return Decision(self.choose(request, loads, healthy))
