@@ -56,7 +56,8 @@ async def _setup(*, payload: str = "counts", max_attempts: int = 3, policy: str 
     table.register("prefill", "rp", prefill.url)
     for k, d in enumerate(decoders):
         assert table.register("decode", f"rd{k}", d.url)["slot"] == ("w-code", "w-other")[k]
-    relay = PDRelay(LocalTable(table), RelayConfig(max_attempts=max_attempts))
+    relay = PDRelay(LocalTable(table), RelayConfig(max_attempts=max_attempts,
+                                                 prefill_refresh=0.0))
     return Setup(prefill, decoders, table, relay)
 
 

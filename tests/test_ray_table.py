@@ -121,16 +121,18 @@ def test_an_unreleased_reservation_expires_and_frees_its_decoder():
         t.reserve("q2", payload=None)
 
 
-def test_prefill_targets_are_live_and_least_loaded_first():
+def test_prefill_targets_are_the_live_prefill_engines():
     clock = Clock()
     t = _table(clock, heartbeat_timeout=5.0)
-    t.register("prefill", "p0", "http://p0:1")
     t.register("prefill", "p1", "http://p1:1")
-    t.prefill_begin("p0")
-    assert [x["replica"] for x in t.prefill_targets()] == ["p1", "p0"]
-    t.prefill_end("p0")
-    t.prefill_end("p1", failed=True)
+    t.register("prefill", "p0", "http://p0:1")
+    assert [x["replica"] for x in t.prefill_targets()] == ["p0", "p1"]
+    t.prefill_failed("p1")
     assert [x["replica"] for x in t.prefill_targets()] == ["p0"]
+    t.register("prefill", "p1", "http://p1:1")  # its heartbeat
+    clock.now += 6.0
+    t.register("prefill", "p0", "http://p0:1")
+    assert t.prefill_targets() == [{"replica": "p0", "url": "http://p0:1"}]
 
 
 def test_config_is_validated_and_an_artifact_must_name_as_many_decoders(tmp_path):

@@ -156,6 +156,7 @@ def _engine_spec(conf: dict, role: str, where: str, store_default: str | None) -
                       cores=tuple(int(c) for c in eldr_engine.get("cores", ())),
                       chat_template=eldr_engine.get("chat_template"),
                       host=eldr_engine.get("host", "127.0.0.1"),
+                      log_dir=eldr_engine.get("log_dir"),
                       ready_timeout=float(eldr_engine.get("ready_timeout", 600.0)),
                       command=tuple(command) if command is not None else None, **fields)
 

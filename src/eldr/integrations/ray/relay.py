@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -54,6 +55,9 @@ class RelayConfig:
     connect_timeout: float = 3.0  # seconds to open a connection to an engine
     prefill_timeout: float = 120.0  # seconds for a whole prefill answer
     decode_read_timeout: float = 120.0  # seconds without a byte from a decoder
+    # seconds the table's list of live prefill engines is reused (one table call fewer
+    # per request; a failed prefill refreshes it at once)
+    prefill_refresh: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
@@ -63,6 +67,8 @@ class RelayConfig:
         for name in ("connect_timeout", "prefill_timeout", "decode_read_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.prefill_refresh >= 0:
+            raise ValueError(f"prefill_refresh must be >= 0, got {self.prefill_refresh!r}")
 
 
 @dataclass
@@ -94,6 +100,18 @@ class PDRelay:
         self.config = config or RelayConfig()
         self._session = None  # aiohttp.ClientSession, made in the serving loop
         self._tasks: set[asyncio.Task] = set()  # releases in flight (kept referenced)
+        self._prefills: list[dict] = []  # the table's live prefill engines, as last read
+        self._prefills_at = float("-inf")  # loop time they were read
+        self._prefill_busy: Counter[str] = Counter()  # replica -> this ingress's prefills
+
+    async def prefill_targets(self) -> list[dict]:
+        """Live prefill engines, this ingress's least busy first (the table's list,
+        reused for ``prefill_refresh`` seconds)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._prefills_at > self.config.prefill_refresh or not self._prefills:
+            self._prefills = await self.table.prefill_targets()
+            self._prefills_at = now
+        return sorted(self._prefills, key=lambda t: self._prefill_busy[t["replica"]])
 
     async def session(self):
         import aiohttp
@@ -141,7 +159,7 @@ class PDRelay:
         """Any other route (``/v1/models``, ``/tokenize``, ...): to a live prefill engine."""
         import aiohttp
 
-        targets = await self.table.prefill_targets()
+        targets = await self.prefill_targets()
         session = await self.session()
         for target in targets:
             try:
@@ -203,14 +221,14 @@ class PDRelay:
             pre.pop(key, None)
         if path.endswith("/chat/completions") or "max_completion_tokens" in body:
             pre["max_completion_tokens"] = 1
-        targets = await self.table.prefill_targets()
+        targets = await self.prefill_targets()
         if not targets:
             raise _Retry("no live prefill engine")
         session = await self.session()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout,
                                         connect=self.config.connect_timeout)
         for target in targets:
-            await self.table.prefill_begin(target["replica"])
+            self._prefill_busy[target["replica"]] += 1
             failed = True
             try:
                 async with session.post(target["url"] + path, json=pre, timeout=timeout,
@@ -229,7 +247,10 @@ class PDRelay:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 _log.warning("prefill on %s failed: %s", target["url"], exc)
             finally:
-                await self.table.prefill_end(target["replica"], failed)
+                self._prefill_busy[target["replica"]] -= 1
+                if failed:
+                    self._prefills_at = float("-inf")  # read the table again next time
+                    await self.table.prefill_failed(target["replica"])
         raise _Retry("no prefill engine gave an answer")
 
     async def _reserve(self, rid: str, doc: dict, exclude: list[str]):

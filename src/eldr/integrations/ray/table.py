@@ -110,7 +110,6 @@ class DecodeTable:
         self.slots: list[_Engine | None] = [None] * K
         self.spares: dict[str, _Engine] = {}  # decode replicas beyond K
         self.prefills: dict[str, _Engine] = {}  # replica -> prefill engine
-        self.prefill_load: Counter[str] = Counter()  # replica -> prefills in flight
         self.tracker = LoadTracker(K)
         self.held: dict[str, _Held] = {}  # reservation id -> what it holds
         self.counters: Counter[str] = Counter()  # "reservations:completed", "fallbacks:..."
@@ -190,18 +189,18 @@ class DecodeTable:
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill_targets(self) -> list[dict]:
-        """Live prefill engines, least loaded first: [{replica, url}]."""
+        """Live prefill engines: [{replica, url}]. Each ingress replica picks among them by
+        its own prefills in flight (a prefill holds no decoder, so its load needs no
+        shared count; one call fewer per request)."""
         now = self.clock()
-        live = [e for e in self.prefills.values() if self._is_alive(e, now)]
-        live.sort(key=lambda e: (self.prefill_load[e.replica], e.replica))
-        return [{"replica": e.replica, "url": e.url} for e in live]
+        return [{"replica": e.replica, "url": e.url}
+                for e in sorted(self.prefills.values(), key=lambda e: e.replica)
+                if self._is_alive(e, now)]
 
-    def prefill_begin(self, replica: str) -> None:
-        self.prefill_load[replica] += 1
-
-    def prefill_end(self, replica: str, failed: bool = False) -> None:
-        self.prefill_load[replica] = max(0, self.prefill_load[replica] - 1)
-        if failed and replica in self.prefills:
+    def prefill_failed(self, replica: str) -> None:
+        """An ingress could not get an answer from this prefill engine: unhealthy until
+        its next heartbeat."""
+        if replica in self.prefills:
             self.prefills[replica].failed_at = self.clock()
 
     # -- reservations ----------------------------------------------------------------------
@@ -298,8 +297,7 @@ class DecodeTable:
                              "pid": None if eng is None else eng.pid,
                              "node": None if eng is None else eng.node})
         return {"decoders": decoders,
-                "prefills": [{"replica": e.replica, "url": e.url, "pid": e.pid, "node": e.node,
-                              "load": self.prefill_load[e.replica]}
+                "prefills": [{"replica": e.replica, "url": e.url, "pid": e.pid, "node": e.node}
                              for e in self.prefills.values()],
                 "spares": sorted(self.spares),
                 "held": len(self.held),
