@@ -437,6 +437,99 @@ def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2
             "whole (split + read + decide)": timed(decide)}
 
 
+def _stage_state(policy: str):
+    """The benchmark routers' routing state for ``policy`` (as :func:`_serve_child`)."""
+    from eldr.fit.signature import SignatureEncoder
+    from eldr.proxy.request import RoutingState
+    from eldr.routing import make_policy
+
+    rng = np.random.default_rng(1)
+    enc = SignatureEncoder.from_state({
+        "representation": "count_idf", "num_layers": L, "num_experts": E,
+        "layers": np.sort(rng.choice(L, MASK, replace=False)),
+        "idf": rng.uniform(0.1, 2.0, (L, E))})
+    cent = rng.random((2, MASK * E)).astype(np.float32)
+    cent /= np.linalg.norm(cent, axis=1, keepdims=True)
+    return RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
+                                           num_layers=L, num_experts=E),
+                        worker_names=("d0", "d1"), encoder=enc, num_layers=L,
+                        num_experts=E, tau=0.1, artifact=None, loaded_at=0.0, top_k=8)
+
+
+def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
+            repeat: int = 2000) -> dict[str, float]:
+    """Median microseconds of each in-process stage of one request's path, by ``policy``,
+    on the benchmark's bodies: what the router does besides HTTP (the sum's rest of the
+    measured CPU per request is the HTTP server and client, the event loop and the relay
+    of bytes). Stages a policy skips (no signature for jsq) are 0."""
+    from eldr.proxy.bodies import decode_body, json_object, parse_body, prompt_token_bound
+    from eldr.proxy.metrics import RouterMetrics
+    from eldr.proxy.request import read_inputs, split_kv_params
+    from eldr.proxy.request.containment import body_digest
+    from eldr.proxy.request.decodepayload import strip_json
+    from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body, prompt_key
+    from eldr.routing import RouteRequest
+
+    state = _stage_state(policy)
+    raw = _bodies()[0]
+    body = parse_body(raw, "completions")
+    doc = json_object(masked_answer)
+    kv, payload = split_kv_params(doc)
+    reading = read_inputs(doc, payload, state, 256)
+    loads = np.zeros(2)
+    reads = state.needs_signature or state.needs_profile
+
+    class _Pool:  # what RouterMetrics reads of the pool (nothing, until a scrape)
+        prefill, decode = [], []
+
+    try:
+        metrics = RouterMetrics(_Pool())
+    except Exception:  # a metrics class that reads more of the pool: the stage is left out
+        metrics = None
+    ids = iter(range(1 << 30))
+
+    def decide_release():
+        rid = f"r{next(ids)}"
+        route = RouteRequest(rid, signature=reading.signature, profile=reading.profile,
+                             context_tokens=reading.context_tokens)
+        k = state.policy.decide(route, loads, None).worker
+        state.policy.on_dispatch(route, k)
+        state.policy.on_release(rid, "completed")
+
+    def count():
+        metrics.requests.inc(endpoint="/v1/completions", status="200")
+        metrics.decisions.inc(policy=policy, decoder="d0")
+        metrics.signatures.inc(source="payload")
+        metrics.route_inputs.inc(source="prefill")
+        metrics.latency.observe(1e-4)
+
+    def timed(fn) -> float:
+        for _ in range(repeat // 10):
+            fn()
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    stages = {
+        "parse body": lambda: parse_body(raw, "completions"),
+        "checks + digest": lambda: (body_digest(raw), prompt_token_bound(body, "completions",
+                                                                         cap=16)),
+        "affinity key": lambda: prompt_key(body, "completions"),
+        "prefill body": lambda: prefill_body(body, "completions", PREFILL_KV_PARAMS),
+        "prefill answer parse": lambda: json_object(masked_answer),
+        "signature/profile": (lambda: read_inputs(doc, split_kv_params(doc)[1], state, 256))
+        if reads else None,
+        "decide + dispatch/release": decide_release,
+        "decode body": lambda: decode_body(body, raw, kv),
+        "decode answer strip": lambda: strip_json(decode_answer),
+        "metrics": count if metrics is not None else None,
+    }
+    return {k: (timed(fn) if fn is not None else 0.0) for k, fn in stages.items()}
+
+
 # -- the run ------------------------------------------------------------------------------------
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q))
@@ -506,7 +599,8 @@ async def _main(args) -> dict:
             "load_average_1min": os.getloadavg()[0],
             "payload_version": args.payload, "payload_bytes": {
                 "all layers": len(prefill), "layer mask": len(masked)},
-            "signature_path_us": _signature_path(prefill, masked)}
+            "signature_path_us": _signature_path(prefill, masked),
+            "stages_us": {p: _stages(p, masked, decode) for p in args.policies.split(",")}}
 
 
 def _print(res: dict) -> None:
@@ -535,6 +629,16 @@ def _print(res: dict) -> None:
           + ", ".join(f"{k} {v:,} B" for k, v in res["payload_bytes"].items()))
     print("signature path (in-process, median us): " + ", ".join(
         f"{k} {v:.1f}" for k, v in res["signature_path_us"].items()) + "  (target <= 40)")
+    stages = res.get("stages_us") or {}
+    if stages:
+        names = list(next(iter(stages.values())))
+        print("request path by stage (in-process, median us; the rest of CPU/request is HTTP "
+              "server + client, event loop, relay):")
+        print(f"  {'stage':<28}" + "".join(f"{p:>11}" for p in stages))
+        for name in [*names, "sum"]:
+            print(f"  {name:<28}" + "".join(
+                f"{(sum(v.values()) if name == 'sum' else v[name]):>11.1f}"
+                for v in stages.values()))
     for note in res["notes"]:
         print("note:", note)
     print(f"machine: {res['cpus']} CPUs, 1-min load average {res['load_average_1min']:.1f} "

@@ -152,7 +152,7 @@ def test_an_unpickled_policy_owns_writable_state_even_from_read_only_maps(tmp_pa
     pol.on_dispatch(_req("a", [0.5, 0, 0]), 0)
     fp = pol.footprint
     state = dict(fp.__dict__)
-    for name in ("log_miss", "miss", "distinct", "context", "count", "typical"):
+    for name in ("log_miss", "_miss", "_distinct", "context", "count", "typical"):
         np.save(tmp_path / f"{name}.npy", state[name])
         state[name] = np.load(tmp_path / f"{name}.npy", mmap_mode="r")
         assert not state[name].flags.writeable
@@ -392,3 +392,39 @@ def test_kept_typical_rows_are_the_plain_exp_bit_for_bit(fitted):
     if fitted:
         assert all(len(rows) <= _TYPICAL_CACHE for rows in fp._typical_rows)
         assert any(fp._typical_rows)
+
+
+def test_rows_are_recomputed_once_when_read_after_any_number_of_events(monkeypatch):
+    """Dispatches and releases only mark their decoder; the next read (a decision)
+    recomputes each marked decoder once, to what an eager refresh gives."""
+    pol = CostPolicy(3, num_layers=1, num_experts=4, memory=0)
+    fp = pol.footprint
+    calls = []
+    refresh = fp._refresh
+    monkeypatch.setattr(fp, "_refresh", lambda d: (calls.append(d), refresh(d)))
+    for i in range(5):
+        pol.on_dispatch(_req(f"a{i}", [0.5, 0.25, 0, 0]), 0)
+    pol.on_dispatch(_req("b", [0, 0, 0.5, 0]), 2)
+    for i in range(3):
+        pol.on_release(f"a{i}", "completed")
+    assert calls == []
+    np.testing.assert_allclose(fp.miss[0], [0.25, 0.5625, 1.0, 1.0], rtol=1e-6)
+    assert sorted(calls) == [0, 2]
+    pol.costs(np.array([[0.25, 0.25, 0.25, 0.25]], np.float32), np.zeros(3))
+    assert sorted(calls) == [0, 2]  # nothing changed since: nothing recomputed
+    pol.on_release("b", "completed")
+    assert fp.distinct[2] == 0 and not fp.log_miss[2].any() and sorted(calls) == [0, 2, 2]
+
+
+def test_a_footprint_pickled_before_lazy_rows_still_loads():
+    pol = CostPolicy(2, num_layers=1, num_experts=3, memory=0)
+    pol.on_dispatch(_req("a", [0.5, 0, 0]), 0)
+    fp = pol.footprint
+    state = fp.__getstate__()
+    for name in ("miss", "distinct", "typical_miss", "typical_distinct"):
+        state[name] = state.pop("_" + name)
+    del state["_stale"]
+    fp.__setstate__(state)
+    np.testing.assert_allclose(fp.miss[0], [0.5, 1, 1], rtol=1e-6)
+    pol.on_release("a", "completed")
+    assert fp.distinct[0] == 0 and len(fp) == 0

@@ -93,7 +93,9 @@ class ExpertFootprint:
 
     ``miss`` (K, L·E) float32 = ``S_d`` (probability that no request on d selects the
     expert at a step), ``distinct`` (K,) = ``D_d``, ``context`` (K,) = ``C_d``. Rows are
-    recomputed from the float64 log sums only for the decoder an event touched; a decoder
+    recomputed from the float64 log sums only for the decoders events touched, when next
+    read (a decision reads them once after any number of dispatches and releases: the
+    float64 ``exp`` over L·E cells was most of a dispatch's and a release's cost); a decoder
     left with no request is reset to exactly zero (no float drift accumulates). ``engine``:
     the engines' own readings (:class:`~eldr.routing.engine_rows.EngineRows`), created by
     the first :meth:`observe_engine`; a live row caps ``miss`` (the union of both views).
@@ -116,8 +118,8 @@ class ExpertFootprint:
         K = self.num_workers
         self.num_cells = num_cells
         self.log_miss = np.zeros((K, num_cells), dtype=np.float64)  # Σ log(1 − p_r)
-        self.miss = np.ones((K, num_cells), dtype=np.float32)  # S_d
-        self.distinct = np.zeros(K, dtype=np.float64)  # D_d
+        self._miss = np.ones((K, num_cells), dtype=np.float32)  # S_d
+        self._distinct = np.zeros(K, dtype=np.float64)  # D_d
         self.context = np.zeros(K, dtype=np.float64)  # C_d
         self.count = np.zeros(K, dtype=np.int64)  # requests held per decoder
         self._held: dict[str, tuple[int, np.ndarray | None, float]] = {}
@@ -133,9 +135,9 @@ class ExpertFootprint:
                 raise ValueError(f"typical must be ({K}, {num_cells}) finite mean "
                                  f"log(1 - p) values <= 0, got shape {t.shape}")
             self.typical, self._keep = t.copy(), 1.0
-        self.typical_miss = np.ones((K, num_cells), dtype=np.float32) \
+        self._typical_miss = np.ones((K, num_cells), dtype=np.float32) \
             if self.typical is not None else None
-        self.typical_distinct = np.zeros(K, dtype=np.float64)
+        self._typical_distinct = np.zeros(K, dtype=np.float64)
         # fitted only: per decoder, count → (exp(n · m_d) row (n,) float32, its D̄_d)
         self._typical_rows: list[dict[int, tuple[np.ndarray, float]]] = \
             [{} for _ in range(K)]
@@ -143,6 +145,36 @@ class ExpertFootprint:
         self._scratch32 = np.empty(num_cells, dtype=np.float32)  # (1 − keep) · row
         self.engine: EngineRows | None = None
         self._clock = clock
+        # decoders whose rows an event changed: recomputed when next read (a decision reads
+        # them once, however many dispatches and releases came in between)
+        self._stale: set[int] = set()
+
+    # -- the derived rows, brought up to date when read ------------------------------------
+    def _sync(self) -> None:
+        if self._stale:
+            for d in sorted(self._stale):
+                self._refresh(d)
+            self._stale.clear()
+
+    @property
+    def miss(self) -> np.ndarray:
+        self._sync()
+        return self._miss
+
+    @property
+    def distinct(self) -> np.ndarray:
+        self._sync()
+        return self._distinct
+
+    @property
+    def typical_miss(self) -> np.ndarray | None:
+        self._sync()
+        return self._typical_miss
+
+    @property
+    def typical_distinct(self) -> np.ndarray:
+        self._sync()
+        return self._typical_distinct
 
     def __len__(self) -> int:
         return len(self._held)
@@ -150,6 +182,7 @@ class ExpertFootprint:
     def __getstate__(self) -> dict:
         """The fitted ``exp(n · m_d)`` rows are a cache: not pickled (up to
         ``_TYPICAL_CACHE`` rows of ``num_cells`` float32 per decoder)."""
+        self._sync()
         state = self.__dict__.copy()
         state["_typical_rows"] = [{} for _ in self._typical_rows]
         return state
@@ -158,6 +191,10 @@ class ExpertFootprint:
         """Unpickled state is private and writable: a parallel runner (joblib) may hand
         large arrays back as read-only shared memory maps, and this state changes at every
         dispatch."""
+        for name in ("miss", "distinct", "typical_miss", "typical_distinct"):
+            if name in state:  # pickled before the rows were kept up to date lazily
+                state["_" + name] = state.pop(name)
+        state.setdefault("_stale", set())
         self.__dict__.update(state)
         for name, value in state.items():
             if isinstance(value, np.ndarray) and not value.flags.writeable:
@@ -170,15 +207,15 @@ class ExpertFootprint:
             self.log_miss[d] = 0.0
             self.context[d] = 0.0
             if not live:
-                self.miss[d] = 1.0
-                self.distinct[d] = 0.0
+                self._miss[d] = 1.0
+                self._distinct[d] = 0.0
                 return
-            self.miss[d] = self.engine.miss[d]
+            self._miss[d] = self.engine.miss[d]
         else:
-            np.exp(self.log_miss[d], out=self.miss[d], casting="same_kind")
+            np.exp(self.log_miss[d], out=self._miss[d], casting="same_kind")
             if live:
-                np.minimum(self.miss[d], self.engine.miss[d], out=self.miss[d])
-        self.distinct[d] = self.num_cells - float(self.miss[d].sum(dtype=np.float64))
+                np.minimum(self._miss[d], self.engine.miss[d], out=self._miss[d])
+        self._distinct[d] = self.num_cells - float(self._miss[d].sum(dtype=np.float64))
         if self.typical is not None and self.count[d]:
             self._refresh_typical(d)
 
@@ -188,17 +225,17 @@ class ExpertFootprint:
         rows = self._typical_rows[d] if self._keep == 1.0 else None
         kept = rows.get(n) if rows is not None else None
         if kept is not None:
-            self.typical_miss[d] = kept[0]
-            self.typical_distinct[d] = kept[1]
+            self._typical_miss[d] = kept[0]
+            self._typical_distinct[d] = kept[1]
             return
         np.multiply(self.typical[d], float(n), out=self._scratch)
-        np.exp(self._scratch, out=self.typical_miss[d], casting="same_kind")
-        self.typical_distinct[d] = self.num_cells - float(
-            self.typical_miss[d].sum(dtype=np.float64))
+        np.exp(self._scratch, out=self._typical_miss[d], casting="same_kind")
+        self._typical_distinct[d] = self.num_cells - float(
+            self._typical_miss[d].sum(dtype=np.float64))
         if rows is not None:
             if len(rows) >= _TYPICAL_CACHE:
                 del rows[next(iter(rows))]  # the oldest count
-            rows[n] = (self.typical_miss[d].copy(), float(self.typical_distinct[d]))
+            rows[n] = (self._typical_miss[d].copy(), float(self._typical_distinct[d]))
 
     def add(self, request_id: str, worker: int, profile: np.ndarray | None,
             context_tokens: float = 0.0) -> None:
@@ -217,7 +254,7 @@ class ExpertFootprint:
         self._held[request_id] = (worker, row, float(context_tokens))
         self.count[worker] += 1
         self.context[worker] += context_tokens
-        self._refresh(worker)
+        self._stale.add(worker)
 
     def remove(self, request_id: str) -> bool:
         """Drop a held request; False when it is not held (already released)."""
@@ -229,7 +266,10 @@ class ExpertFootprint:
             self.log_miss[d] -= row
         self.count[d] -= 1
         self.context[d] -= ctx
-        self._refresh(d)
+        if self.count[d] == 0:  # exactly zero again, before any later add (no drift)
+            self.log_miss[d] = 0.0
+            self.context[d] = 0.0
+        self._stale.add(d)
         return True
 
     def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
@@ -240,31 +280,31 @@ class ExpertFootprint:
             self.engine = EngineRows(self.num_workers, self.num_cells, self._clock)
         if not self.engine.observe(worker, freq, age_s, max_age_s):
             return False
-        self._refresh(worker)
+        self._stale.add(worker)
         return True
 
     def expire(self) -> None:
         """Drop engine readings whose time is up (their decoders fall back to own rows)."""
         if self.engine is not None:
-            for d in self.engine.expire():
-                self._refresh(d)
+            self._stale.update(self.engine.expire())
 
     def add_worker(self, like: int | None = None) -> None:
         """A new, empty decoder row; its fitted "type" is a copy of ``like``'s (or, with
         the online memory, starts empty)."""
+        self._sync()
         K, n = self.num_workers, self.num_cells
         self.log_miss = np.vstack([self.log_miss, np.zeros((1, n))])
-        self.miss = np.vstack([self.miss, np.ones((1, n), dtype=np.float32)])
-        self.distinct = np.append(self.distinct, 0.0)
+        self._miss = np.vstack([self._miss, np.ones((1, n), dtype=np.float32)])
+        self._distinct = np.append(self._distinct, 0.0)
         self.context = np.append(self.context, 0.0)
         self.count = np.append(self.count, np.int64(0))
         if self.typical is not None:
             row = self.typical[like:like + 1] if like is not None and self._keep == 1.0 \
                 else np.zeros((1, n))
             self.typical = np.vstack([self.typical, row])
-            self.typical_miss = np.vstack([self.typical_miss,
+            self._typical_miss = np.vstack([self._typical_miss,
                                            np.ones((1, n), dtype=np.float32)])
-        self.typical_distinct = np.append(self.typical_distinct, 0.0)
+        self._typical_distinct = np.append(self._typical_distinct, 0.0)
         self._typical_rows.append(dict(self._typical_rows[like])
                                   if like is not None and self._keep == 1.0 else {})
         if self.engine is not None:
@@ -274,13 +314,14 @@ class ExpertFootprint:
     def remove_worker(self, worker: int) -> None:
         """Drop decoder ``worker``'s row; requests still held there are forgotten (a
         drained decoder holds none), those of higher decoders move down one index."""
+        self._sync()
         for rid in [r for r, (d, _, _) in self._held.items() if d == worker]:
             del self._held[rid]
         self._held = {r: (d - 1 if d > worker else d, row, ctx)
                       for r, (d, row, ctx) in self._held.items()}
         del self._typical_rows[worker]
-        for name in ("log_miss", "miss", "distinct", "context", "count", "typical",
-                     "typical_miss", "typical_distinct"):
+        for name in ("log_miss", "_miss", "_distinct", "context", "count", "typical",
+                     "_typical_miss", "_typical_distinct"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, np.delete(value, worker, axis=0))
