@@ -17,12 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="every section once on small inputs (one workload at one rate, "
-                      "20 s per point, 2,000-request traces): about 45 s on 2 idle cores")
+                      "20 s per point, 2,000-request traces): the shortest run "
+                      "(docs/simulator.md has the measured times)")
     size.add_argument("--full", action="store_true",
                       help="the paper's setting: full-size traces, 5 rates with 120 s "
                       "windows, prefix caching, expert parallelism and the whole 112-cell "
-                      "grid (about an hour on 2 cores; the default run makes every claim "
-                      "on less, in about 15 minutes on 2 idle cores)")
+                      "grid (several times the default run, which makes every claim on "
+                      "less; measured times in docs/simulator.md)")
     p.add_argument("--out", default="eldr-report", help="output directory (default "
                    "./eldr-report)")
     p.add_argument("--trace", help="use this trace (.npz) for the first workload instead of "
