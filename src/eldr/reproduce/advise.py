@@ -39,6 +39,7 @@ import numpy as np
 from eldr.reproduce.grid import TOLERANCE_PCT
 from eldr.reproduce.recorded import (
     INPUT_LABELS,
+    PROMPT_OPTIONS,
     Comparison,
     compare,
     routing_input,
@@ -242,7 +243,8 @@ def _locality(trace: Trace, K: int, inp: str, cmp: Comparison, seed: int):
     inputs = [x for x in (inp, "oracle") if x in ("prefill", "prompt", "oracle")]
     try:
         return real_locality(trace, num_decoders=K, batch_sizes=sizes, inputs=inputs,
-                             window=Window(0, steps), resamples=100, seed=seed), ""
+                             window=Window(0, steps), resamples=100, seed=seed,
+                             prompt_options=dict(PROMPT_OPTIONS)), ""
     except ValueError as exc:
         return None, f"not measured: {exc}"
 
@@ -269,6 +271,10 @@ def format_advice(a: Advice) -> str:
         lines.append(f"\nrho of the routing input ({INPUT_LABELS[c.trace_input]}), held out: "
                      + (f"{np.mean(rho):.3f} (seeds: {', '.join(f'{r:.3f}' for r in rho)})"
                         if rho else "n/a (no routing input)"))
+        adm = [x for x in c.admitted if np.isfinite(x)]
+        if c.trace_input == "prompt" and adm:
+            lines.append(f"prediction gate: {100 * np.mean(adm):.0f} % of held-out prompts "
+                         "routed on their prediction, the rest by load")
         lines.append(f"\nsimulated, {c.seeds} seeds (each its own half/half split and "
                      f"arrivals), {c.qps:.1f} req/s, {c.heldout} held-out requests, "
                      f"{c.mean('jsq', 'mean_batch'):.1f} requests per decoder (JSQ):")

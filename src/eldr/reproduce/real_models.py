@@ -147,8 +147,12 @@ def _case_row(c: dict) -> list[str]:
     def d(p):
         return f"{m[p]['distinct']:.1f}" if p in m else "n/a"
     rho = np.nanmean(c["rho"]) if c["rho"] and np.isfinite(c["rho"]).any() else float("nan")
+    inp = INPUT_LABELS[c["trace_input"]]
+    adm = [a for a in c.get("admitted", []) if a is not None and np.isfinite(a)]
+    if c["trace_input"] == "prompt" and adm:
+        inp += f" (the gate let {100 * np.mean(adm):.0f} % of requests use it)"
     return [c["label"] + (f" (≤ {c['cap']} output tokens)" if c["cap"] else ""),
-            f"{c['num_decode']}", INPUT_LABELS[c["trace_input"]],
+            f"{c['num_decode']}", inp,
             f"{c['heldout']} / {c['qps']:.1f} / {m[lb]['batch']:.1f}",
             "n/a" if not np.isfinite(rho) else f"{rho:.2f}",
             f"{lb} {m[lb]['p50']:.2f} / {m[lb]['p99']:.2f}",
@@ -188,7 +192,9 @@ def real_models_markdown(res: dict, plan: Plan, headline: list[dict]) -> list[st
           "batch per decoder is what the data sustains, not a choice. Routing input: what "
           "`eldr` and `eldr_cost` know of a request when they pick its decoder "
           "(GPT-OSS-20B's recording has no prefill routing, so both route on the prompt's "
-          "predicted decode profile); the balancers need none, the oracle reads the true "
+          "predicted decode profile, where the prediction gate of docs/real-models.md lets "
+          "them; a request it refuses is routed by load); the balancers need none, the "
+          "oracle reads the true "
           f"decode pattern. {plan.real_warmup_s:g} + {plan.real_duration_s:g} s per run.\n"]
     md.append(_table(
         ["routing", "K", "eldr / eldr_cost input", "held-out / req/s / batch", "ρ held-out",

@@ -14,9 +14,13 @@ is explicit (:data:`INPUTS`, :func:`routing_input`):
 - ``prompt``: decode-only, with the prompts' token ids (GPT-OSS-20B): a
   :class:`~eldr.fit.prompt.PromptPredictor` fitted on the calibration split maps a prompt
   to its DECODE profile (per-token inclusion probability of each expert, the target the
-  cost policy needs); the band's signature is that profile as a unit row. The calibration
-  requests are clustered on their own predicted profiles, predicted by a predictor that
-  did not see them (two folds), so clusters and held-out requests live in one space;
+  cost policy needs; :func:`eldr.fit.prompt_decode.fit_decode_predictor`); the band's
+  signature is that profile as a unit row. The calibration requests are clustered on
+  their own predicted profiles, predicted by a predictor that did not see them (two
+  folds), so clusters and held-out requests live in one space. The router's prediction
+  gate (:class:`eldr.fit.prompt_decode.PredictionGate`, thresholds from the calibration
+  prompts alone) sends a prompt less familiar than the calibration's to load balancing,
+  and all of them when the predictor's cross-validated R² is below its floor;
 - ``none``: decode-only without token ids: nothing is known before decode, so a locality
   policy has nothing to route on; it is not simulated (it would route by load, as JSQ) and
   the rows say so.
@@ -46,7 +50,6 @@ import numpy as np
 
 from eldr.fit.calibration import FitSettings
 from eldr.fit.cluster import BalancedKMeans
-from eldr.fit.predictor import decode_profiles
 from eldr.fit.predictor import decoder_profiles as _cluster_log_miss
 from eldr.intervals import paired_interval
 from eldr.reproduce.plan import GRID_BALANCERS
@@ -137,20 +140,31 @@ class PromptSetup(RoutingSetup):
     rows), or absent (``eval_profiles`` None: no routing input)."""
 
     eval_profiles: np.ndarray | None = None  # (R_eval, L, E) float32, or None
+    # (R_eval,) bool: the prediction gate lets the router use request r's prediction
+    # (eldr.fit.prompt_decode.PredictionGate); elsewhere it is routed by load alone
+    admitted: np.ndarray | None = None
+    gate: dict | None = None  # the gate's figures (cv R², threshold, enabled)
 
     def profile(self, r: int) -> np.ndarray:
         if self.eval_profiles is None:
             raise ValueError("no routing input: no predicted profile")
         return self.eval_profiles[r]
 
+    @property
+    def admitted_share(self) -> float:
+        """Share of held-out requests routed on their prediction (nan: no input)."""
+        return float("nan") if self.admitted is None else float(self.admitted.mean())
+
     def inputs(self, policy, *, patterns: bool = True) -> dict:
         out: dict = {}
         if "signature" in policy.inputs and self.eval_profiles is not None:
-            out["signatures"] = self.signatures
+            # an all-zero signature: the band holds every decoder (load balancing)
+            out["signatures"] = np.where(self.admitted[:, None], self.signatures, 0.0
+                                         ).astype(np.float32)
         if "decode_pattern" in policy.inputs and patterns:
             out["decode_patterns"] = self.patterns
         if "profile" in policy.inputs and self.eval_profiles is not None:
-            out["profiles"] = self.eval_profiles
+            out["profiles"] = _GatedProfiles(self.eval_profiles, self.admitted)
         return out
 
 
@@ -159,18 +173,29 @@ def _unit_rows(profiles: np.ndarray) -> np.ndarray:
 
 
 def _prompt_predictor(fit: Trace, seed: int, vocab: int):
-    """A :class:`~eldr.fit.prompt.PromptPredictor` of ``fit``'s prompts → decode
-    profiles (requests with at least one decode token), options :data:`PROMPT_OPTIONS`."""
-    from eldr.fit.prompt import PromptPredictor
+    """A prompt → decode profile predictor fitted on ``fit``
+    (:func:`eldr.fit.prompt_decode.fit_decode_predictor`, options :data:`PROMPT_OPTIONS`),
+    taking token ids below ``vocab``."""
+    from eldr.fit.prompt_decode import fit_decode_predictor
 
-    keep = np.flatnonzero(fit.decode_lens > 0)
+    keep = np.flatnonzero((fit.decode_lens > 0) & (fit.prompt_lens > 0))
     if keep.size < 2 * PROMPT_OPTIONS["folds"]:
         raise ValueError(f"{keep.size} calibration requests with decode tokens: too few to "
                          "fit a prompt predictor")
-    prompts = [fit.prompt_tokens(int(r)) for r in keep]
-    pred = PromptPredictor(random_state=seed, **PROMPT_OPTIONS).fit_prompts(
-        prompts, decode_profiles(fit)[keep], top_k=fit.meta.top_k, vocab_size=vocab)
+    pred = fit_decode_predictor(fit, random_state=seed, **PROMPT_OPTIONS)
+    pred.vocab_size = max(pred.vocab_size, vocab)
     return pred
+
+
+class _GatedProfiles:
+    """``profiles(r)``: held-out request ``r``'s predicted profile, or None where the
+    prediction gate sent it to load balancing (the cost policy then routes it by load)."""
+
+    def __init__(self, profiles: np.ndarray, admitted: np.ndarray) -> None:
+        self.profiles, self.admitted = profiles, admitted
+
+    def __call__(self, r: int):
+        return self.profiles[r] if self.admitted[r] else None
 
 
 def _predict(pred, trace: Trace) -> np.ndarray:
@@ -182,10 +207,16 @@ def _prompt_setup(calib: Trace, ev: Trace, name: str, seed: int) -> PromptSetup:
     """Routing inputs from the prompts (module docstring): a predictor on the whole
     calibration split for the held-out requests; two fold predictors for the calibration
     requests' own rows (each predicts the half it was not fitted on)."""
+    from eldr.fit.prompt_decode import PredictionGate
+
     t0 = time.perf_counter()
     vocab = int(max(calib.prompt_token_ids.max(), ev.prompt_token_ids.max())) + 1
     pred = _prompt_predictor(calib, seed, vocab)
     eval_profiles = _predict(pred, ev)
+    fit_prompts = [calib.prompt_tokens(r) for r in range(calib.num_requests)
+                   if calib.prompt_lens[r] > 0 and calib.decode_lens[r] > 0]
+    gate = PredictionGate.calibrate(pred, fit_prompts, random_state=seed)
+    admitted = gate.admit([ev.prompt_tokens(r) for r in range(ev.num_requests)])
     halves = np.random.default_rng((seed, 0xF01D)).permutation(calib.num_requests) % 2
     calib_profiles = np.empty((calib.num_requests, *eval_profiles.shape[1:]), np.float32)
     for h in (0, 1):
@@ -199,7 +230,8 @@ def _prompt_setup(calib: Trace, ev: Trace, name: str, seed: int) -> PromptSetup:
     return PromptSetup(workload=name, calib=calib, eval=ev, calibration=cal,
                        signatures=_unit_rows(eval_profiles), domain_shares=None,
                        tokens=TokenBank(ev, seed=seed), seed=seed,
-                       eval_profiles=eval_profiles)
+                       eval_profiles=eval_profiles, admitted=np.asarray(admitted, bool),
+                       gate=gate.as_dict())
 
 
 def fit_recorded(trace: Trace, *, seed: int = 0, calib_share: float = 0.5,
@@ -233,6 +265,13 @@ def fit_recorded(trace: Trace, *, seed: int = 0, calib_share: float = 0.5,
                             tokens=TokenBank(ev, seed=seed), seed=seed, eval_profiles=None)
     setup.routing_input = kind
     return setup
+
+
+def _admitted(setup: RoutingSetup) -> float:
+    kind = getattr(setup, "routing_input", "prefill")
+    if kind == "prefill":
+        return 1.0
+    return setup.admitted_share if kind == "prompt" else float("nan")
 
 
 def heldout_rho(setup: RoutingSetup) -> float:
@@ -383,6 +422,9 @@ class Comparison:
     skipped: dict = field(default_factory=dict)  # policy -> why it did not run
     notes: list[str] = field(default_factory=list)
     rho: list[float] = field(default_factory=list)  # held-out ρ of the routing input, per seed
+    # share of held-out requests the prediction gate let route on their prediction, per
+    # seed (prompt input only; 1.0 for a prefill signature, nan without an input)
+    admitted: list[float] = field(default_factory=list)
     heldout: int = 0  # held-out requests of a seed (the first)
     seconds: float = 0.0
 
@@ -403,7 +445,8 @@ class Comparison:
                 "trace_input": self.trace_input, "best_balancer": self.best_balancer,
                 "deltas": iv(self.deltas), "vs_jsq": iv(self.vs_jsq),
                 "skipped": dict(self.skipped), "notes": list(self.notes),
-                "rho": list(self.rho), "heldout": self.heldout, "seeds": self.seeds,
+                "rho": list(self.rho), "admitted": list(self.admitted),
+                "heldout": self.heldout, "seeds": self.seeds,
                 "rows": self.rows, "seconds": self.seconds}
 
 
@@ -537,7 +580,8 @@ def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
     best = min(means, key=means.get)
     out = Comparison(preset.name, str(getattr(hardware, "name", hardware)), num_decode,
                      float(qps), kind, rows, best,
-                     skipped=skipped, rho=rhos, heldout=setups[0].eval.num_requests)
+                     skipped=skipped, rho=rhos, heldout=setups[0].eval.num_requests,
+                     admitted=[_admitted(st) for st in setups])
     for p in run:
         if p != best:
             out.deltas[p] = _paired(rows, p, best)
