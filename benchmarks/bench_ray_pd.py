@@ -14,7 +14,9 @@ the first payload's shape and routes on every payload).
 
 Prints one JSON line: seconds from ``serve.run`` to the first answered completion, and
 the wall time of ``--requests`` sequential non-streaming completions (distinct prompts of
-about 100 tokens, greedy, ``--max-tokens``): p50, p90, mean. With one decoder both apps
+about 100 tokens, greedy, ``--max-tokens``): p50, p90, mean; for ``eldr`` also the median
+of its ``Server-Timing`` phases (the prefill as the ingress saw it, and the route: the
+table call that decides). With one decoder both apps
 do the same engine work, so the difference is the request path (Serve's proxy, ingress,
 handles / HTTP, the routing decision).
 """
@@ -55,11 +57,17 @@ def _configs(store: str, model: str, builder: str) -> tuple[dict, dict]:
     return conf(0), conf(1)
 
 
-def _post(url: str, body: dict) -> bytes:
+def _post(url: str, body: dict) -> tuple[bytes, dict[str, float]]:
+    """The answer and its Server-Timing durations in ms (eldr's: prefill, route)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return r.read()
+        timing = {}
+        for part in (r.headers.get("Server-Timing") or "").split(","):
+            name, _, dur = part.strip().partition(";dur=")
+            if dur:
+                timing[name] = float(dur)
+        return r.read(), timing
 
 
 def main() -> None:
@@ -103,13 +111,16 @@ def main() -> None:
             except OSError:
                 time.sleep(1)
         startup = time.monotonic() - t0
-        walls = []
+        walls, phases = [], {}
         for i in range(args.requests):
             body = {"model": "tiny", "prompt": f"{i}. {TEXT}", "max_tokens": args.max_tokens,
                     "temperature": 0}
             t = time.perf_counter()
-            doc = json.loads(_post(url, body))
+            raw, timing = _post(url, body)
             walls.append(time.perf_counter() - t)
+            doc = json.loads(raw)
+            for name, ms in timing.items():
+                phases.setdefault(name, []).append(ms)
             assert doc["usage"]["completion_tokens"] == args.max_tokens, doc
         w = np.asarray(walls) * 1000
         print(json.dumps({"builder": args.builder, "ray": ray.__version__,
@@ -117,7 +128,9 @@ def main() -> None:
                           "max_tokens": args.max_tokens,
                           "wall_ms_p50": round(float(np.median(w)), 1),
                           "wall_ms_p90": round(float(np.percentile(w, 90)), 1),
-                          "wall_ms_mean": round(float(w.mean()), 1)}))
+                          "wall_ms_mean": round(float(w.mean()), 1),
+                          **{f"{name}_ms_p50": round(float(np.median(v)), 1)
+                             for name, v in phases.items()}}))
     finally:
         try:
             serve.shutdown()

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -183,6 +184,7 @@ class PDRelay:
         last = _error(503, "no decode engine could serve the request")
         for attempt in range(1, self.config.max_attempts + 1):
             rid = f"eldr-ray-{uuid.uuid4().hex}"
+            t0 = time.perf_counter()
             try:
                 pre = await self._prefill(path, body, rid)
             except _Retry as exc:
@@ -191,10 +193,15 @@ class PDRelay:
             if isinstance(pre, Answer):  # the engine refused the request (4xx): relayed
                 return pre
             doc, prefill_replica = pre
+            t1 = time.perf_counter()
             got = await self._reserve(rid, doc, exclude)
             if isinstance(got, Answer):
                 return got
+            t2 = time.perf_counter()
             headers = {"X-Request-Id": client_request_id or rid,
+                       # this attempt's prefill and decision (the table call), in ms
+                       "Server-Timing": f"prefill;dur={(t1 - t0) * 1e3:.1f}, "
+                                        f"route;dur={(t2 - t1) * 1e3:.1f}",
                        "X-Eldr-Decoder": got["decoder"], "X-Eldr-Attempts": str(attempt),
                        "X-Eldr-Prefill": prefill_replica,
                        "X-Eldr-Input": got["input"] + (f"; fallback={got['fallback']}"
