@@ -42,3 +42,12 @@ def test_paired_interval_edges():
         paired_interval([])
     with pytest.raises(ValueError, match="finite"):
         paired_interval([1.0, float("nan")])
+
+
+def test_percent_change_and_its_undefined_baselines():
+    from eldr.intervals import percent_change
+
+    assert percent_change(90.0, 100.0) == -10.0
+    assert percent_change(3.0, 2.0) == 50.0
+    for base in (0.0, float("nan"), float("inf")):
+        assert math.isnan(percent_change(1.0, base))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PairedInterval", "paired_interval", "t_quantile_975"]
+__all__ = ["PairedInterval", "paired_interval", "percent_change", "t_quantile_975"]
 
 # t(0.975, df) for df = 1 … 30
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -77,3 +77,9 @@ def paired_interval(diffs) -> PairedInterval:
         return PairedInterval(float(d[0]), math.nan, 1)
     half = t_quantile_975(n - 1) * float(d.std(ddof=1)) / math.sqrt(n)
     return PairedInterval(float(d.mean()), half, n)
+
+
+def percent_change(new: float, base: float) -> float:
+    """``100 · (new − base) / base``: a policy's figure against its baseline's, in percent
+    (nan when the baseline is 0 or not finite: no comparison, never a division error)."""
+    return 100.0 * (new - base) / base if base and np.isfinite(base) else float("nan")

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr.intervals import paired_interval
+from eldr.intervals import paired_interval, percent_change
 from eldr.reproduce.plan import LOAD_BALANCERS
 from eldr.reproduce.sweeps import Results
 from eldr.routing.registry import POLICIES
 
 __all__ = ["Analysis"]
-
-
-def _pct(new: float, base: float) -> float:
-    return 100.0 * (new - base) / base if base and np.isfinite(base) else float("nan")
 
 
 def _mean(rows_by_seed: dict[int, dict], column: str) -> float:
@@ -78,7 +74,7 @@ class Analysis:
         variants of a main point, paired on their common seeds; (nan, nan) when either is
         missing, half-width nan with one seed."""
         a, b = self.main_seeds(wl, qps, K, variant), self.main_seeds(wl, qps, K, base)
-        d = [_pct(a[j][column], b[j][column]) for j in sorted(a.keys() & b.keys())]
+        d = [percent_change(a[j][column], b[j][column]) for j in sorted(a.keys() & b.keys())]
         d = [x for x in d if np.isfinite(x)]
         if not d:
             return float("nan"), float("nan")
@@ -128,11 +124,6 @@ class Analysis:
                 out.append(h)
         return out
 
-    def best_lb_p99(self, wl: str, qps: float, K: int) -> dict | None:
-        rows = [self.get(wl, qps, K, p) for p in LOAD_BALANCERS]
-        rows = [r for r in rows if r is not None]
-        return min(rows, key=lambda r: r["tpot_p99_ms"]) if rows else None
-
     def tiny_rows(self) -> list[dict]:
         """The shipped tiny-MoE trace on its measured CPU preset: every policy vs the best
         load balancer per rate (each metric against its own best)."""
@@ -150,9 +141,9 @@ class Analysis:
                    "lb_p99": b99["tpot_p99_ms"], "batch": b50["mean_batch"]}
             for name, variant in (("eldr", self.eldr()), ("cost", "eldr_cost")):
                 r = rows.get(variant)
-                row[f"{name}_d_p50"] = _pct(r["tpot_median_ms"], b50["tpot_median_ms"]) \
+                row[f"{name}_d_p50"] = percent_change(r["tpot_median_ms"], b50["tpot_median_ms"]) \
                     if r else float("nan")
-                row[f"{name}_d_p99"] = _pct(r["tpot_p99_ms"], b99["tpot_p99_ms"]) \
+                row[f"{name}_d_p99"] = percent_change(r["tpot_p99_ms"], b99["tpot_p99_ms"]) \
                     if r else float("nan")
                 row[f"{name}_distinct"] = r["mean_distinct_per_layer"] if r else float("nan")
             row["lb_distinct"] = b50["mean_distinct_per_layer"]
@@ -168,8 +159,8 @@ class Analysis:
             if e is None or b is None:
                 continue
             out.append({"tau": tau, "tpot_p50": e["tpot_median_ms"], "tpot_p99": e["tpot_p99_ms"],
-                        "d_p50": _pct(e["tpot_median_ms"], b["tpot_median_ms"]),
-                        "d_p99": _pct(e["tpot_p99_ms"], b["tpot_p99_ms"]),
+                        "d_p50": percent_change(e["tpot_median_ms"], b["tpot_median_ms"]),
+                        "d_p99": percent_change(e["tpot_p99_ms"], b["tpot_p99_ms"]),
                         "distinct": e["mean_distinct_per_layer"],
                         "max_share": e["max_request_share"]})
         return out
@@ -184,11 +175,11 @@ class Analysis:
                 c = self.get(wl, q, K, "eldr_cost")
                 if b is None or e is None:
                     continue
-                d50.append(_pct(e["tpot_median_ms"], b["tpot_median_ms"]))
-                d99.append(_pct(e["tpot_p99_ms"], b["tpot_p99_ms"]))
+                d50.append(percent_change(e["tpot_median_ms"], b["tpot_median_ms"]))
+                d99.append(percent_change(e["tpot_p99_ms"], b["tpot_p99_ms"]))
                 if c is not None:
-                    c50.append(_pct(c["tpot_median_ms"], b["tpot_median_ms"]))
-                    c99.append(_pct(c["tpot_p99_ms"], b["tpot_p99_ms"]))
+                    c50.append(percent_change(c["tpot_median_ms"], b["tpot_median_ms"]))
+                    c99.append(percent_change(c["tpot_p99_ms"], b["tpot_p99_ms"]))
             if d50:
                 out.append({"pool": f"{self.plan.num_prefill}P{K}D", "K": K,
                             "d_p50": float(np.mean(d50)), "d_p99": float(np.mean(d99)),
@@ -208,8 +199,8 @@ class Analysis:
                                                                       self.eldr(kind=kind))
                     if rr is None or e is None:
                         continue
-                    d50.append(_pct(e["tpot_median_ms"], rr["tpot_median_ms"]))
-                    d99.append(_pct(e["tpot_p99_ms"], rr["tpot_p99_ms"]))
+                    d50.append(percent_change(e["tpot_median_ms"], rr["tpot_median_ms"]))
+                    d99.append(percent_change(e["tpot_p99_ms"], rr["tpot_p99_ms"]))
                 if d50:
                     sizes = self.results.setups[wl].cluster_sizes(K, kind) \
                         if wl in self.results.setups else np.array([np.nan])
@@ -235,8 +226,8 @@ class Analysis:
         for o in out:
             r = o["row"]
             o.update(tpot_p50=r["tpot_median_ms"], tpot_p99=r["tpot_p99_ms"],
-                     d_p50=_pct(r["tpot_median_ms"], b["tpot_median_ms"]),
-                     d_p99=_pct(r["tpot_p99_ms"], b["tpot_p99_ms"]),
+                     d_p50=percent_change(r["tpot_median_ms"], b["tpot_median_ms"]),
+                     d_p99=percent_change(r["tpot_p99_ms"], b["tpot_p99_ms"]),
                      exact=r.get("signature_exact_share", float("nan")),
                      hits=r.get("prefix_hit_share", float("nan")))
             del o["row"]
@@ -258,9 +249,9 @@ class Analysis:
                    "lb_p99": b["tpot_p99_ms"]}
             for lay in ("contiguous", "global", "per_decoder"):
                 e = self.get(key, q, K, f"{self.eldr()}+ep[{lay}]")
-                row[f"{lay}_p50"] = _pct(e["tpot_median_ms"], b["tpot_median_ms"]) if e \
+                row[f"{lay}_p50"] = percent_change(e["tpot_median_ms"], b["tpot_median_ms"]) if e \
                     else float("nan")
-                row[f"{lay}_p99"] = _pct(e["tpot_p99_ms"], b["tpot_p99_ms"]) if e \
+                row[f"{lay}_p99"] = percent_change(e["tpot_p99_ms"], b["tpot_p99_ms"]) if e \
                     else float("nan")
             out.append(row)
         return out

@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from eldr.intervals import PairedInterval, paired_interval, t_quantile_975
+from eldr.intervals import PairedInterval, paired_interval, percent_change, t_quantile_975
 from eldr.reproduce.plan import GRID_BALANCERS, GRID_POLICIES
 
 __all__ = ["BETTER", "CLASSES", "METRICS", "TOLERANCE_PCT", "UNSURE", "WORSE",
@@ -83,10 +83,6 @@ def false_worse_probability(sd: float, n: int, tol: float = TOLERANCE_PCT) -> fl
     return float((f * tail).sum() / f.sum())
 
 
-def _pct(new: float, base: float) -> float:
-    return 100.0 * (new - base) / base if base and np.isfinite(base) else float("nan")
-
-
 def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict[int, dict]]]:
     """(workload, pool, rate) -> variant -> seed number -> the grid row."""
     cells: dict[tuple, dict[str, dict[int, dict]]] = {}
@@ -100,7 +96,7 @@ def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict[int, dict]]]:
 
 def _compare(new: dict[int, dict], base: dict[int, dict], column: str) -> dict | None:
     """Paired comparison of two variants' rows of one cell on their common seeds."""
-    d = [_pct(new[j][column], base[j][column]) for j in sorted(new.keys() & base.keys())]
+    d = [percent_change(new[j][column], base[j][column]) for j in sorted(new.keys() & base.keys())]
     d = [x for x in d if np.isfinite(x)]
     if not d:
         return None
