@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from eldr.capture.payload import PAYLOAD_KEY
 from eldr.routing import prefill_profile
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["LAYERS_KEY", "PAYLOAD_KEY", "Reading", "SignatureResult", "payload_request",
            "payload_shape", "read_counts", "read_inputs", "read_signature", "split_kv_params"]
 
-PAYLOAD_KEY = "eldr"  # eldr.capture.payload.PAYLOAD_KEY, repeated to keep this import-light
 LAYERS_KEY = "eldr_layers"  # eldr.capture.payload.LAYERS_KEY: the mask asked of the engine
 _GATE_REPRESENTATIONS = ("gate_prob", "gate_logit")  # built from gate sums: counts won't do
 
