@@ -243,3 +243,25 @@ def test_other_routes_go_to_a_prefill_engine_and_health_reads_the_table():
         assert snap["counters"]["no_healthy_decoder"] == 1
         assert np.all([not d["healthy"] for d in snap["decoders"]])
     _run(test)
+
+
+def test_a_prefill_engine_that_fails_is_skipped_and_marked_until_its_heartbeat():
+    async def test(s: Setup):
+        spare = await FakeEngine("p1").start()
+        try:
+            s.table.register("prefill", "rp1", spare.url)
+            s.prefill.mode = "drop"  # the first prefill engine drops every connection
+            for _ in range(2):
+                path, raw = _completion("code after a prefill failure")
+                answer = await s.relay.handle("POST", path, raw)
+                assert answer.status == 200, answer.body
+                assert answer.headers["X-Eldr-Decoder"] == "w-code"
+                assert answer.headers["X-Eldr-Attempts"] == "1"
+            assert len(spare.requests) == 2  # both prefills
+            assert len(s.prefill.requests) == 1  # marked failed after its first drop
+            assert [t["replica"] for t in s.table.prefill_targets()] == ["rp1"]
+            assert "Server-Timing" in answer.headers and "route;dur=" in \
+                answer.headers["Server-Timing"]
+        finally:
+            await spare.close()
+    _run(test)
