@@ -113,13 +113,14 @@ def _imported(module: str, *, runtime: bool) -> list[tuple[str, str | None]]:
     return [(t, n) for t, n in out if t == "eldr" or t.startswith("eldr.")]
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module → the eldr modules it imports at run time. ``from p import m`` of a submodule
+def _import_graph(*, runtime: bool = True) -> dict[str, set[str]]:
+    """Module → the eldr modules it imports at run time (``runtime=False``: type-checking
+    imports too). ``from p import m`` of a submodule
     ``m`` is an edge to ``p.m``; the parent packages Python initialises on the way are not
     edges (every submodule import would close a circle through its package's __init__)."""
     graph = {m: set() for m in MODULES}
     for m in MODULES:
-        for target, name in _imported(m, runtime=True):
+        for target, name in _imported(m, runtime=runtime):
             dep = f"{target}.{name}" if f"{target}.{name}" in MODULES else target
             if dep in MODULES and dep != m:
                 graph[m].add(dep)
@@ -178,6 +179,15 @@ def test_no_import_circles_at_run_time():
     (function-level) imports included: a circle closed by a deferred import is a cut in the
     wrong place. Put the shared names where both sides can import them one way."""
     found = {"circle: " + " <-> ".join(sorted(c)) for c in _circles(_import_graph())}
+    assert not found, "\n".join(sorted(found))
+
+
+def test_no_import_circles_of_any_kind():
+    """Nor through ``if TYPE_CHECKING:`` imports: a module that needs another's type only
+    to annotate, while that one imports it, annotates structurally (a Protocol) or the
+    type moves where both can import it."""
+    found = {"circle: " + " <-> ".join(sorted(c))
+             for c in _circles(_import_graph(runtime=False))}
     assert not found, "\n".join(sorted(found))
 
 

@@ -6,16 +6,29 @@ offending request. Arrays are normalised to the documented dtypes in place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from eldr.traces.fields import COUNT_FIELDS, GATE_FIELDS, PREFILL_FIELDS, TOPK_FIELDS, TraceMeta
 
-if TYPE_CHECKING:  # the trace module imports this one: the record is an annotation here
-    from eldr.traces.trace import Trace
+__all__ = ["TraceFields", "validate"]
 
-__all__ = ["validate"]
+
+class TraceFields(Protocol):
+    """The fields validation reads and normalises; :class:`eldr.traces.trace.Trace` is one.
+    Typed by structure so that this module need not import the trace module, which
+    imports it (the optional fields, gates and per-token ids, are read by name)."""
+
+    meta: TraceMeta
+    prefill_counts: np.ndarray | None  # (R, L, E); None in a decode-only trace
+    decode_counts: np.ndarray  # (R, L, E)
+    prompt_lens: np.ndarray  # (R,)
+    output_lens: np.ndarray  # (R,)
+    domains: np.ndarray | None  # (R,)
+    domain_names: tuple[str, ...] | None
+    prompt_token_ids: np.ndarray | None  # (P,)
+    decode_token_ids: np.ndarray | None  # (D,)
 
 
 def _fail(field_name: str, msg: str, request: int | None = None) -> None:
@@ -29,7 +42,7 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(flat)[0])
 
 
-def validate(t: Trace) -> None:
+def validate(t: TraceFields) -> None:
     """Check every field of ``t`` (see eldr.traces.trace); normalise dtypes in place.
 
     Groups run in dependency order: the meta gives L, E and k; the lengths give R and the
@@ -46,7 +59,7 @@ def validate(t: Trace) -> None:
     _check_decode_token_ids(t)
 
 
-def _check_prefill_present(t: Trace) -> None:
+def _check_prefill_present(t: TraceFields) -> None:
     """A decode-only trace (version 2: ``prefill_counts`` is None) has no prefill routing at
     all: no gate sums and no per-token prefill experts either."""
     if t.prefill_counts is not None:
@@ -59,7 +72,7 @@ def _check_prefill_present(t: Trace) -> None:
               "none)")
 
 
-def _check_lengths(t: Trace) -> None:
+def _check_lengths(t: TraceFields) -> None:
     """``prompt_lens`` (>= 0) and ``output_lens`` (>= 1): (R,) integers, stored int64."""
     for name in ("prompt_lens", "output_lens"):
         arr = getattr(t, name)
@@ -79,7 +92,7 @@ def _check_lengths(t: Trace) -> None:
     object.__setattr__(t, "output_lens", t.output_lens.astype(np.int64, copy=False))
 
 
-def _check_counts(t: Trace) -> None:
+def _check_counts(t: TraceFields) -> None:
     """Expert counts: (R, L, E) non-negative integers summing to k x tokens per layer,
     stored int32."""
     R, L, E, k = t.prompt_lens.shape[0], t.meta.num_layers, t.meta.num_experts, t.meta.top_k
@@ -116,7 +129,7 @@ def _check_counts(t: Trace) -> None:
             object.__setattr__(t, name, arr.astype(np.int32))
 
 
-def _check_gates(t: Trace) -> None:
+def _check_gates(t: TraceFields) -> None:
     """Optional summed gate outputs: (R, L, E) finite floats, stored float32."""
     R, L, E = t.prompt_lens.shape[0], t.meta.num_layers, t.meta.num_experts
     for name in GATE_FIELDS:
@@ -133,7 +146,7 @@ def _check_gates(t: Trace) -> None:
             object.__setattr__(t, name, arr.astype(np.float32))
 
 
-def _check_domains(t: Trace) -> None:
+def _check_domains(t: TraceFields) -> None:
     """Optional domain labels: (R,) integers indexing ``domain_names``, stored int32."""
     R = t.prompt_lens.shape[0]
     if t.domains is not None:
@@ -153,7 +166,7 @@ def _check_domains(t: Trace) -> None:
         object.__setattr__(t, "domain_names", tuple(str(s) for s in t.domain_names))
 
 
-def _check_topk(t: Trace) -> None:
+def _check_topk(t: TraceFields) -> None:
     """Optional per-token expert ids: (tokens, L, k) distinct ids in [0, E) per token and
     layer, one row per prompt (decode) token, stored int16."""
     L, E, k = t.meta.num_layers, t.meta.num_experts, t.meta.top_k
@@ -178,7 +191,7 @@ def _check_topk(t: Trace) -> None:
             object.__setattr__(t, name, arr.astype(np.int16))
 
 
-def _check_prompt_token_ids(t: Trace) -> None:
+def _check_prompt_token_ids(t: TraceFields) -> None:
     """Optional prompt token ids: (Σ prompt_lens,) non-negative integers, stored int32."""
     arr = t.prompt_token_ids
     if arr is None:
@@ -191,7 +204,7 @@ def _check_prompt_token_ids(t: Trace) -> None:
     object.__setattr__(t, "prompt_token_ids", arr.astype(np.int32, copy=False))
 
 
-def _check_decode_token_ids(t: Trace) -> None:
+def _check_decode_token_ids(t: TraceFields) -> None:
     """Optional ids of the token fed at each decode step: (Σ (output_lens − 1),)
     non-negative integers, stored int32 (version 2)."""
     arr = t.decode_token_ids
