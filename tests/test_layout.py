@@ -225,7 +225,7 @@ PUBLIC_API = {
                            "LearnAdmin", "LiveLearning", "ReloadRefused", "Reloader"},
     "eldr.proxy.engines": {"CircuitBreaker", "Instance", "UpstreamPool", "error_kind",
                            "make_session"},
-    "eldr.proxy.request": {"KNOWN_ROUTES", "OWN_ROUTES", "Decision", "DecodeAttempt",
+    "eldr.proxy.request": {"KNOWN_ROUTES", "OWN_ROUTES", "DecodeAttempt", "DecodeTarget",
                            "DecodeRelay", "Forwarder", "GuardBuffers", "LearnerHook",
                            "LiveRouting", "PrefixAffinity", "Reading", "RequestFlow",
                            "RequestGuards", "RoutingState", "WorkerMismatch", "build_state",

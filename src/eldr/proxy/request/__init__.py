@@ -22,11 +22,31 @@ from eldr.proxy.request.forward import (
     classify,
     method_not_allowed,
 )
-from eldr.proxy.request.relay import Decision, DecodeAttempt, DecodeRelay, is_stream_done
+from eldr.proxy.request.relay import DecodeAttempt, DecodeRelay, DecodeTarget, is_stream_done
 from eldr.proxy.request.signatures import Reading, read_counts, read_inputs, split_kv_params
 
-__all__ = ["KNOWN_ROUTES", "OWN_ROUTES", "Decision", "DecodeAttempt", "DecodeRelay",
-           "Forwarder", "GuardBuffers", "LearnerHook", "LiveRouting", "PrefixAffinity",
-           "Reading", "RequestFlow", "RequestGuards", "RoutingState", "WorkerMismatch",
-           "build_state", "classify", "is_stream_done", "make_guards", "method_not_allowed",
-           "read_counts", "read_inputs", "split_kv_params"]
+__all__ = [
+    "KNOWN_ROUTES",
+    "OWN_ROUTES",
+    "DecodeAttempt",
+    "DecodeRelay",
+    "DecodeTarget",
+    "Forwarder",
+    "GuardBuffers",
+    "LearnerHook",
+    "LiveRouting",
+    "PrefixAffinity",
+    "Reading",
+    "RequestFlow",
+    "RequestGuards",
+    "RoutingState",
+    "WorkerMismatch",
+    "build_state",
+    "classify",
+    "is_stream_done",
+    "make_guards",
+    "method_not_allowed",
+    "read_counts",
+    "read_inputs",
+    "split_kv_params",
+]

@@ -66,9 +66,9 @@ from eldr.proxy.request.offload import PromptOffload
 from eldr.proxy.request.prompts import RequestPrompt
 from eldr.proxy.request.relay import (
     ERROR_BODY_LIMIT,
-    Decision,
     DecodeAttempt,
     DecodeRelay,
+    DecodeTarget,
     RetryDecode,
     is_stream_done,
     report_failure,
@@ -265,7 +265,7 @@ class RequestFlow:
             self.metrics.short_prompts.inc()
         return faults, whole
 
-    def _held_decision(self, held: Decision, holder: Instance, doc: dict) -> Decision:
+    def _held_decision(self, held: DecodeTarget, holder: Instance, doc: dict) -> DecodeTarget:
         """Decode-first: the held decision completed by its prefill's answer (``doc``):
         the decoder's current index (it may have moved: a removal during the prefill), the
         ``kv_transfer_params`` for it and the prompt's tokens."""
@@ -350,7 +350,7 @@ class RequestFlow:
 
     async def _route(self, state: RoutingState, attempt_id: str, doc: dict | None,
                      excluded: list[Instance], faults: Strikes, whole: bool,
-                     prompt: RequestPrompt) -> Decision:
+                     prompt: RequestPrompt) -> DecodeTarget:
         """The decoder of an attempt whose prefill answered (``doc``), or of a short
         prompt served whole (``doc`` None): the prefill's signature when it has one, else
         the prompt's prediction, else by load (the prediction also stands in for a
@@ -396,7 +396,7 @@ class RequestFlow:
 
     def _decide(self, state: RoutingState, request_id: str, reading: Reading,
                 kv_params: dict | None, pt: int | None, excluded: list[Instance],
-                faults: Strikes | None, t0: float) -> Decision:
+                faults: Strikes | None, t0: float) -> DecodeTarget:
         """The policy's choice among the healthy decoders not yet tried by this request,
         on ``reading``'s inputs; metrics count the decision and what it was made from."""
         metrics = self.metrics
@@ -424,11 +424,11 @@ class RequestFlow:
                                  if used else "none")
         metrics.decisions.inc(policy=state.policy.name, decoder=state.worker_names[k])
         metrics.latency.observe(time.perf_counter() - t0)
-        return Decision(k, route, reading, kv_params, pt, faults)
+        return DecodeTarget(k, route, reading, kv_params, pt, faults)
 
     # -- decode-first ----------------------------------------------------------------------
     async def _hold(self, state: RoutingState, attempt_id: str, prompt: RequestPrompt,
-                    excluded: list[Instance], faults: Strikes) -> tuple[Decision, Instance]:
+                    excluded: list[Instance], faults: Strikes) -> tuple[DecodeTarget, Instance]:
         """Decode-first: the attempt's decoder, chosen on the prompt's prediction (by load
         without one) before any prefill, and held: dispatched to the policy, its breaker
         and its load, exactly as a decode in flight, until the decode takes it over or
@@ -447,14 +447,14 @@ class RequestFlow:
         self.pool.begin(decoder)
         return decision, decoder
 
-    def _unhold(self, state: RoutingState, decision: Decision, decoder: Instance) -> None:
+    def _unhold(self, state: RoutingState, decision: DecodeTarget, decoder: Instance) -> None:
         """Give back a held decoder whose decode will not be sent (its prefill failed, the
         client left): released ``cancelled``, the decoder not blamed."""
         self.pool.end(decoder)
         state.policy.on_release(decision.request.request_id, "cancelled")
         decoder.breaker.on_abandon()
 
-    async def _prefill_for(self, state: RoutingState, held: Decision, decoder: Instance,
+    async def _prefill_for(self, state: RoutingState, held: DecodeTarget, decoder: Instance,
                            body: dict, kind: str, data: bytes | None, hashes, headers,
                            faults: Strikes) -> tuple[Instance, dict]:
         """Decode-first: the prefill of an attempt whose decoder is held, naming that
@@ -525,7 +525,7 @@ class RequestFlow:
         if not self.pool.decode_available().any():
             raise ProxyError(503, "no healthy decode instance", code="no_decoder")
 
-    def _release_kv(self, body: dict, kind: str, inst: Instance, decision: Decision,
+    def _release_kv(self, body: dict, kind: str, inst: Instance, decision: DecodeTarget,
                     headers: dict) -> None:
         """Let the decoder read the prefill's KV with a one-token decode, in the background.
 

@@ -2,9 +2,10 @@
 and its answer relayed to the client, buffered whole (JSON) or streamed (SSE).
 
 The flow hands each attempt to its :class:`DecodeRelay` as one :class:`DecodeAttempt`: the
-client's request, the decoder, the routing :class:`Decision` and the headers both ways. A
-failure before the first byte reaches the client raises :class:`RetryDecode` (the flow
-tries another decoder); a stream that breaks later ends with an SSE error event.
+client's request, the decoder, its :class:`DecodeTarget` (where the decode goes, and why)
+and the headers both ways. A failure before the first byte reaches the client raises
+:class:`RetryDecode` (the flow tries another decoder); a stream that breaks later ends with
+an SSE error event.
 """
 
 from __future__ import annotations
@@ -41,9 +42,19 @@ from eldr.routing import Outcome, RouteRequest
 if TYPE_CHECKING:
     from eldr.proxy.metrics import RouterMetrics
 
-__all__ = ["ERROR_BODY_LIMIT", "SSE_DONE", "SSE_HEADERS", "Decision", "DecodeAttempt",
-           "DecodeRelay", "RetryDecode", "is_stream_done", "mark_stream_done", "reply_id",
-           "report_failure"]
+__all__ = [
+    "ERROR_BODY_LIMIT",
+    "SSE_DONE",
+    "SSE_HEADERS",
+    "DecodeAttempt",
+    "DecodeRelay",
+    "DecodeTarget",
+    "RetryDecode",
+    "is_stream_done",
+    "mark_stream_done",
+    "reply_id",
+    "report_failure",
+]
 
 log = logging.getLogger("eldr.serve")
 
@@ -94,7 +105,7 @@ def report_failure(pool: UpstreamPool, metrics: RouterMetrics, inst: Instance, k
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class DecodeTarget:
     """Where one attempt's decode goes, and why."""
 
     worker: int  # decode worker index k
@@ -114,7 +125,7 @@ class DecodeAttempt:
     body: dict  # the client's parsed body
     raw: bytes | None  # the client's bytes, relayed as they are when possible (or None)
     decoder: Instance  # the decoder the decision picked
-    decision: Decision  # why there: the KV parameters and prompt tokens to pass on
+    decision: DecodeTarget  # why there: the KV parameters and prompt tokens to pass on
     headers: dict  # to the decoder: this attempt's X-Request-Id, the engines' key
     reply: dict  # to the client: X-Request-Id, X-Eldr-Prefill/-Decoder/-Attempts
     stream: bool  # the client asked for SSE
