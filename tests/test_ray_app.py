@@ -78,6 +78,7 @@ def test_args_shaped_like_ray_pd_builder_become_engine_specs(tmp_path):
     (lambda a: a.pop("decode_config"), "decode_config is required"),
     (lambda a: a.update(extra=1), "unknown args"),
     (lambda a: a["eldr"].update(colour="red"), "unknown eldr settings"),
+    (lambda a: a["decode_config"].update(eldr_engine={"colour": 1}), "eldr_engine: unknown"),
     (lambda a: a["decode_config"]["deployment_config"].update(num_replicas=0), "num_replicas"),
     (lambda a: a["decode_config"]["engine_kwargs"].update(enforce_eager=False), "enforce_eager"),
     (lambda a: a["decode_config"]["engine_kwargs"].update(

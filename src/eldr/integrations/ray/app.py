@@ -37,6 +37,8 @@ TESTED_RAY = ("2.60.0", "2.61.0")
 # engine_kwargs the engine spec takes as fields; every other one becomes a CLI flag
 _SPEC_KWARGS = {"max_model_len": "max_model_len", "dtype": "dtype",
                 "max_num_seqs": "max_num_seqs"}
+# where each engine listens, its cores, logs, start timeout; "command": a stand-in (tests)
+_ENGINE_KEYS = {"host", "cores", "log_dir", "ready_timeout", "chat_template", "command"}
 # engine_kwargs eldr cluster's engine command sets itself (a different value is refused)
 _FIXED_KWARGS = {"enforce_eager": True, "enable_prefix_caching": False, "block_size": 32}
 
@@ -148,7 +150,11 @@ def _engine_spec(conf: dict, role: str, where: str, store_default: str | None) -
             extra_args += [flag, json.dumps(value) if isinstance(value, (dict, list))
                            else str(value)]
     env = (conf.get("runtime_env") or {}).get("env_vars") or {}
-    eldr_engine = conf.get("eldr_engine") or {}  # tests: a stand-in engine's command
+    eldr_engine = dict(conf.get("eldr_engine") or {})  # how eldr starts each engine
+    unknown = set(eldr_engine) - _ENGINE_KEYS
+    if unknown:
+        raise ValueError(f"{where}.eldr_engine: unknown keys {sorted(unknown)}; known: "
+                         f"{sorted(_ENGINE_KEYS)}")
     command = eldr_engine.get("command")
     return EngineSpec(role=role, model=model, served_name=served, store=str(store),
                       extra_args=tuple(extra_args),

