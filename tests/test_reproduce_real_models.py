@@ -151,3 +151,20 @@ def test_the_shipped_real_traces_simulate_on_their_presets():
     c = compare(cap_outputs(esft, 32), num_decode=4, seeds=2, warmup_s=1.0, duration_s=3.0)
     assert c.model == "deepseek-v2-lite" and c.trace_input == "prefill"
     assert sum(r["copies_in_flight"] for r in c.rows) == 0
+
+
+@pytest.mark.parametrize("prompt_ids", [True, False])
+def test_eldr_simulate_takes_a_decode_only_trace(tmp_path, capsys, prompt_ids):
+    from eldr.cli import main
+    from eldr.traces.trace import save
+
+    path = save(recorded_trace(R=40, prompt_ids=prompt_ids), tmp_path / "t.npz")
+    assert main(["simulate", "--trace", str(path), "--decode", "2", "--prefill", "2",
+                 "--qps", "20", "--duration", "1", "--warmup", "0.5", "--policies",
+                 "jsq,domain,eldr,eldr_cost"]) == 0
+    out, err = capsys.readouterr()
+    if prompt_ids:
+        assert "routing input: prompt prediction" in err
+    else:
+        assert "not simulated: the trace is decode-only without prompt token ids" in err
+    assert ("eldr_cost" in out) == prompt_ids and "domain" in out

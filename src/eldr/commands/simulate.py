@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for cfg, setup, arrivals in cells:
         for name in policies:
+            why = _no_input(setup, name)
+            if why:
+                print(f"  {name:<16} not simulated: {why}", file=sys.stderr)
+                continue
             pol = setup.policy(name, args.decode, tau=args.tau, seed=args.seed,
                                kind="vanilla" if args.vanilla else "balanced",
                                **routing_resources(cfg))
@@ -134,6 +138,19 @@ def run(args: argparse.Namespace) -> int:
               f"{r['throughput_tok_s']:>8.0f} {r['mean_batch']:>6.1f} "
               f"{r['mean_distinct_per_layer']:>8.1f}")
     return 0
+
+
+def _no_input(setup, name: str) -> str | None:
+    """Why policy ``name`` cannot run on ``setup`` (a decode-only trace's), or None."""
+    from eldr.routing import POLICIES
+
+    spec = POLICIES[name]
+    if getattr(setup, "routing_input", None) == "none" and spec.role == "locality":
+        return ("the trace is decode-only without prompt token ids: no routing input "
+                "before decode (it would route by load alone)")
+    if "domain_shares" in spec.needs and setup.domain_shares is None:
+        return "the trace has no domain labels"
+    return None
 
 
 def _model_of(trace, fallback: str) -> str:
@@ -163,11 +180,22 @@ def _poisson_cells(args, config):
         trace = generate(args.model, workload, num_requests=args.requests, seed=args.seed,
                          keep_topk=False, progress=True)
     calib = min(args.calib, trace.num_requests // 2)
-    setup = fit_setup(trace, workload, calib_requests=calib, seed=args.seed,
-                      selection_max_pairs=20_000, max_pairs=50_000)
-    print(f"{trace.describe()}\nfitted on {setup.calib.num_requests} requests (rho "
-          f"{setup.encoder.rho_:.3f}, {setup.encoder.layers_.size} layers), replaying "
-          f"{setup.eval.num_requests} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if trace.prefill_counts is None:  # decode-only: the prompt prediction, or no input
+        from eldr.reproduce.recorded import INPUT_LABELS, fit_recorded
+
+        setup = fit_recorded(trace, seed=args.seed, calib_share=calib / trace.num_requests,
+                             allow_dealt=True)
+        print(f"{trace.describe()}\nfitted on {setup.calib.num_requests} requests, routing "
+              f"input: {INPUT_LABELS[setup.routing_input]}; replaying "
+              f"{setup.eval.num_requests} under Poisson arrivals, which repeat them: "
+              "eldr advise replays recorded routing without a request meeting a copy of "
+              f"itself ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    else:
+        setup = fit_setup(trace, workload, calib_requests=calib, seed=args.seed,
+                          selection_max_pairs=20_000, max_pairs=50_000)
+        print(f"{trace.describe()}\nfitted on {setup.calib.num_requests} requests (rho "
+              f"{setup.encoder.rho_:.3f}, {setup.encoder.layers_.size} layers), replaying "
+              f"{setup.eval.num_requests} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     model = _model_of(trace, args.model)
     qps = list(args.qps if args.qps is not None else DEFAULT_QPS)
     return workload, [(config(model, q), setup, None) for q in qps]

@@ -168,6 +168,16 @@ class PromptSetup(RoutingSetup):
         return out
 
 
+def _domain_shares(calib: Trace) -> np.ndarray | None:
+    """(D,) calibration share of each domain label (the ``domain`` oracle's), as
+    :func:`eldr.reproduce.setup.fit_split` computes them; None without labels."""
+    if calib.domains is None:
+        return None
+    shares = np.bincount(calib.domains, minlength=len(calib.domain_names)).astype(float)
+    shares = shares / shares.sum()
+    return (shares + 1e-6) / (shares + 1e-6).sum() if (shares == 0).any() else shares
+
+
 def _unit_rows(profiles: np.ndarray) -> np.ndarray:
     return decode_patterns(profiles)  # (R, L·E) float32 unit rows (the oracle's transform)
 
@@ -228,7 +238,8 @@ def _prompt_setup(calib: Trace, ev: Trace, name: str, seed: int) -> PromptSetup:
                            FitSettings(random_state=seed), predictor=pred,
                            encoder_seconds=time.perf_counter() - t0)
     return PromptSetup(workload=name, calib=calib, eval=ev, calibration=cal,
-                       signatures=_unit_rows(eval_profiles), domain_shares=None,
+                       signatures=_unit_rows(eval_profiles),
+                       domain_shares=_domain_shares(calib),
                        tokens=TokenBank(ev, seed=seed), seed=seed,
                        eval_profiles=eval_profiles, admitted=np.asarray(admitted, bool),
                        gate=gate.as_dict())
@@ -261,7 +272,7 @@ def fit_recorded(trace: Trace, *, seed: int = 0, calib_share: float = 0.5,
     else:
         cal = _RowsCalibration(calib, None, None, FitSettings(random_state=seed))
         setup = PromptSetup(workload=name, calib=calib, eval=ev, calibration=cal,
-                            signatures=None, domain_shares=None,
+                            signatures=None, domain_shares=_domain_shares(calib),
                             tokens=TokenBank(ev, seed=seed), seed=seed, eval_profiles=None)
     setup.routing_input = kind
     return setup
