@@ -146,3 +146,18 @@ def test_prompt_work_settings_are_validated(field, value):
     with pytest.raises(ValueError, match=field):
         ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
                     **{field: value})
+
+
+def test_a_routing_state_that_predicts_loads_the_compiled_kernel_beforehand(monkeypatch):
+    from eldr.fit import prompt as prompt_mod
+
+    monkeypatch.setattr(prompt_mod, "_compiled", [])  # as in a fresh process
+
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}) as (router, _c, _p, _d):
+            _with_prompt(router)
+            await asyncio.gather(*map(asyncio.wrap_future, router.flow.prompts.prepare(None)))
+            return list(prompt_mod._compiled)
+
+    loaded = run(go())
+    assert len(loaded) == 1  # tried once (the module, or None without numba)

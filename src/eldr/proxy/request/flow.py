@@ -169,8 +169,8 @@ class RequestFlow:
         self._background: set[asyncio.Task] = set()  # KV releases, streams read to their end
         self.relay = DecodeRelay(config, pool, metrics, guards, self.budget, self._background)
         self.prompts = PromptOffload(config, metrics)  # tokenization and prediction, off the loop
-        routing = live.state.prompt
-        self.prompts.prepare(routing.tokenizer if routing is not None else None)
+        if live.state.prompt is not None:  # its kernel and tokenizer ready before a request
+            self.prompts.prepare(live.state.prompt.tokenizer)
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
         self._id_count = itertools.count()
         self._kv_params_for: tuple | None = None  # (state, learning, params) last computed

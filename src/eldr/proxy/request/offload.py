@@ -75,6 +75,16 @@ def _warm() -> None:
     """A no-op job: the first real one then finds the process started."""
 
 
+def _load_kernel(done: concurrent.futures.Future) -> None:
+    """Load (compile, the first time on a machine) the compiled prediction kernel."""
+    try:
+        from eldr.fit.prompt import compiled_kernels
+
+        compiled_kernels()  # never raises: a kernel that fails is logged, numpy stays
+    finally:
+        done.set_result(None)
+
+
 _TOKENIZE_KEYS = ("prompt", "prompt_embeds", "add_special_tokens", "messages",
                   "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 
@@ -119,6 +129,7 @@ class PromptOffload:
         self._processes: _TokenizerProcesses | None = None
         self._lock = threading.Lock()  # guards _processes (jobs' threads create it)
         self._closed = False
+        self._kernel: concurrent.futures.Future | None = None  # the kernel's load, once asked
 
     @property
     def in_flight(self) -> int:
@@ -209,12 +220,21 @@ class PromptOffload:
         return ids, reason
 
     def prepare(self, tokenizer: PromptTokenizer | None) -> list[concurrent.futures.Future]:
-        """Start the tokenizer processes for ``tokenizer`` now (the router does when its
-        routing state has one), not on the first request, which would wait for them and
-        be routed by load; the futures are done once every process has loaded it."""
-        if tokenizer is None or self.config.prompt_processes == 0 or self._closed:
+        """Get ready for a routing state that predicts from prompts (the router calls it
+        when it gets one): the compiled prediction kernel loaded on a prompt thread (its
+        first compilation takes seconds) and the tokenizer processes for ``tokenizer``
+        started, not on the first requests, which would wait for them and be routed by
+        load; the futures are done once each is ready."""
+        if self._closed:
             return []
-        return self._tokenizer_processes(tokenizer).ready
+        if self._kernel is None:  # on a thread of its own: the prompt threads stay free
+            self._kernel = concurrent.futures.Future()
+            threading.Thread(target=_load_kernel, args=(self._kernel,), daemon=True,
+                             name="eldr-prompt-kernel").start()
+        ready = [self._kernel]
+        if tokenizer is not None and self.config.prompt_processes > 0:
+            ready += self._tokenizer_processes(tokenizer).ready
+        return ready
 
     def _tokenizer_processes(self, tokenizer: PromptTokenizer) -> _TokenizerProcesses:
         with self._lock:
