@@ -23,7 +23,7 @@ stands in until the first learned one) and two decoders; then:
    two-sample test may rightly call a shift.)
 5. **Drift.** The domain mix shifts to two domains it has not seen (German, Chinese); the
    drift detector must declare drift on the shifted windows, and a refit on the new
-   traffic (or its one retry on twice as many, after a refusal as ``worse``) must swap in.
+   traffic must swap in ("worse" only beyond the folds' noise: docs/learn.md).
 
 Four engines (≈ 12 GB of RAM), about 4–6 minutes on 2 cores; marked ``e2e``.
 """
@@ -263,11 +263,11 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
             line for line in log_path.read_text(errors="replace").splitlines()
             if "learn: " in line and "learn: collected" not in line)
     t1 = time.monotonic()
-    # a refit refused as worse is fitted once more on twice the new traffic (a CI run
-    # refused one at 0.8641 against 0.8538 on 40 requests), so stop at a second refusal
+    # "worse" needs a paired interval over the folds wholly above zero (a fixed tolerance
+    # refused one at 0.8641 against 0.8538 on 40 requests): stop at the first refusal
     shift = _until(learner, lambda m: (m["swaps"] > calm["swaps"]
                                        and m["drifts"] > calm["drifts"])
-                   or m["refused"] > calm["refused"] + 1 or m["failed"] > calm["failed"],
+                   or m["refused"] > calm["refused"] or m["failed"] > calm["failed"],
                    _prompts(SHIFTED, slice(0, len(WORDS[A]))), 240,
                    on_wrap=lambda: empty_store(tmp / "kv"))
     log = log_path.read_text(errors="replace")

@@ -20,7 +20,6 @@ class LearnConfig:
     min_gain: float = 0.0  # a first artifact must beat load balancing by this (score < 1 - g)
     max_balance: float = 2.0  # refuse if the largest held-out cluster exceeds this x the mean
     rho_tolerance: float = 0.05  # refuse if held-out rho falls this far below the running one
-    score_tolerance: float = 0.01  # "worse" only past this above the running one's score
     persist_interval: float = 30.0  # seconds between writes of the buffer (and at shutdown)
     drift: bool = True  # watch for drift once an artifact runs
     drift_window: int = 100  # requests per drift check
@@ -46,7 +45,7 @@ class LearnConfig:
             raise ValueError(f"learn holdout must be in [0.05, 0.5], got {self.holdout}")
         if not 0.0 < self.drift_alpha < 0.5:
             raise ValueError(f"learn drift_alpha must be in (0, 0.5), got {self.drift_alpha}")
-        for name in ("min_gain", "rho_tolerance", "score_tolerance", "tau"):
+        for name in ("min_gain", "rho_tolerance", "tau"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"learn {name} must be finite and >= 0, got {value!r}")

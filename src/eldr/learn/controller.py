@@ -10,13 +10,11 @@ the buffer's writes run in a thread. When to fit:
   a refused first candidate: again once ``min_requests / 2`` more have come);
 - **refit on drift**: an artifact runs, its drift detector declared drift, and
   ``min_requests`` requests have completed since the drift began: the fit then uses those
-  newest requests (the new traffic), not the whole buffer. A candidate refused only as
-  ``worse`` is fitted once more when ``2 · min_requests`` have come since the drift, on
-  all of them: on ``min_requests`` (a quarter held out per fold) the two scores differ by
-  their noise (on vLLM-CPU a refit on 40 requests was refused at 0.864 against 0.854).
-  Refused otherwise, or again, the running artifact is at least as good on the new
-  traffic: the drift reference moves to that traffic (the next shift is measured from
-  there);
+  newest requests (the new traffic), not the whole buffer. A refused candidate means the
+  running artifact is at least as good on the new traffic ("worse" is decided by a paired
+  interval over held-out folds, :func:`eldr.learn.refit.judge`, so a difference within
+  the folds' noise never refuses): the drift reference moves to that traffic (the next
+  shift is measured from there);
 - **drift calibration only**: an artifact runs (given with ``--artifact``, or learned
   before a restart) without a drift reference: one is calibrated on the buffered traffic
   once ``min_requests`` requests are in.
@@ -102,10 +100,7 @@ class Learner:
         self.tokenizer: tuple[str, int] | None = None
         self.state: dict = {"fits": 0, "accepted": 0, "refused": 0, "failed": 0,
                             "drifts": 0, "artifact": None, "drift_point": None,
-                            "last_attempt_seen": None, "last": None,
-                            # a refit on drift refused as worse: the one retry is due at
-                            # 2 · min_requests since the drift point
-                            "drift_retry": False}
+                            "last_attempt_seen": None, "last": None}
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -203,7 +198,7 @@ class Learner:
                 self._launch("first", self.buffer.snapshot())
         elif self.state["drift_point"] is not None:
             since = seen - int(self.state["drift_point"])
-            if since >= cfg.min_requests * (2 if self.state["drift_retry"] else 1):
+            if since >= cfg.min_requests:
                 reason = "pool" if self._pool_pending else "drift"
                 self._pool_pending = False
                 self._launch(reason, self.buffer.snapshot(last=min(since, cfg.max_requests)))
@@ -237,7 +232,7 @@ class Learner:
                       current=self._current(), holdout=cfg.holdout,
                       batch_size=cfg.batch_size, min_gain=cfg.min_gain,
                       max_balance=cfg.max_balance, rho_tolerance=cfg.rho_tolerance,
-                      score_tolerance=cfg.score_tolerance, tau=cfg.tau, seed=cfg.seed,
+                      tau=cfg.tau, seed=cfg.seed,
                       drift=drift, fit=fit,
                       tokenizer_fingerprint=self.tokenizer[0] if self.tokenizer else "",
                       vocab_size=self.tokenizer[1] if self.tokenizer else None)
@@ -282,22 +277,16 @@ class Learner:
             self.state["accepted"] += 1
             self.state["artifact"] = outcome.artifact
             self.state["drift_point"] = None
-            self.state["drift_retry"] = False
             self.detector = outcome.detector
             self._prune()
             self._emit("fit_accepted", **info, artifact=outcome.artifact)
             self._emit("swapped", artifact=outcome.artifact)
         else:
             self.state["refused"] += 1
-            retry = (reason == "drift" and not self.state["drift_retry"] and outcome.reasons
-                     and all(r.startswith("worse:") for r in outcome.reasons))
-            self.state["drift_retry"] = bool(retry)
-            if not retry:
-                self.state["drift_point"] = None  # drift must be declared anew to refit
-                if self.detector is None or outcome.detector is not None:
-                    self.detector = outcome.detector or self.detector
-            self._emit("fit_refused", **info, reasons=outcome.reasons,
-                       retry_at=2 * self.config.min_requests if retry else None)
+            self.state["drift_point"] = None  # drift must be declared anew to refit
+            if self.detector is None or outcome.detector is not None:
+                self.detector = outcome.detector or self.detector
+            self._emit("fit_refused", **info, reasons=outcome.reasons)
         if tuple(self._worker_ids()) != job.worker_ids:
             self._pool_changed_during_fit()
         await self.persist()
@@ -311,7 +300,6 @@ class Learner:
             if self.state["drift_point"] is None:
                 self.state["drift_point"] = max(0, self.buffer.num_seen - len(self.buffer))
             self._pool_pending = True
-            self.state["drift_retry"] = False  # the pool refit is due at once
         self._maybe_fit()
 
     def _pool_changed_during_fit(self) -> None:
@@ -323,7 +311,6 @@ class Learner:
         else:
             self.state["drift_point"] = max(0, self.buffer.num_seen - len(self.buffer))
             self._pool_pending = True
-            self.state["drift_retry"] = False
         self._emit("pool_refit", decoders=list(self._worker_ids()))
 
     def _prune(self) -> None:

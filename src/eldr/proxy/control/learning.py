@@ -242,11 +242,8 @@ class LiveLearning:
             self.fits.inc(result="refused")
             for reason in info["reasons"]:
                 self.refusals.inc(reason=reason.split(":", 1)[0])
-            log.warning("learn: candidate refused, the running artifact stays: %s%s",
-                        "; ".join(info["reasons"]),
-                        "" if not info.get("retry_at") else
-                        f"; fitting once more when {info['retry_at']} requests have come "
-                        "since the drift")
+            log.warning("learn: candidate refused, the running artifact stays: %s",
+                        "; ".join(info["reasons"]))
         elif name == "fit_failed":
             self.fits.inc(result="failed")
             log.error("learn: fit failed (%s): %s", info["reason"], info["error"])
