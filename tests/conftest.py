@@ -15,7 +15,8 @@ from eldr.traces.trace import Trace, TraceMeta
 FLOAT_SENSITIVE = frozenset({
     "test_artifact.py", "test_assign.py", "test_capture_hf.py", "test_capture_wide.py",
     "test_cluster.py", "test_commands_calibrate.py", "test_fit_prompt.py",
-    "test_fit_prompt_eval.py", "test_intervals.py", "test_learn_drift.py",
+    "test_fit_prompt_eval.py", "test_fit_prompt_kernel.py", "test_intervals.py",
+    "test_learn_drift.py", "test_locality.py",
     "test_learn_refit.py", "test_placement.py", "test_predictor.py", "test_premises.py",
     "test_routing.py", "test_routing_cost.py", "test_routing_stages.py", "test_signature.py",
     "test_sim_engine.py", "test_sim_golden.py", "test_sim_metrics.py", "test_sim_stepfit.py",
