@@ -268,7 +268,8 @@ def format_advice(a: Advice) -> str:
     c = a.comparison
     if c is not None:
         rho = [r for r in c.rho if np.isfinite(r)]
-        lines.append(f"\nrho of the routing input ({INPUT_LABELS[c.trace_input]}), held out: "
+        lines.append(f"\nrho of the routing input ({INPUT_LABELS[c.trace_input]}) against "
+                     "whole decodes, held out: "
                      + (f"{np.mean(rho):.3f} (seeds: {', '.join(f'{r:.3f}' for r in rho)})"
                         if rho else "n/a (no routing input)"))
         adm = [x for x in c.admitted if np.isfinite(x)]
@@ -302,7 +303,7 @@ def format_advice(a: Advice) -> str:
         for i in rep.inputs:
             cuts = ", ".join(f"B={x.batch_size}: {100 * x.cut:+.1f} % [{100 * x.low:+.1f}, "
                              f"{100 * x.high:+.1f}] ({x.requests} req)" for x in i.cuts)
-            lines.append(f"  {i.label:<28} rho {i.rho:.3f}  {cuts}")
+            lines.append(f"  {i.label:<28} rho {i.rho:.3f} (these steps)  {cuts}")
     elif a.locality_note:
         lines.append(f"\nlockstep cut: {a.locality_note}")
     lines.append(f"\nrecommendation: {a.recommendation} ({a.reason})")
