@@ -170,19 +170,27 @@ def test_without_the_selection_api_the_client_gets_a_clear_503():
     assert gone[0] == 503 and "cannot be reached" in gone[1]
 
 
-async def _orchestrator_gone(prefills):
-    """An orchestrator whose router does not answer."""
+async def _without_router(calls):
+    """``calls(client)`` on an orchestrator whose router does not answer (one stand-in
+    prefill engine behind it)."""
     engine = await FakeEngine("p").start()
     config = OrchestrateConfig(router="http://127.0.0.1:9", prefill_urls=(engine.url,),
                                token=TOKEN, timeout=2.0)
     client = TestClient(TestServer(Orchestrator(config).make_app(), port=0))
     await client.start_server()
     try:
-        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
-        return resp.status, (await resp.json())["error"]["message"]
+        return await calls(client)
     finally:
         await client.close()
         await engine.close()
+
+
+async def _orchestrator_gone(prefills):
+    """An orchestrator whose router does not answer: what a completion gets."""
+    async def complete(client):
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+        return resp.status, (await resp.json())["error"]["message"]
+    return await _without_router(complete)
 
 
 def test_register_adds_the_decoders_the_router_lacks():
@@ -214,25 +222,16 @@ def test_bad_arguments_end_with_one_line_and_exit_2(argv, says, capsys, monkeypa
 
 
 def test_unknown_paths_and_wrong_methods_get_eldr_serves_json_errors():
-    async def go():
-        engine = await FakeEngine("p").start()
-        config = OrchestrateConfig(router="http://127.0.0.1:9", prefill_urls=(engine.url,),
-                                   token=TOKEN, timeout=2.0)
-        client = TestClient(TestServer(Orchestrator(config).make_app(), port=0))
-        await client.start_server()
-        try:
-            out = []
-            for method, path in (("GET", "/nowhere"), ("GET", "/v1/completions"),
-                                 ("DELETE", "/health")):
-                resp = await client.request(method, path)
-                out.append((resp.status, resp.content_type, resp.headers.get("Allow"),
-                            await resp.json()))
-            return out
-        finally:
-            await client.close()
-            await engine.close()
+    async def calls(client):
+        out = []
+        for method, path in (("GET", "/nowhere"), ("GET", "/v1/completions"),
+                             ("DELETE", "/health")):
+            resp = await client.request(method, path)
+            out.append((resp.status, resp.content_type, resp.headers.get("Allow"),
+                        await resp.json()))
+        return out
 
-    missing, get_completions, delete_health = run(go())
+    missing, get_completions, delete_health = run(_without_router(calls))
     assert missing[:3] == (404, "application/json", None)
     assert missing[3]["error"]["message"] == "no route GET /nowhere"
     assert missing[3]["error"]["code"] == 404
