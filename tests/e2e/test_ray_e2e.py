@@ -181,7 +181,7 @@ def deployment(tmp_path_factory):
             serve.delete("eldr")
         # every engine the app started is gone with it (3 GB each; the watchdog stops an
         # engine whose replica Serve killed before its destructor ran)
-        left = _wait_gone(groups, timeout=30.0)
+        left = _wait_gone(groups, timeout=60.0)
         assert not left, f"engine process groups left after the app stopped: {left}"
     finally:
         ref.stop()

@@ -88,11 +88,13 @@ class EldrEngine:
         return self.server.info()
 
     async def __del__(self) -> None:
-        try:
-            await self.table.unregister(self.server.replica)
-        except Exception:  # the table may be gone first
-            pass
+        # the engine first: Serve kills a replica whose destructor outlives its graceful
+        # shutdown window, and the table may already be gone (the call would wait)
         await asyncio.get_running_loop().run_in_executor(None, self.server.stop)
+        try:
+            await asyncio.wait_for(self.table.unregister(self.server.replica), timeout=2.0)
+        except Exception:  # the table stopped first, or did not answer in time
+            pass
 
 
 class EldrPDIngress:
