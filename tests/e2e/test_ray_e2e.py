@@ -19,7 +19,8 @@ Checks (issue 31):
 - a decode engine killed before its first byte: the request is retried on the other
   decoder with a new prefill, and still gives the reference's tokens.
 
-About 3-4 minutes on 2 cores, most of it four engines starting in parallel.
+About 4-5 minutes on 2 cores, most of it four engines starting in parallel; the engines'
+process groups must all be gone within a minute of the app stopping.
 """
 
 from __future__ import annotations
