@@ -27,7 +27,11 @@ for s in "${SETTINGS[@]}" other_kernels.sh; do
     out=$(bash scripts/other_kernels.sh "$PY" -m pytest -m floats -q -p no:cacheprovider "$@" 2>&1)
     label="scripts/other_kernels.sh (all of its settings)"
   else
-    out=$(env $s "$PY" -m pytest -m floats -q -p no:cacheprovider "$@" 2>&1)
+    if [ -n "$s" ]; then  # one NAME=VALUE argument: the value may hold spaces
+      out=$(env "$s" "$PY" -m pytest -m floats -q -p no:cacheprovider "$@" 2>&1)
+    else
+      out=$("$PY" -m pytest -m floats -q -p no:cacheprovider "$@" 2>&1)
+    fi
     label=${s:-"machine default"}
     case "$s" in NPY_DISABLE_CPU_FEATURES=*) label="NPY_DISABLE_CPU_FEATURES=(every dispatched feature)";; esac
   fi
