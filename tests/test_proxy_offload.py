@@ -161,3 +161,30 @@ def test_a_routing_state_that_predicts_loads_the_compiled_kernel_beforehand(monk
 
     loaded = run(go())
     assert len(loaded) == 1  # tried once (the module, or None without numba)
+
+
+def test_health_says_warming_until_the_prompt_machinery_is_loaded(monkeypatch):
+    """A routing state that predicts from prompts: /health reports ``prompt_routing``
+    "warming" while its kernel loads (requests then would be routed by load), "ready"
+    after; never "warming" past WARM_UP_LIMIT_S, whatever hangs."""
+    import concurrent.futures
+
+    from eldr.proxy.request import offload
+
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}) as (router, client, _p, _d):
+            before = (await (await client.get("/health")).json()).get("prompt_routing")
+            _with_prompt(router)
+            held = concurrent.futures.Future()  # a load that has not finished
+            prompts = router.flow.prompts
+            prompts._warming, prompts._warm_until = [held], time.monotonic() + 60
+            warming = (await (await client.get("/health")).json())["prompt_routing"]
+            held.set_result(None)
+            ready = (await (await client.get("/health")).json())["prompt_routing"]
+            prompts._warming = [concurrent.futures.Future()]  # hangs, but past the limit
+            prompts._warm_until = time.monotonic() - 1
+            late = (await (await client.get("/health")).json())["prompt_routing"]
+            return before, warming, ready, late
+
+    assert run(go()) == (None, "warming", "ready", "ready")
+    assert offload.WARM_UP_LIMIT_S > 0

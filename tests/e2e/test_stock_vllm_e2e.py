@@ -107,6 +107,13 @@ class Stock:
         self.procs[name], self.urls[name] = router, f"http://127.0.0.1:{port}"
         router.start()
         router.wait_ready(self.urls[name] + "/health", time.monotonic() + 90)
+        # routing on the prompt: until its kernel and tokenizer processes are loaded a
+        # request would be routed by load (counted), which this test would read as wrong
+        deadline = time.monotonic() + 90
+        while json.loads(_request(self.urls[name] + "/health")[2]).get("prompt_routing") \
+                == "warming":
+            assert time.monotonic() < deadline, "prompt routing still warming up after 90 s"
+            time.sleep(0.2)
         return self.urls[name]
 
 

@@ -389,6 +389,8 @@ class Router:
                "prefill": [show(i) for i in pool.prefill],
                "decode": [show(i, load=float(pool.tracker.loads[i.index]))
                           for i in pool.decode]}
+        if state.prompt is not None:  # routing on the prompt: its kernel and tokenizer
+            doc["prompt_routing"] = "warming" if self.flow.prompts.warming() else "ready"
         if admin:
             doc.update(tau=state.tau, artifact=state.artifact,
                        artifact_loaded_at=state.loaded_at)

@@ -115,6 +115,9 @@ class _TokenizerProcesses:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+WARM_UP_LIMIT_S = 120.0  # the longest /health reports the prompt machinery as warming up
+
+
 class PromptOffload:
     """Runs prompt predictions off the event loop (module docstring). ``config``: the
     router's (``prompt_threads``, ``prompt_processes``, ``prompt_queue``,
@@ -130,6 +133,9 @@ class PromptOffload:
         self._lock = threading.Lock()  # guards _processes (jobs' threads create it)
         self._closed = False
         self._kernel: concurrent.futures.Future | None = None  # the kernel's load, once asked
+        # what the last prepare() started, and until when it counts as warming up
+        self._warming: list[concurrent.futures.Future] = []
+        self._warm_until = 0.0
 
     @property
     def in_flight(self) -> int:
@@ -234,7 +240,15 @@ class PromptOffload:
         ready = [self._kernel]
         if tokenizer is not None and self.config.prompt_processes > 0:
             ready += self._tokenizer_processes(tokenizer).ready
+        self._warming, self._warm_until = ready, time.monotonic() + WARM_UP_LIMIT_S
         return ready
+
+    def warming(self) -> bool:
+        """Whether what :meth:`prepare` started is still loading (a request now would be
+        routed by load, counted): ``/health`` says so, so that a client or a readiness
+        probe can wait. Never longer than :data:`WARM_UP_LIMIT_S` after the prepare: a
+        tokenizer process that hangs must not hold the router unready for ever."""
+        return time.monotonic() < self._warm_until and not all(f.done() for f in self._warming)
 
     def _tokenizer_processes(self, tokenizer: PromptTokenizer) -> _TokenizerProcesses:
         with self._lock:
