@@ -134,7 +134,9 @@ def test_text_is_tokenized_in_a_worker_process_as_in_the_router():
 
     router, r = run(go())
     assert r[:2] == (200, "w-code")
-    assert seen == [tok.encode("hello there, router")]
+    # the swap's warm-up runs the predictor once on a one-token prompt (numba compiles
+    # for the predictor's own arrays then, not on a request); then the request's ids
+    assert seen == [[0], tok.encode("hello there, router")]
     assert _m(router, "predictions", result="ok") == 1
 
 

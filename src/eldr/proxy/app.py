@@ -143,7 +143,7 @@ class Router:
         if config is not None:
             self.live.config = config
         if state.prompt is not None:  # its tokenizer's processes started before a request
-            self.flow.prompts.prepare(state.prompt.tokenizer)
+            self.flow.prompts.prepare(state.prompt.tokenizer, state.prompt.predict)
 
     async def reload(self, artifact: str | None = None) -> RoutingState:
         """Reload the artifact (``POST /admin/reload`` and SIGHUP call this; with

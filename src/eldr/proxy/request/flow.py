@@ -170,7 +170,7 @@ class RequestFlow:
         self.relay = DecodeRelay(config, pool, metrics, guards, self.budget, self._background)
         self.prompts = PromptOffload(config, metrics)  # tokenization and prediction, off the loop
         if live.state.prompt is not None:  # its kernel and tokenizer ready before a request
-            self.prompts.prepare(live.state.prompt.tokenizer)
+            self.prompts.prepare(live.state.prompt.tokenizer, live.state.prompt.predict)
         self._id_prefix = f"eldr-{uuid.uuid4().hex[:12]}-"  # unique per router process
         self._id_count = itertools.count()
         self._kv_params_for: tuple | None = None  # (state, learning, params) last computed

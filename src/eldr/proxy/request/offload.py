@@ -75,12 +75,20 @@ def _warm() -> None:
     """A no-op job: the first real one then finds the process started."""
 
 
-def _load_kernel(done: concurrent.futures.Future) -> None:
-    """Load (compile, the first time on a machine) the compiled prediction kernel."""
+def _load_kernel(done: concurrent.futures.Future, predict=None) -> None:
+    """Load (compile, the first time on a machine) the compiled prediction kernel, and run
+    ``predict`` once on a one-token prompt: numba compiles again for the predictor's own
+    arrays (their layout, not the generic warm-up's) on their first call, seconds that a
+    request's prompt timeout would otherwise spend."""
     try:
         from eldr.fit.prompt import compiled_kernels
 
         compiled_kernels()  # never raises: a kernel that fails is logged, numpy stays
+        if predict is not None:
+            try:
+                predict(np.zeros(1, dtype=np.int64))
+            except Exception as exc:  # a warm-up only: requests meet the real error
+                log.debug("prompt prediction warm-up: %s", exc)
     finally:
         done.set_result(None)
 
@@ -225,7 +233,8 @@ class PromptOffload:
         prompt.set_token_ids(ids, reason)
         return ids, reason
 
-    def prepare(self, tokenizer: PromptTokenizer | None) -> list[concurrent.futures.Future]:
+    def prepare(self, tokenizer: PromptTokenizer | None, predict=None
+                ) -> list[concurrent.futures.Future]:
         """Get ready for a routing state that predicts from prompts (the router calls it
         when it gets one): the compiled prediction kernel loaded on a prompt thread (its
         first compilation takes seconds) and the tokenizer processes for ``tokenizer``
@@ -233,9 +242,9 @@ class PromptOffload:
         load; the futures are done once each is ready."""
         if self._closed:
             return []
-        if self._kernel is None:  # on a thread of its own: the prompt threads stay free
-            self._kernel = concurrent.futures.Future()
-            threading.Thread(target=_load_kernel, args=(self._kernel,), daemon=True,
+        if self._kernel is None or predict is not None:  # on a thread of its own: the
+            self._kernel = concurrent.futures.Future()  # prompt threads stay free
+            threading.Thread(target=_load_kernel, args=(self._kernel, predict), daemon=True,
                              name="eldr-prompt-kernel").start()
         ready = [self._kernel]
         if tokenizer is not None and self.config.prompt_processes > 0:
