@@ -1,13 +1,16 @@
 """End to end: step timings from a vLLM-CPU engine and ``eldr calibrate`` (issue 22).
 
-ONE plain engine of the tiny MoE widened to 512 (eldr.capture.wide: the same function, each
-expert 16 times the bytes, so a distinct expert costs more than the machine's noise) with
+ONE plain engine of the tiny MoE widened to 2048 (eldr.capture.wide: the same function, each
+expert 64 times the bytes, so a distinct expert costs more than the machine's noise) with
 the eldr plugin and ``ELDR_CAPTURE=all``
 (every request's decode rows are recorded, no KV connector). 40 greedy requests of exactly
-16 tokens (``ignore_eos``) in batches of 1 to 12 concurrent requests, so the batch's
-distinct experts vary; the last batch of 12 sends ONE prompt 12 times (greedy: the same
-tokens, so the same experts as one request), so that distinct experts and batch size do not
-move together: with only varied prompts they did, and a CI run fitted b = −8.6 µs.
+16 tokens (``ignore_eos``) in batches of 1 to 6 concurrent requests, so the batch's
+distinct experts vary; then batches of 6 that alternate between
+six different prompts and ONE prompt six times (greedy: the same tokens, so the same experts
+as one request), three of each, so that distinct experts and batch size do not move
+together and a slow spell of the shared machine does not land on one kind of batch only. With
+only varied prompts a CI run fitted b = −8.6 µs; with one same-prompt batch at the end, a
+CI run fitted b = −19.1 µs (a noise burst during that single batch decides the sign).
 Checks: ``GET /eldr/steps`` holds every timed decode step with a
 positive time, its columns agree with the engine's ``/metrics`` (the plugin's step
 histogram and counters, and vLLM's own token counters), each request's decode payload
@@ -34,8 +37,12 @@ from _engines import _metric, _plugin_pythonpath, _request, engine_set
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 16
-WIDTH = 512  # expert width of the engine's model (the shipped one is 32)
-BATCHES = (1, 1, 2, 4, 8, 12, 12)  # concurrent requests per batch: 40 in all
+WIDTH = 2048  # expert width of the engine's model (the shipped one is 32)
+# (concurrent requests, one prompt repeated?) per batch, 40 requests in all: at B = 6 a
+# varied batch selects several times the distinct experts of a repeated one, and the two
+# kinds alternate in time
+BATCHES = ((1, False), (3, False), (6, True), (6, False), (6, True), (6, False), (6, True),
+           (6, False))
 WORDS = ("river", "engine", "market", "poem", "theorem", "kitchen", "orbit", "court",
          "garden", "signal", "harbor", "violin")
 
@@ -95,8 +102,8 @@ def test_steps_metrics_and_calibrate(engine):
     tmp, url = engine
     answers = []
     n = 0
-    for k, size in enumerate(BATCHES):
-        same = n if k == len(BATCHES) - 1 else None  # the last batch: one prompt, 12 times
+    for size, repeated in BATCHES:
+        same = n if repeated else None
         with ThreadPoolExecutor(size) as pool:
             answers += list(pool.map(lambda i, same=same: _complete(url, i, same),
                                      range(n, n + size)))
