@@ -13,6 +13,7 @@ from eldr.fit.artifact import fit_artifact
 from eldr.fit.prompt import (
     WEIGHTINGS,
     PromptPredictor,
+    config_vocab_size,
     ngram_hashes,
     tokenizer_fingerprint,
     tokenizer_vocab_size,
@@ -327,8 +328,11 @@ def test_route_inputs_from_prompt_are_what_route_request_takes(art, trace):
     assert same >= 0.9 * trace.num_requests
     with pytest.raises(ValueError, match="empty prompt"):
         art.route_inputs_from_prompt([])
-    with pytest.raises(ValueError, match="unknown token id"):
-        art.route_inputs_from_prompt([VOCAB + 5])
+    with pytest.raises(ValueError, match="unknown token id -1"):
+        art.route_inputs_from_prompt([3, -1])
+    # fitted without a tokenizer: an id beyond the calibration's is hashed, not refused
+    assert art.prompt_predictor.vocab_source == "calibration"
+    art.route_inputs_from_prompt([VOCAB + 5])
     # a predictor of unknown tokenizer ("") accepts any fingerprint
     art.route_inputs_from_prompt(ids, tokenizer_fingerprint="ff" * 32)
 
@@ -351,6 +355,114 @@ def test_without_prompt_ids_or_when_turned_off_there_is_no_predictor(trace):
         assert a.fit_stats["prompt_predictor"] is None
         with pytest.raises(ValueError, match="no prompt predictor"):
             a.route_inputs_from_prompt([1, 2])
+
+
+def test_without_a_vocabulary_ids_beyond_the_calibration_are_hashed_not_refused(trace):
+    """The defect: fitted without a tokenizer, the predictor took 1 + the largest
+    calibration id as its vocabulary and refused a later prompt's larger id."""
+    small = trace.subset(np.arange(60))
+    p = PromptPredictor(**SMALL).fit(small)
+    seen = int(small.prompt_token_ids.max()) + 1
+    assert (p.vocab_size, p.vocab_source) == (seen, "calibration")
+    later = np.array([3, seen, seen + 4093, 2**31 - 1])
+    y = p.predict(later)
+    assert y.shape == (L, E) and np.isfinite(y).all()
+    np.testing.assert_allclose(y.sum(axis=1), K_TOP, rtol=1e-5)
+    assert np.abs(p.predict(later, kernel="numpy") - y).max() <= 1e-6  # both kernels
+    # a larger id is one more hashed n-gram: it changes the prediction
+    assert not np.allclose(p.predict([3, 4]), p.predict([3, seen + 7]))
+    for bad, match in (([3, -1], "unknown token id -1"),
+                       ([3, 2**31], "unknown token id 2147483648: outside .*hash's range")):
+        with pytest.raises(ValueError, match=match):
+            p.predict(bad)
+    # a fingerprint without a vocabulary size is still the calibration's
+    assert PromptPredictor(**SMALL).fit(small, tokenizer_fingerprint="ab").vocab_source == \
+        "tokenizer"
+
+
+def test_config_vocab_size_reads_a_models_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+    assert config_vocab_size(tmp_path) == 4096
+    assert config_vocab_size(tmp_path / "config.json") == 4096
+    assert config_vocab_size({"text_config": {"vocab_size": 262144}}) == 262144
+    from eldr.capture import tiny_moe_dir
+
+    assert config_vocab_size(tiny_moe_dir()) == json.loads(
+        (tiny_moe_dir() / "config.json").read_text())["vocab_size"]
+    for bad, match in (({}, "vocab_size must be an integer"),
+                       ({"vocab_size": 0}, "vocab_size must be"),
+                       ({"vocab_size": True}, "vocab_size must be"),
+                       ({"vocab_size": 2**31 + 1}, "vocab_size must be")):
+        with pytest.raises(ValueError, match=match):
+            config_vocab_size(bad)
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        config_vocab_size(tmp_path / "none")
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        config_vocab_size(tmp_path)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"not a readable config\.json"):
+        config_vocab_size(tmp_path)
+
+
+def test_a_model_config_gives_the_vocabulary_and_ids_outside_it_are_refused(trace, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB + 10}))
+    a = fit_artifact(trace, worker_ids=["a", "b"], n_init=1, model_config=tmp_path,
+                     prompt_options=SMALL)
+    p = a.prompt_predictor
+    assert (p.vocab_size, p.vocab_source, p.tokenizer_fingerprint) == (VOCAB + 10, "config",
+                                                                        "")
+    p.predict([VOCAB + 9])  # in that vocabulary, unseen in the trace
+    with pytest.raises(ValueError, match=r"outside \[0, 58\) of the model's vocabulary"):
+        p.predict([1, VOCAB + 10])
+    # a tokenizer wins over the config: its vocabulary is the one refused beyond
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps(
+        {"model": {"vocab": {f"t{i}": i for i in range(VOCAB + 2)}}}))
+    b = fit_artifact(trace, worker_ids=["a", "b"], n_init=1, model_config=tmp_path,
+                     tokenizer=tok, prompt_options=SMALL).prompt_predictor
+    assert (b.vocab_size, b.vocab_source) == (VOCAB + 2, "tokenizer")
+    with pytest.raises(ValueError, match="of this predictor's tokenizer"):
+        b.predict([VOCAB + 2])
+    # a config smaller than the trace's ids belongs to another model
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 8}))
+    with pytest.raises(ValueError, match="hold token id"):
+        fit_artifact(trace, worker_ids=["a", "b"], n_init=1, model_config=tmp_path,
+                     prompt_options=SMALL)
+    with pytest.raises(ValueError, match="needs that vocabulary's vocab_size"):
+        PromptPredictor(**SMALL).fit(trace, vocab_source="config")
+    with pytest.raises(ValueError, match="vocab_source must be one of"):
+        PromptPredictor(**SMALL).fit(trace, vocab_size=VOCAB, vocab_source="guess")
+
+
+def test_the_vocabulary_source_is_saved_and_old_artifacts_load(trace, tmp_path):
+    """An artifact written before vocab_source existed loads: with a tokenizer's
+    fingerprint its vocabulary is the tokenizer's (refused beyond), without one it was the
+    calibration's (hashed beyond)."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(VOCAB)}}}))
+    with_tok = fit_artifact(trace, worker_ids=["a", "b"], n_init=1, tokenizer=tok,
+                            prompt_options=SMALL)
+    without = fit_artifact(trace, worker_ids=["a", "b"], n_init=1, prompt_options=SMALL)
+    for art, source in ((with_tok, "tokenizer"), (without, "calibration")):
+        out = artifact.save(art, tmp_path / source)
+        doc = json.loads((out / "artifact.json").read_text())
+        assert doc["prompt_predictor"]["vocab_source"] == source
+        assert artifact.load(out).prompt_predictor.vocab_source == source
+        del doc["prompt_predictor"]["vocab_source"]  # as an older eldr wrote it
+        (out / "artifact.json").write_text(json.dumps(doc))
+        back = artifact.load(out).prompt_predictor
+        assert back.vocab_source == source
+        ids = trace.prompt_tokens(5)
+        np.testing.assert_array_equal(back.predict(ids), art.prompt_predictor.predict(ids))
+    back = artifact.load(tmp_path / "calibration").prompt_predictor
+    back.predict([VOCAB + 100])
+    with pytest.raises(ValueError, match="unknown token id 48"):
+        artifact.load(tmp_path / "tokenizer").prompt_predictor.predict([VOCAB])
+    doc, arrays = without.prompt_predictor.state()
+    with pytest.raises(ValueError, match="vocab_source must be one of"):
+        PromptPredictor.from_state({**doc, "vocab_source": "guess"}, arrays)
 
 
 def test_load_refuses_a_predictor_for_another_tokenizer(trace, tmp_path):
@@ -410,6 +522,10 @@ def test_eldr_fit_fits_the_predictor_with_its_tokenizer(trace, tmp_path, capsys)
     assert "prompt predictor: 2**10 buckets" in out and "vocabulary 48" in out
     a = artifact.load(tmp_path / "a", expect_tokenizer=tokenizer_fingerprint(tok))
     assert a.prompt_predictor.bits_ == 10 and a.prompt_predictor.rank_ <= 8
+    assert "vocabulary 48 (tokenizer)" in out
+    assert main([*base, "--model-config", "tiny", "-o", str(tmp_path / "m")]) == 0
+    assert "(config)" in capsys.readouterr().out
+    assert artifact.load(tmp_path / "m").prompt_predictor.vocab_source == "config"
     assert main([*base, "--no-prompt-predictor", "-o", str(tmp_path / "b")]) == 0
     assert artifact.load(tmp_path / "b").prompt_predictor is None
     assert main([*base, "--tokenizer", str(tmp_path / "none"), "-o",

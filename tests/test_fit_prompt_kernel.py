@@ -15,8 +15,8 @@ numba = pytest.importorskip("numba")
 def _random_predictor(bits, rank, L, E, k, vocab, weighting, seed=0):
     rng = np.random.default_rng(seed)
     doc = {"hash": prompt_mod.HASH_NAME, "num_layers": L, "num_experts": E, "top_k": k,
-           "vocab_size": vocab, "tokenizer_fingerprint": "", "bits": bits,
-           "weighting": weighting, "rank": rank, "alpha": 0.1}
+           "vocab_size": vocab, "vocab_source": "config", "tokenizer_fingerprint": "",
+           "bits": bits, "weighting": weighting, "rank": rank, "alpha": 0.1}
     mean = rng.dirichlet(np.ones(E), size=L).astype(np.float32) * k
     basis = rng.standard_normal((rank, L, E)).astype(np.float32)
     basis -= basis.mean(axis=2, keepdims=True)

@@ -426,11 +426,14 @@ def test_prompts_are_learned_as_hashed_bags_and_the_fit_gets_a_prompt_predictor(
         assert pred.vocab_size == 4096
         assert pred.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
         ids = np.array([3, 17, 3, 4095])  # an id no prompt had is still this vocabulary's
-    else:  # without one it knows the ids it has seen, and refuses larger ones
+        with pytest.raises(ValueError, match="unknown token id 4096"):
+            learned.route_inputs_from_prompt(np.array([3, 4096]))  # outside it: refused
+    else:  # without one it records the ids it has seen, and hashes larger ones too
         assert pred.vocab_size == seen + 1 and pred.tokenizer_fingerprint == ""
-        with pytest.raises(ValueError, match="unknown token id"):
-            learned.route_inputs_from_prompt(np.array([seen + 1]))
-        ids = np.array([3, 17, 3, seen])
+        assert pred.vocab_source == "calibration"
+        with pytest.raises(ValueError, match="unknown token id -1"):
+            learned.route_inputs_from_prompt(np.array([3, -1]))
+        ids = np.array([3, 17, 3, seen + 1])
     sig, profile = learned.route_inputs_from_prompt(ids)  # routes before prefill
     assert sig.shape == (learned.centroids.shape[1],) and profile.shape == (L, E)
     # the buffer on disk keeps the bags, not the ids

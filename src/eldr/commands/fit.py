@@ -42,8 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", metavar="PATH",
                    help="the tokenizer.json (or model folder; 'tiny' for the shipped tiny "
                    "MoE) that made the trace's token ids: its fingerprint and vocabulary "
-                   "size go into the artifact (default: unknown fingerprint, vocabulary = "
-                   "the ids seen)")
+                   "size go into the artifact, and ids outside that vocabulary are refused "
+                   "(default: unknown fingerprint, any id hashed)")
+    g.add_argument("--model-config", metavar="PATH",
+                   help="without --tokenizer: the model's config.json (or model folder; "
+                   "'tiny' for the shipped tiny MoE), whose vocab_size is the predictor's "
+                   "vocabulary (ids outside it refused)")
     g.add_argument("--prompt-bits", type=int, nargs="+", metavar="B",
                    help="candidate hash sizes 2**B (default 15 16 17 18)")
     g.add_argument("--prompt-ranks", type=int, nargs="+", metavar="R",
@@ -77,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
         ("bits", args.prompt_bits), ("ranks", args.prompt_ranks),
         ("alphas", args.prompt_alphas), ("weightings", args.prompt_weightings))
         if value is not None}
-    tokenizer = args.tokenizer
-    if tokenizer == "tiny":
+    tokenizer, config = args.tokenizer, args.model_config
+    if "tiny" in (tokenizer, config):
         from eldr.capture import tiny_moe_dir
 
-        tokenizer = tiny_moe_dir()
+        tokenizer = tiny_moe_dir() if tokenizer == "tiny" else tokenizer
+        config = tiny_moe_dir() if config == "tiny" else config
     t0 = time.perf_counter()
     trace = load(args.trace)
     print(trace.describe())
@@ -103,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         selection_max_pairs=args.selection_max_pairs or None, random_state=args.seed,
         prompt_predictor=False if args.no_prompt_predictor else (
             True if args.prompt_predictor else None), tokenizer=tokenizer,
-        prompt_options=options, on_stage=stage,
+        model_config=config, prompt_options=options, on_stage=stage,
     )
     out = artifact.save(art, args.output)
     stats = art.fit_stats
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"prompt predictor: 2**{pp.bits_} buckets ({pp.weighting_}), rank {pp.rank_}, "
               f"alpha {pp.alpha_:g}, cross-validated R^2 {pp.cv_r2_:.3f} on "
               f"{pp.num_requests_} prompts, {pp.nbytes / 2**20:.1f} MiB, tokenizer {fp}, "
-              f"vocabulary {pp.vocab_size}, fitted in {pp.fit_seconds_:.1f}s")
+              f"vocabulary {pp.vocab_size} ({pp.vocab_source}), fitted in "
+              f"{pp.fit_seconds_:.1f}s")
     elif isinstance(stats.get("prompt_predictor"), dict) and "refused" in \
             stats["prompt_predictor"]:
         print(f"prompt predictor: fitted but not kept ({stats['prompt_predictor']['refused']}"

@@ -52,7 +52,12 @@ from eldr.fit._artifact_io import (
 from eldr.fit.calibration import Calibration, FitSettings, calibrate
 from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.predictor import shrink
-from eldr.fit.prompt import PromptPredictor, tokenizer_fingerprint, tokenizer_vocab_size
+from eldr.fit.prompt import (
+    PromptPredictor,
+    config_vocab_size,
+    tokenizer_fingerprint,
+    tokenizer_vocab_size,
+)
 from eldr.fit.prompt_decode import MIN_ROUTING_R2
 from eldr.fit.signature import SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
@@ -179,6 +184,7 @@ def fit_artifact(
     prompt_options: dict | None = None,
     random_state: int | None = 0,
     on_stage=None,
+    model_config: str | os.PathLike | dict | None = None,
 ) -> RoutingArtifact:
     """The routing artifact of ``trace``: the fit recipe (:mod:`eldr.fit.calibration`:
     encoder, profile predictor, K-means with K = len(worker_ids), cluster profiles).
@@ -195,7 +201,9 @@ def fit_artifact(
     trace draws its token ids uniformly: there is nothing to learn, and the fit would only
     cost time); ``True``: always (an error without prompt ids); ``False``: never. ``tokenizer`` (a
     ``tokenizer.json``, a model folder or its bytes) gives it its fingerprint and
-    vocabulary size; ``prompt_options``: keyword settings of
+    vocabulary size; without one, ``model_config`` (the model's ``config.json``, its
+    folder or the parsed document) gives its vocabulary size, and without either the
+    predictor hashes any id (:mod:`eldr.fit.prompt`); ``prompt_options``: keyword settings of
     :class:`~eldr.fit.prompt.PromptPredictor` (bits, ranks, alphas, weightings, folds,
     max_bytes). ``on_stage(name)`` (optional) is called when a stage starts, for progress.
     """
@@ -207,8 +215,8 @@ def fit_artifact(
                            random_state=random_state)
     cal, km, cluster_profiles, times = _calibrate_and_cluster(trace, settings, len(ids),
                                                               balanced, on_stage)
-    prompt = _fit_prompt_predictor(trace, prompt_predictor, tokenizer, prompt_options,
-                                   random_state, on_stage)
+    prompt = _fit_prompt_predictor(trace, prompt_predictor, (tokenizer, model_config),
+                                   prompt_options, random_state, on_stage)
     m = trace.meta
     stats = _fit_stats(cal, km, times)
     stats["prompt_predictor"] = None if prompt is None else prompt.summary()
@@ -265,15 +273,16 @@ def _calibrate_and_cluster(trace: Trace, settings: FitSettings, num_workers: int
     return cal, km, cluster_profiles, (t0, t1, t2)
 
 
-def _fit_prompt_predictor(trace: Trace, choice: bool | None,
-                          tokenizer: str | os.PathLike | bytes | None,
+def _fit_prompt_predictor(trace: Trace, choice: bool | None, vocabulary: tuple,
                           options: dict | None, random_state: int | None, on_stage
                           ) -> PromptPredictor | None:
     """The prompt predictor of ``trace``, or None when ``choice`` (``fit_artifact``'s
     ``prompt_predictor``) says not to fit one. ``None`` decides from the trace: it needs
     ``prompt_token_ids``, at least 6 non-empty prompts and a non-synthetic source (a
-    synthetic trace draws its ids uniformly: nothing to learn). ``tokenizer`` gives the
-    predictor its fingerprint and vocabulary size; ``options``: its keyword settings.
+    synthetic trace draws its ids uniformly: nothing to learn). ``vocabulary``:
+    (``tokenizer``, ``model_config``) of :func:`fit_artifact`, either None: the tokenizer
+    gives the predictor its fingerprint and vocabulary, else the config its vocabulary;
+    ``options``: its keyword settings.
     Fitted outside :func:`_calibrate_and_cluster`'s timing: its own ``fit_seconds`` are
     in its summary (the artifact's ``fit.prompt_predictor``)."""
     want = choice
@@ -284,11 +293,15 @@ def _fit_prompt_predictor(trace: Trace, choice: bool | None,
         return None
     if on_stage:
         on_stage("prompt predictor (hashed n-grams, ridge)")
-    fp, vocab = "", None
+    tokenizer, config = vocabulary
+    fp, vocab, source = "", None, None
     if tokenizer is not None:
         fp, vocab = tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer)
+        source = "tokenizer"
+    elif config is not None:
+        vocab, source = config_vocab_size(config), "config"
     return PromptPredictor(random_state=random_state, **(options or {})).fit(
-        trace, vocab_size=vocab, tokenizer_fingerprint=fp)
+        trace, vocab_size=vocab, tokenizer_fingerprint=fp, vocab_source=source)
 
 
 def _fit_stats(cal: Calibration, km: BalancedKMeans, times: tuple[float, float, float]

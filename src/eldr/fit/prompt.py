@@ -30,9 +30,14 @@ folds), candidates whose stored arrays would exceed ``max_bytes`` skipped, then 
 is refitted on every request.
 
 A predictor belongs to one tokenizer: it carries the SHA-256 of its ``tokenizer.json``
-(:func:`tokenizer_fingerprint`, "" when unknown) and its vocabulary size; token ids
-outside ``[0, vocab_size)`` are refused, and :meth:`PromptPredictor.check_tokenizer`
-refuses another tokenizer's fingerprint. Synthetic traces draw their token ids uniformly:
+(:func:`tokenizer_fingerprint`, "" when unknown), its vocabulary size and where that size
+came from (``vocab_source``, :data:`VOCAB_SOURCES`): the tokenizer's vocabulary
+(:func:`tokenizer_vocab_size`) or the model's ``config.json`` (:func:`config_vocab_size`)
+is a real vocabulary, and token ids outside ``[0, vocab_size)`` are refused; without
+either, ``vocab_size`` is only 1 + the largest id the calibration held, and a later prompt's
+larger id is hashed like any other (an id is refused only when negative or beyond the
+hash's ``2**31``). :meth:`PromptPredictor.check_tokenizer` refuses another tokenizer's
+fingerprint. Synthetic traces draw their token ids uniformly:
 a predictor fitted on one carries no information (evaluate on captured traces only).
 """
 
@@ -52,14 +57,20 @@ import numpy as np
 
 from eldr.traces.trace import Trace
 
-__all__ = ["HASH_NAME", "KERNELS", "WEIGHTINGS", "PromptPredictor", "compiled_kernels",
-           "ngram_hashes", "tokenizer_fingerprint", "tokenizer_vocab_size"]
+__all__ = ["HASH_NAME", "KERNELS", "VOCAB_SOURCES", "WEIGHTINGS", "PromptPredictor",
+           "compiled_kernels", "config_vocab_size", "ngram_hashes", "tokenizer_fingerprint",
+           "tokenizer_vocab_size"]
 
 HASH_NAME = "mul64-unigram-bigram-v1"  # names the feature hash below; stored, checked
 WEIGHTINGS = ("tfidf", "tf", "token")  # feature weightings / models (module docstring)
 _MAX_TOKENS = 1 << 18  # tokens the token model learns from per fit (a seeded sample beyond)
 _MAX_BITS = 24
+_MAX_ID = 1 << 31  # token ids the feature hash takes (a bigram key holds two below 2**32)
 _MAX_TOKENIZER_BYTES = 256 << 20
+_MAX_CONFIG_BYTES = 4 << 20
+# where a predictor's vocab_size comes from: a tokenizer's or a model config's vocabulary
+# (ids outside it refused), or the calibration's largest id (ids beyond it hashed)
+VOCAB_SOURCES = ("tokenizer", "config", "calibration")
 # Odd 64-bit multipliers (golden-ratio and a MurmurHash3 finaliser constant).
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -110,6 +121,38 @@ def tokenizer_vocab_size(tokenizer_json_path_or_bytes: str | os.PathLike | bytes
     return max(ids) + 1
 
 
+def config_vocab_size(config: str | os.PathLike | dict) -> int:
+    """``vocab_size`` of a model's Hugging Face ``config.json``: a file, a model folder
+    holding one, or the parsed document (a multimodal config's ``text_config`` read for
+    the language model's). Every token id the model embeds is below it; ValueError naming
+    the problem otherwise."""
+    where = "config"
+    if isinstance(config, dict):
+        doc = config
+    else:
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        where = str(path)
+        if not path.is_file():
+            raise ValueError(f"{path}: no config.json there")
+        if path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ValueError(f"{path}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, refused")
+        try:
+            doc = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable config.json ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: a config.json must be a JSON object")
+    text = doc.get("text_config")
+    v = doc.get("vocab_size")
+    if v is None and isinstance(text, dict):
+        v = text.get("vocab_size")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= _MAX_ID:
+        raise ValueError(f"{where}: vocab_size must be an integer in [1, 2**31], got {v!r}")
+    return v
+
+
 # -- the compiled kernel (optional) -------------------------------------------------------
 _compiled: list = []  # [module | None] once tried
 _compiled_lock = threading.Lock()
@@ -149,8 +192,9 @@ def _load_compiled():
 
 
 # -- features ----------------------------------------------------------------------------
-def _check_ids(token_ids, vocab_size: int | None) -> np.ndarray:
-    """(P,) int64 token ids, or ValueError naming the problem."""
+def _check_ids(token_ids, limit: int | None, where: str = "") -> np.ndarray:
+    """(P,) int64 token ids in ``[0, limit)`` (``None``: non-negative only), or ValueError
+    naming the problem; ``where`` says what the limit is, for the message."""
     ids = np.asarray(token_ids)
     if ids.ndim != 1:
         raise ValueError(f"token ids must be a 1-D sequence, got shape {ids.shape}")
@@ -161,13 +205,13 @@ def _check_ids(token_ids, vocab_size: int | None) -> np.ndarray:
     checked = ids.astype(np.int64, copy=False)
     # one pass for the common case: a negative id read as uint64 is >= 2**63, beyond any
     # vocabulary; the two-sided check below names the bad id
-    if vocab_size is not None and checked.view(np.uint64).max() < vocab_size:
+    if limit is not None and checked.view(np.uint64).max() < limit:
         return checked
     lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"unknown token id {bad}: outside [0, {vocab_size}) of this "
-                         "predictor's tokenizer")
+    if lo < 0:
+        raise ValueError(f"unknown token id {lo}: token ids are non-negative")
+    if limit is not None and hi >= limit:
+        raise ValueError(f"unknown token id {hi}: outside [0, {limit}) {where}".rstrip())
     return checked
 
 
@@ -539,6 +583,18 @@ def _token_fold_predictions(tokens: _TokenData, bits: int, alphas: Sequence[floa
         yield a, np.stack([tokens.mean_row(i, bits, table) for i in held_out])
 
 
+def _vocab_source(source: str | None, vocab_size: int | None, fingerprint: str) -> str:
+    """The fit's ``vocab_source`` checked, or its default: ``tokenizer`` with a known
+    tokenizer, else ``calibration`` (``config`` is always said by the caller)."""
+    if source is None:
+        return "tokenizer" if fingerprint else "calibration"
+    if source not in VOCAB_SOURCES:
+        raise ValueError(f"vocab_source must be one of {VOCAB_SOURCES}, got {source!r}")
+    if source != "calibration" and vocab_size is None:
+        raise ValueError(f"vocab_source={source!r} needs that vocabulary's vocab_size")
+    return source
+
+
 # -- the estimator --------------------------------------------------------------------------
 class PromptPredictor:
     """Prompt token ids → (L, E) expected per-token prefill profile (module docstring).
@@ -556,9 +612,9 @@ class PromptPredictor:
         whose cross-validated R² is within this of the best is chosen.
     random_state: seed of the fold assignment.
 
-    Fitted: ``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``,
-    ``tokenizer_fingerprint`` (the interface names), ``bits_``, ``weighting_``, ``rank_``,
-    ``alpha_``,
+    Fitted: ``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``, ``vocab_source``
+    (:data:`VOCAB_SOURCES`), ``tokenizer_fingerprint`` (the interface names), ``bits_``,
+    ``weighting_``, ``rank_``, ``alpha_``,
     ``idf_`` (2**bits,) float32, ``weights_`` (2**bits, rank) float32, ``basis_`` (rank,
     L·E) float32, ``mean_`` (L·E,) float32, ``cv_r2_`` (the chosen candidate's
     cross-validated R²), ``grid_`` [{bits, rank, alpha, r2}], ``num_requests_``,
@@ -619,6 +675,21 @@ class PromptPredictor:
         return int(self.idf_.nbytes + self.weights_.nbytes + self.basis_.nbytes
                    + self.mean_.nbytes)
 
+    @property
+    def id_limit(self) -> int:
+        """Token ids a prediction takes are below this: ``vocab_size`` when it is a real
+        vocabulary (a tokenizer's or a model config's), else the hash's ``2**31`` (a
+        vocabulary seen in calibration only: a larger id is hashed like any other)."""
+        if getattr(self, "vocab_source", "calibration") == "calibration":
+            return _MAX_ID
+        return self.vocab_size
+
+    def _id_limit_named(self) -> str:
+        """What :attr:`id_limit` is, for a refusal's message."""
+        return {"tokenizer": "of this predictor's tokenizer",
+                "config": "of the model's vocabulary (its config.json)"}.get(
+            getattr(self, "vocab_source", "calibration"), "the feature hash's range")
+
     def _check_fitted(self) -> None:
         if not hasattr(self, "weights_"):
             raise ValueError("PromptPredictor is not fitted: call fit(trace) first")
@@ -628,11 +699,15 @@ class PromptPredictor:
 
     # -- fit ----------------------------------------------------------------------------------
     def fit(self, trace: Trace, *, vocab_size: int | None = None,
-            tokenizer_fingerprint: str = "") -> PromptPredictor:
+            tokenizer_fingerprint: str = "", vocab_source: str | None = None
+            ) -> PromptPredictor:
         """Fit on a trace with ``prompt_token_ids`` (requests with empty prompts are
-        skipped). ``vocab_size``: the tokenizer's (default: 1 + the largest id seen, so
-        larger ids are refused); ``tokenizer_fingerprint``: :func:`tokenizer_fingerprint`
-        of the tokenizer that made the ids ("" = unknown, never refused)."""
+        skipped). ``vocab_size``: the tokenizer's or the model config's (default: 1 + the
+        largest id seen); ``tokenizer_fingerprint``: :func:`tokenizer_fingerprint` of the
+        tokenizer that made the ids ("" = unknown, never refused); ``vocab_source``: where
+        ``vocab_size`` comes from (:data:`VOCAB_SOURCES`; default ``tokenizer`` with a
+        fingerprint, else ``calibration``): with ``tokenizer`` or ``config`` a later id
+        outside ``[0, vocab_size)`` is refused, with ``calibration`` it is hashed."""
         if not isinstance(trace, Trace):
             raise ValueError(f"fit expects an eldr Trace, got {type(trace).__name__}")
         if trace.prompt_token_ids is None:
@@ -649,15 +724,17 @@ class PromptPredictor:
         return self.fit_prompts(prompts, profiles, top_k=trace.meta.top_k,
                                 vocab_size=vocab_size,
                                 tokenizer_fingerprint=tokenizer_fingerprint,
-                                token_experts=experts)
+                                vocab_source=vocab_source, token_experts=experts)
 
     def fit_prompts(self, prompts: Sequence[np.ndarray], profiles: np.ndarray, *, top_k: int,
                     vocab_size: int | None = None, tokenizer_fingerprint: str = "",
+                    vocab_source: str | None = None,
                     token_experts: Sequence[np.ndarray] | None = None) -> PromptPredictor:
         """Fit on R prompts (token id arrays) and their (R, L, E) per-token prefill
-        profiles (each layer row summing to ``top_k``). ``token_experts`` (optional, one
-        (P_i, L, k) int array of expert ids per prompt token, a trace's ``prefill_topk``)
-        enables the ``token`` model."""
+        profiles (each layer row summing to ``top_k``). ``vocab_size``,
+        ``tokenizer_fingerprint``, ``vocab_source``: as in :meth:`fit`. ``token_experts``
+        (optional, one (P_i, L, k) int array of expert ids per prompt token, a trace's
+        ``prefill_topk``) enables the ``token`` model."""
         t0 = time.perf_counter()
         y = self._check_targets(profiles, len(prompts), tokenizer_fingerprint)
         R, L, E = y.shape
@@ -666,8 +743,9 @@ class PromptPredictor:
         vocab = seen if vocab_size is None else int(vocab_size)
         if vocab < seen:
             raise ValueError(f"vocab_size={vocab} but the prompts hold token id {seen - 1}")
-        if vocab > 1 << 31:
+        if vocab > _MAX_ID:
             raise ValueError(f"vocab_size {vocab} is beyond 2**31")
+        source = _vocab_source(vocab_source, vocab_size, tokenizer_fingerprint)
         hashes = [ngram_hashes(p) for p in ids]
         tokens = None
         if token_experts is not None:
@@ -677,15 +755,17 @@ class PromptPredictor:
                                  "prompt")
             sample = np.random.default_rng(self.random_state)
             tokens = _TokenData(ids, hashes, token_experts, E, sample)
-        return self._fit(hashes, y, top_k, vocab, tokenizer_fingerprint, tokens, t0)
+        return self._fit(hashes, y, top_k, (vocab, source), tokenizer_fingerprint, tokens, t0)
 
     def fit_hashes(self, bags: Sequence[np.ndarray], profiles: np.ndarray, *, top_k: int,
-                   vocab_size: int, tokenizer_fingerprint: str = "") -> PromptPredictor:
+                   vocab_size: int, tokenizer_fingerprint: str = "",
+                   vocab_source: str | None = None) -> PromptPredictor:
         """Fit from each prompt's bag of n-gram hashes (:func:`ngram_hashes` of its ids, in
         any order: what the live learner keeps instead of the prompt) and its (R, L, E)
         prefill profile. The same ``tfidf`` / ``tf`` models as :meth:`fit_prompts` (a bag
         holds everything they read); not the ``token`` model, which needs each token's
-        experts. ``vocab_size``: the tokenizer's (the bags cannot tell it)."""
+        experts. ``vocab_size``: the tokenizer's, or 1 + the largest id of the prompts (the
+        bags cannot tell it); ``vocab_source`` as in :meth:`fit`."""
         t0 = time.perf_counter()
         y = self._check_targets(profiles, len(bags), tokenizer_fingerprint)
         hashes = []
@@ -698,7 +778,9 @@ class PromptPredictor:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
                 or not 0 < vocab_size <= 1 << 31:
             raise ValueError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
-        return self._fit(hashes, y, top_k, int(vocab_size), tokenizer_fingerprint, None, t0)
+        source = _vocab_source(vocab_source, vocab_size, tokenizer_fingerprint)
+        return self._fit(hashes, y, top_k, (int(vocab_size), source), tokenizer_fingerprint,
+                         None, t0)
 
     def _check_targets(self, profiles, num_prompts: int, tokenizer_fingerprint) -> np.ndarray:
         """(R, L, E) float64 profiles, checked against the prompt count and the folds."""
@@ -716,11 +798,12 @@ class PromptPredictor:
             raise ValueError("tokenizer_fingerprint must be a string")
         return y
 
-    def _fit(self, hashes: list[np.ndarray], y: np.ndarray, top_k: int, vocab: int,
-             tokenizer_fingerprint: str, tokens: _TokenData | None, t0: float
-             ) -> PromptPredictor:
+    def _fit(self, hashes: list[np.ndarray], y: np.ndarray, top_k: int,
+             vocab: tuple[int, str], tokenizer_fingerprint: str, tokens: _TokenData | None,
+             t0: float) -> PromptPredictor:
         """The fit proper (module docstring) on checked inputs: cross-validate the grid,
-        choose a candidate, refit it on every request, store it."""
+        choose a candidate, refit it on every request, store it. ``vocab``: (vocab_size,
+        vocab_source)."""
         R, L, E = y.shape
         target = y.reshape(R, L * E)
         weightings = self.weightings
@@ -734,7 +817,7 @@ class PromptPredictor:
         basis, weights, intercept, idf = self._refit(best, target, features, tokens)
 
         self.num_layers, self.num_experts, self.top_k = L, E, int(top_k)
-        self.vocab_size = vocab
+        self.vocab_size, self.vocab_source = vocab
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.bits_, self.rank_, self.alpha_ = best["bits"], int(basis.shape[0]), best["alpha"]
         self.weighting_ = best["weighting"]
@@ -884,7 +967,7 @@ class PromptPredictor:
     def predict(self, token_ids, *, kernel: str = "auto") -> np.ndarray:
         """(P,) int token ids -> (L, E) float32 expected per-token prefill profile (each
         layer's row sums to ``top_k``). ValueError on an empty prompt, ids outside
-        ``[0, vocab_size)``, non-integer input.
+        ``[0, id_limit)`` (:attr:`id_limit`), non-integer input.
 
         ``kernel``: ``auto`` the compiled kernel (:func:`compiled_kernels`) when it
         loads, else numpy; ``numpy``; ``compiled`` (ValueError when it does not load).
@@ -901,7 +984,7 @@ class PromptPredictor:
             elif kernel == "compiled":
                 raise ValueError("the compiled prompt-prediction kernel is not available "
                                  "(numba missing or failing: see the log)")
-        ids = _check_ids(token_ids, self.vocab_size)
+        ids = _check_ids(token_ids, self.id_limit, self._id_limit_named())
         hashes = ngram_hashes(ids)
         if self.weighting_ == "tfidf":  # repeated n-grams aggregated first (a sort)
             rows, w = _feature_row(hashes, self.bits_, self.idf_, self.weighting_)
@@ -928,7 +1011,7 @@ class PromptPredictor:
                 return None
             ids = np.ascontiguousarray(ids, dtype=np.int64)
         shift = 64 - self.bits_
-        vocab = self.vocab_size if self.vocab_size is not None else 1 << 62
+        vocab = self.id_limit
         if self.weighting_ == "tfidf":
             y, ok = compiled.predict_tfidf(ids, self._rows, self.idf_, shift, vocab,
                                            self.basis_, self.mean_, self.num_layers,
@@ -971,7 +1054,7 @@ class PromptPredictor:
         self._check_fitted()
         doc = {"hash": HASH_NAME, "num_layers": self.num_layers,
                "num_experts": self.num_experts, "top_k": self.top_k,
-               "vocab_size": self.vocab_size,
+               "vocab_size": self.vocab_size, "vocab_source": self.vocab_source,
                "tokenizer_fingerprint": self.tokenizer_fingerprint,
                "bits": self.bits_, "weighting": self.weighting_, "rank": self.rank_,
                "alpha": self.alpha_,
@@ -1014,6 +1097,9 @@ class PromptPredictor:
         fp = doc.get("tokenizer_fingerprint")
         if not isinstance(fp, str) or len(fp) > 128:
             raise ValueError("prompt_predictor.tokenizer_fingerprint must be a short string")
+        if doc.get("vocab_source", "calibration") not in VOCAB_SOURCES:
+            raise ValueError(f"prompt_predictor.vocab_source must be one of {VOCAB_SOURCES}, "
+                             f"got {doc.get('vocab_source')!r}")
         a = doc.get("alpha")
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not (
                 np.isfinite(a) and a > 0):
@@ -1040,6 +1126,10 @@ class PromptPredictor:
         p.num_layers, p.num_experts, p.top_k = doc["num_layers"], doc["num_experts"], \
             doc["top_k"]
         p.vocab_size, p.tokenizer_fingerprint = doc["vocab_size"], doc["tokenizer_fingerprint"]
+        # written before vocab_source was (an older eldr): a vocabulary came with its
+        # tokenizer's fingerprint, or else from the calibration's largest id
+        p.vocab_source = doc.get("vocab_source") or (
+            "tokenizer" if p.tokenizer_fingerprint else "calibration")
         p.bits_, p.rank_, p.alpha_ = doc["bits"], doc["rank"], float(doc["alpha"])
         p.weighting_ = doc["weighting"]
         p.idf_, p.weights_ = arrays["idf"], arrays["weights"]

@@ -137,9 +137,9 @@ def evaluate_prompt_predictor(trace: Trace, *, heldout: float = 0.5, num_groups:
     enc = SignatureEncoder(random_state=random_state).fit(fit)
     pred = PromptPredictor(random_state=random_state, **(predictor_options or {})).fit(fit)
     prompts = [held.prompt_tokens(r) for r in range(held.num_requests)]
-    # the held-out part may hold ids the fit part never saw: score them, don't refuse them
+    # the held-out part may hold ids the fit part never saw: the predictor, fitted without
+    # a vocabulary, hashes them; the raw TF-IDF needs a vocabulary holding both parts' ids
     vocab = max(pred.vocab_size, int(held.prompt_token_ids.max()) + 1)
-    pred.vocab_size = vocab
     profiles = pred.predict_many(prompts)
     truth = held.prefill_counts / held.prompt_lens[:, None, None].astype(np.float64)
     mean = (fit.prefill_counts / fit.prompt_lens[:, None, None].astype(np.float64)).mean(0)

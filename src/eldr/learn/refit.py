@@ -294,9 +294,10 @@ def fit_prompt_predictor(records: list[Record], notes: list[str], *,
                          vocab_size: int | None = None, tokenizer_fingerprint: str = ""):
     """A :class:`~eldr.fit.prompt.PromptPredictor` fitted on the records that keep a prompt
     bag, or None (too few, or the fit failed: said in ``notes``). ``vocab_size`` and
-    ``tokenizer_fingerprint``: the router's tokenizer's, when it has one; without it the
-    predictor knows ids up to the largest one seen, and refuses larger ones (the router
-    then routes those prompts by load, counted)."""
+    ``tokenizer_fingerprint``: the router's tokenizer's, when it has one (ids outside its
+    vocabulary are then refused, and the router routes those prompts by load, counted);
+    without it the predictor records the largest id seen and hashes larger ones like any
+    other (``vocab_source`` ``calibration``)."""
     rows = [r for r in records if r.prompt_hashes is not None and r.prompt_tokens > 0]
     if len(rows) < PROMPT_MIN_REQUESTS:
         if rows:
