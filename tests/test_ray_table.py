@@ -150,3 +150,44 @@ def test_config_is_validated_and_an_artifact_must_name_as_many_decoders(tmp_path
         DecodeTable(TableConfig(num_decode=3, artifact=str(path), policy="eldr"))
     t = DecodeTable(TableConfig(num_decode=2, artifact=str(path), policy="eldr"))
     assert t.names == ("w0", "w1")
+
+
+def test_serve_replicas_given_with_a_reservation_hold_slots_and_loads_can_move():
+    """Ray's own PD builder: the decode replicas register nothing; the router passes the
+    replica ids it may route to with each reservation, and the prompt's predicted inputs
+    instead of a payload."""
+    from eldr.proxy.request.signatures import Reading
+
+    clock = Clock()
+    t = _table(clock, heartbeat_timeout=5.0)
+    state = t.state
+
+    def predicted(prompt: str) -> Reading:
+        return Reading(state.encode(domain_counts(prompt)), None, 4, "prompt", None)
+
+    a = t.reserve("q1", reading=predicted("some code"), replicas=("s0", "s1"))
+    b = t.reserve("q2", reading=predicted("the law"), replicas=("s0", "s1"))
+    assert (a["decoder"], a["replica"], a["input"]) == ("w-code", "s0", "prompt")
+    assert (b["decoder"], b["replica"]) == ("w-other", "s1")
+    # only slots held by the replicas given are chosen
+    c = t.reserve("q3", reading=predicted("code again"), replicas=("s1",))
+    assert c["replica"] == "s1"
+    # no inputs (the prediction timed out): by load, counted under the reason given
+    d = t.reserve("q4", reading=Reading(None, None, 0, "none", "prompt_timeout"),
+                  replicas=("s0", "s1"))
+    assert d["replica"] == "s0" and d["fallback"] == "prompt_timeout"
+    assert t.snapshot()["counters"]["fallbacks:prompt_timeout"] == 1
+    # Serve used s1 for q1: its load moves there
+    assert t.move("q1", "s1") == {"moved": True, "decoder": "w-other"}
+    assert t.move("q1", "s1") == {"moved": False}  # already there
+    assert t.move("q1", "nobody") == {"moved": False}
+    np.testing.assert_array_equal(t.tracker.loads, [1.0, 3.0])
+    for rid in ("q1", "q2", "q3", "q4"):
+        assert t.release(rid) == {"released": True}
+    np.testing.assert_array_equal(t.tracker.loads, [0.0, 0.0])
+    # a quiet spell (every slot stale), then a replacement s2 for s0 arrives first in
+    # the list: the live s1 keeps its slot, s2 takes s0's
+    clock.now += 10.0
+    got = t.reserve("q5", reading=predicted("the law"), replicas=("s2", "s1"))
+    assert [d["replica"] for d in t.snapshot()["decoders"]] == ["s2", "s1"]
+    assert got["replica"] == "s1"

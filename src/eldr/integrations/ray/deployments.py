@@ -23,7 +23,9 @@ _log = logging.getLogger("eldr.ray")
 
 class EldrDecodeTable:
     """The one table of the app. Async methods that never await: Serve runs them on the
-    replica's event loop one at a time, so every call is atomic."""
+    replica's event loop one at a time, so every call is atomic. The decode router for
+    Ray's own PD builder runs the same class as a named Ray actor
+    (:mod:`eldr.integrations.ray.router`)."""
 
     def __init__(self, config: TableConfig) -> None:
         self.table = DecodeTable(config)
@@ -44,9 +46,14 @@ class EldrDecodeTable:
         self.table.prefill_failed(replica)
 
     async def reserve(self, request_id, payload=None, doc=None, prompt_tokens=None,
-                      exclude=()) -> dict:
+                      exclude=(), reading=None, replicas=None) -> dict:
         return self.table.reserve(request_id, payload=payload, doc=doc,
-                                  prompt_tokens=prompt_tokens, exclude=tuple(exclude))
+                                  prompt_tokens=prompt_tokens, exclude=tuple(exclude),
+                                  reading=reading,
+                                  replicas=None if replicas is None else tuple(replicas))
+
+    async def move(self, request_id, replica) -> dict:
+        return self.table.move(request_id, replica)
 
     async def release(self, request_id, outcome="completed") -> dict:
         return self.table.release(request_id, outcome)

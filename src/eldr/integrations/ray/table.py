@@ -20,6 +20,12 @@ come from :func:`eldr.proxy.request.decision.build_state` (the artifact, ``--pol
 :class:`eldr.routing.loads.LoadTracker`, and the policy gets the same ``on_dispatch`` /
 ``on_release`` events.
 
+The same table serves Ray's own PD builder through
+:class:`eldr.integrations.ray.router.EldrDecodeRouter`, a Serve ``RequestRouter``: there
+the decoders are Serve LLM's decode replicas, which register nothing; the router passes
+the replica ids it sees with every ``reserve`` (``replicas``), which registers and
+heartbeats them, and the prompt's predicted inputs (``reading``) instead of a payload.
+
 Decode engines are replicas of a Serve deployment: they come and go. The artifact names
 ``K`` decoders; the table has ``K`` slots (the artifact's worker ids) and each decode
 replica takes a free slot when it registers (every health check re-registers it: a
@@ -84,11 +90,13 @@ class _Engine:
 
 @dataclass(frozen=True, slots=True)
 class _Held:
-    """One reservation: which slot it loads and the policy it was dispatched to."""
+    """One reservation: which slot it loads, the policy it was dispatched to, and the
+    request as the policy saw it (a :meth:`DecodeTable.move` dispatches it again)."""
 
     slot: int
     policy: object
     deadline: float
+    request: object = None  # the eldr.routing.RouteRequest dispatched
 
 
 class DecodeTable:
@@ -205,16 +213,22 @@ class DecodeTable:
 
     # -- reservations ----------------------------------------------------------------------
     def reserve(self, request_id: str, *, payload: object = None, doc: dict | None = None,
-                prompt_tokens: int | None = None, exclude: tuple[str, ...] = ()) -> dict:
-        """Choose the decoder for one request from its prefill answer and hold it.
+                prompt_tokens: int | None = None, exclude: tuple[str, ...] = (),
+                reading=None, replicas: tuple[str, ...] | None = None) -> dict:
+        """Choose the decoder for one request and hold it.
 
         ``payload``: the capture plugin's ``kv_transfer_params["eldr"]`` (or None);
         ``doc``: the rest of the prefill answer the router reads (vLLM's own
         ``routed_experts``), or None; ``prompt_tokens``: ``usage.prompt_tokens``;
-        ``exclude``: decoders this request already failed on. Returns ``{"reservation",
-        "decoder", "url", "input", "fallback"}``, or ``{"error": ...}`` when no healthy
-        decoder is left (the caller answers 503). ``request_id`` must be unique among
-        held reservations (the ingress makes one per attempt).
+        ``exclude``: decoders this request already failed on. ``reading``: an
+        :class:`eldr.proxy.request.signatures.Reading` made elsewhere (the prompt's
+        prediction, or none with the reason in ``problem``), used instead of the payload.
+        ``replicas``: the Serve replica ids the caller may route to (Ray's own PD builder,
+        whose decode replicas register nothing): each is registered (a heartbeat) and only
+        slots they hold are chosen. Returns ``{"reservation", "decoder", "replica", "url",
+        "input", "fallback"}``, or ``{"error": ...}`` when no healthy decoder is left (the
+        caller answers 503 or routes by load). ``request_id`` must be unique among held
+        reservations (callers make one per attempt).
         """
         from eldr.proxy.request.signatures import read_inputs
         from eldr.routing import NoHealthyWorkerError, RouteRequest
@@ -223,11 +237,15 @@ class DecodeTable:
         if request_id in self.held:
             raise ValueError(f"reservation {request_id!r} is already held")
         state = self.state
-        reading = read_inputs(doc or {}, payload, state, prompt_tokens)
+        if reading is None:
+            reading = read_inputs(doc or {}, payload, state, prompt_tokens)
         request = RouteRequest(request_id, signature=reading.signature,
                                profile=reading.profile,
                                context_tokens=int(reading.context_tokens or 0))
+        serving = None if replicas is None else self._serve_replicas(tuple(replicas))
         mask = self.healthy()
+        if serving is not None:
+            mask &= serving
         for name in exclude:
             if name in self.names:
                 mask[self.names.index(name)] = False
@@ -241,7 +259,7 @@ class DecodeTable:
         state.policy.on_dispatch(request, k)
         self.tracker.on_dispatch(k)
         self.held[request_id] = _Held(k, state.policy,
-                                      self.clock() + self.config.reservation_ttl)
+                                      self.clock() + self.config.reservation_ttl, request)
         used = "none" if reading.signature is None and reading.profile is None \
             else reading.source
         fallback = reading.problem if decision.fallback else None
@@ -250,7 +268,38 @@ class DecodeTable:
         if fallback is not None:
             self.counters[f"fallbacks:{fallback}"] += 1
         return {"reservation": request_id, "decoder": self.names[k],
-                "url": self.slots[k].url, "input": used, "fallback": fallback}
+                "replica": self.slots[k].replica, "url": self.slots[k].url, "input": used,
+                "fallback": fallback}
+
+    def _serve_replicas(self, replicas: tuple[str, ...]) -> np.ndarray:
+        """(K,) bool: slots held by one of ``replicas`` (Serve replica ids), each of which
+        is registered first (a heartbeat; a new one takes a free or stale slot). Those
+        holding slots beat first: after a quiet spell every slot is stale, and a new
+        replica must not take a live one's."""
+        held = {eng.replica for eng in self.slots if eng is not None}
+        for replica in sorted(replicas, key=lambda r: r not in held):
+            self.register("decode", replica, f"serve-replica://{replica}")
+        wanted = set(replicas)
+        return np.array([eng is not None and eng.replica in wanted for eng in self.slots],
+                        dtype=bool)
+
+    def move(self, request_id: str, replica: str) -> dict:
+        """The request held as ``request_id`` went to Serve replica ``replica``, not the
+        one reserved (Serve's router takes the next rank when the chosen replica is full):
+        its load and the policy's state for it move to that replica's slot. A replica
+        without a slot (a spare) or an unknown id: nothing moves (``moved`` False)."""
+        held = self.held.get(request_id)
+        slot = next((k for k, eng in enumerate(self.slots)
+                     if eng is not None and eng.replica == replica), None)
+        if held is None or slot is None or slot == held.slot:
+            return {"moved": False}
+        self.tracker.on_complete(held.slot)
+        held.policy.on_release(request_id, "cancelled")
+        held.policy.on_dispatch(held.request, slot)
+        self.tracker.on_dispatch(slot)
+        self.held[request_id] = _Held(slot, held.policy, held.deadline, held.request)
+        self.counters["reservations:moved"] += 1
+        return {"moved": True, "decoder": self.names[slot]}
 
     def release(self, request_id: str, outcome: str = "completed") -> dict:
         """The decode of ``request_id`` ended (``completed``, ``failed``, ``cancelled``):
