@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from eldr.fit.assign import solve
+from eldr.fit.rows import unit_rows
 
 __all__ = ["BalancedKMeans", "balanced_assign"]
 
@@ -78,11 +79,6 @@ def _capacity(capacity: int | None, N: int, K: int, who: str) -> int:
     return cap
 
 
-def _unit_rows(X: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(X, axis=1, keepdims=True)
-    return np.divide(X, norms, out=np.zeros_like(X), where=norms > 0)
-
-
 class BalancedKMeans:
     """Spherical K-means with exactly balanced assignment steps.
 
@@ -144,7 +140,7 @@ class BalancedKMeans:
         """Cluster the rows of ``X`` (N, d) float. Returns ``self``."""
         X = self._check_X(X, "BalancedKMeans.fit")
         cap = self._check_params(X.shape[0])
-        X = _unit_rows(X)
+        X = unit_rows(X)
         rng = np.random.default_rng(self.random_state)
         best = None
         for _ in range(int(self.n_init)):
@@ -196,7 +192,7 @@ class BalancedKMeans:
         if X.shape[1] != self.cluster_centers_.shape[1]:
             raise ValueError(f"BalancedKMeans.predict: X has {X.shape[1]} features, "
                              f"the model {self.cluster_centers_.shape[1]}")
-        return (1.0 - _unit_rows(X) @ self.cluster_centers_.T).argmin(1).astype(np.int64)
+        return (1.0 - unit_rows(X) @ self.cluster_centers_.T).argmin(1).astype(np.int64)
 
     def fit_predict(self, X: np.ndarray, y: None = None) -> np.ndarray:
         return self.fit(X).labels_

@@ -40,6 +40,7 @@ import numpy as np
 
 from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.prompt_decode import decode_profiles, fit_decode_predictor
+from eldr.fit.rows import unit_rows
 from eldr.fit.signature import SignatureEncoder, _rankdata, rho
 from eldr.traces.trace import Trace
 
@@ -250,14 +251,8 @@ class LocalityReport:
                 "notes": list(self.notes)}
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return np.divide(x, n, out=np.zeros_like(x), where=n > 0)
-
-
 def _cos_dist(x: np.ndarray) -> np.ndarray:
-    u = _unit(x)
+    u = unit_rows(x)
     return 1.0 - u @ u.T
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.prompt import PromptPredictor
+from eldr.fit.rows import unit_rows
 from eldr.fit.signature import SignatureEncoder, rho
 from eldr.traces.trace import Trace
 
@@ -45,8 +46,7 @@ def token_tfidf(fit_prompts: list[np.ndarray], prompts: list[np.ndarray],
     for i, p in enumerate(prompts):
         ids, counts = np.unique(p, return_counts=True)
         out[i, ids] = np.log1p(counts) * idf[ids]
-    norms = np.linalg.norm(out, axis=1, keepdims=True)
-    return np.divide(out, norms, out=np.zeros_like(out), where=norms > 0)
+    return unit_rows(out)
 
 
 def expected_distinct_experts(decode_probs: np.ndarray, labels: np.ndarray,

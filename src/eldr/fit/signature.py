@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from eldr.fit.rows import unit_rows
 from eldr.traces.trace import Trace
 
 __all__ = ["REPRESENTATIONS", "SignatureEncoder", "pairwise_cosine_distance", "rho"]
@@ -29,17 +30,6 @@ _GATE_INPUT = {"gate_prob": "prefill_gate_prob", "gate_logit": "prefill_gate_log
 
 
 # -- ρ ------------------------------------------------------------------------------------
-def _unit_rows(x: np.ndarray) -> np.ndarray:
-    """float64 rows scaled to unit L2 norm; all-zero rows stay zero."""
-    x = np.asarray(x, dtype=np.float64)
-    norms = np.sqrt(np.einsum("ij,ij->i", x, x))
-    out = np.zeros_like(x)
-    ok = norms > 0
-    # the same quotients as out[ok] = x[ok] / norms[ok, None], without copying the rows
-    np.divide(x, norms[:, None], out=out, where=ok[:, None])
-    return out
-
-
 def _pairs(n: int, max_pairs: int | None, random_state) -> tuple[np.ndarray, np.ndarray]:
     """Pair index arrays (i < j): all pairs, or a seeded uniform sample of ``max_pairs``."""
     total = n * (n - 1) // 2
@@ -62,7 +52,7 @@ def pairwise_cosine_distance(x: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.
 
     All-zero rows have cosine 0 with everything (distance 1), by convention.
     """
-    u = _unit_rows(x)
+    u = unit_rows(x)
     n = u.shape[0]
     if i.size * 4 >= n * n:  # dense enough: one Gram matrix (BLAS) beats gathering rows
         return 1.0 - (u @ u.T)[i, j]
@@ -261,7 +251,7 @@ class SignatureEncoder:
 
     def _normalise(self, feats: np.ndarray) -> np.ndarray:
         x = feats[:, self.layers_, :].reshape(feats.shape[0], -1)
-        return _unit_rows(x).astype(np.float32)
+        return unit_rows(x).astype(np.float32)
 
     def transform(self, X) -> np.ndarray:
         """Signatures: float32 unit rows (R, |S|·E), or (|S|·E,) for a single (L, E) input.
