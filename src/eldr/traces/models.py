@@ -84,11 +84,6 @@ class ModelPreset:
             return 0
         return self.sliding_window * self.kv_sliding_bytes_per_token
 
-    @property
-    def moe_bytes_per_layer(self) -> int:
-        """All routed experts of one layer, ``E * expert_bytes``."""
-        return self.num_experts * self.expert_bytes
-
     def kv_bytes(self, context_tokens: int) -> int:
         """KV bytes of one request holding ``context_tokens`` tokens of context."""
         if context_tokens < 0:
