@@ -40,10 +40,10 @@ def _child(ports: list[int], port: int, processes: int) -> None:
 
     from bench_prompt_predictor import _random_predictor
     from eldr.capture import tiny_moe_dir
-    from eldr.commands.serve import serve
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
     from eldr.proxy.request.prompts import PromptRouting, PromptTokenizer
+    from eldr.proxy.serving import serve
 
     state = bs._stage_state("eldr_cost")
     tok = PromptTokenizer(tiny_moe_dir())

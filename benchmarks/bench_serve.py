@@ -259,11 +259,15 @@ def _free_port() -> int:
 def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None:
     """``eldr serve`` with an in-memory artifact (48 x 128, mask 16, two decoders), on the
     source tree this interpreter imports (PYTHONPATH)."""
-    from eldr.commands.serve import serve
     from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
     from eldr.routing import make_policy
+
+    try:
+        from eldr.proxy.serving import serve
+    except ModuleNotFoundError:  # a tree from before the serve loop moved into the proxy
+        from eldr.commands.serve import serve
 
     try:
         from eldr.proxy.request import RoutingState

@@ -321,7 +321,7 @@ def test_a_bad_decoders_file_is_refused_with_its_line(tmp_path, text, says):
 def test_sighup_syncs_the_pool_to_the_decoders_file(tmp_path):
     import dataclasses
 
-    from eldr.commands.serve import _hangup
+    from eldr.proxy.serving import hangup as _hangup
 
     path = tmp_path / "decoders"
     reloads = []

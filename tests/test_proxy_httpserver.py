@@ -350,7 +350,7 @@ def test_file_descriptors_come_back_after_a_burst_and_the_idle_expiry():
 
 def test_serve_runs_the_hardened_server(capsys):
     """eldr serve (and each --workers N worker, which runs serve()) uses the hardening."""
-    from eldr.commands.serve import serve
+    from eldr.proxy.serving import serve
 
     async def go():
         prefill = await FakeEngine("p0").start()

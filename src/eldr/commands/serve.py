@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 HELP = "Route an OpenAI API over vLLM prefill/decode instances, decode by expert locality."
@@ -277,61 +276,6 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     return None
 
 
-async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool = False,
-                http_limits=None) -> None:
-    """Run the router until SIGINT/SIGTERM; SIGHUP re-reads the decoders file (if serve has
-    one: decoders are added or drained to match it) and reloads the artifact (with
-    ``--workers N``, both through the pool journal).
-
-    ``port`` overrides the config's (a worker of ``--workers N`` binds the port its parent
-    reserved, with ``reuse_port``). The HTTP server refuses malformed requests with JSON errors and
-    closes connections whose request head is late or that stay idle
-    (:mod:`eldr.proxy.httpserver`; ``http_limits``, an ``HttpLimits``, overrides its
-    defaults).
-    """
-    from aiohttp import web
-
-    from eldr.proxy.httpserver import HardenedAppRunner
-
-    runner = HardenedAppRunner(router.make_app(), limits=http_limits,
-                               handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, router.config.host,
-                       router.config.port if port is None else port, backlog=1024,
-                       reuse_port=reuse_port or None)
-    await site.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(_hangup(router)))
-    host, port = site._server.sockets[0].getsockname()[:2]  # the real port when port=0
-    state = router.state
-    print(f"eldr serve: listening on http://{host}:{port} (policy {state.policy.name}, "
-          f"{len(router.pool.prefill)} prefill, {len(router.pool.decode)} decode)",
-          file=sys.stderr, flush=True)
-    if ready is not None:
-        ready(port)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-
-
-async def _hangup(router) -> None:
-    """SIGHUP: the decoders file first (so an artifact for the new set fits), then the
-    artifact. Each step logs its own outcome; neither stops the router."""
-    if router.config.decoders_file is not None:
-        try:
-            await router.elastic.sync_file()
-        except Exception as exc:  # a bad file or a fixed pool: logged, nothing changed
-            logging.getLogger("eldr.serve").error("decoders file not applied: %s", exc)
-    try:
-        await router.reload()
-    except Exception:  # logged and counted by the reload; the running artifact stays
-        pass
-
-
 def learn_config_from_args(args: argparse.Namespace):
     """The :class:`~eldr.learn.config.LearnConfig` of ``--learn DIR`` (None without it)."""
     if getattr(args, "learn", None) is None:
@@ -376,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"eldr serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
                          f"from the source tree")
     from eldr.proxy.app import Router
+    from eldr.proxy.serving import serve
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -401,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
                 worker.learn(learn, forward=share.row != 0)
             return worker
 
-        return run_workers(config, make_router, serve, names=names, capacity=slots)
+        return run_workers(config, make_router, names=names, capacity=slots)
     if learn is not None:
         router.learn(learn)
     try:

@@ -29,8 +29,6 @@ import asyncio
 import itertools
 import json
 import logging
-import signal
-import sys
 import uuid
 from dataclasses import dataclass
 
@@ -363,27 +361,18 @@ class Orchestrator:
 
 
 async def serve(orchestrator: Orchestrator, *, ready=None) -> None:
-    """Run until SIGINT/SIGTERM; ``ready(port)`` once listening."""
+    """Run until SIGINT/SIGTERM (:func:`eldr.proxy.serving.run_app`); ``ready(port)`` once
+    listening."""
     from aiohttp import web
 
-    runner = web.AppRunner(orchestrator.make_app(), access_log=None)
-    await runner.setup()
+    from eldr.proxy.serving import run_app
+
     config = orchestrator.config
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    host, port = site._server.sockets[0].getsockname()[:2]
-    print(f"eldr orchestrate: listening on http://{host}:{port} (selection API at "
-          f"{config.router}, {len(config.prefill_urls)} prefill, select on "
-          f"{config.select_on})", file=sys.stderr, flush=True)
-    if ready is not None:
-        ready(port)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
 
+    def banner(host: str, port: int) -> str:
+        return (f"eldr orchestrate: listening on http://{host}:{port} (selection API at "
+                f"{config.router}, {len(config.prefill_urls)} prefill, select on "
+                f"{config.select_on})")
 
+    await run_app(web.AppRunner(orchestrator.make_app(), access_log=None), host=config.host,
+                  port=config.port, banner=banner, ready=ready)

@@ -192,18 +192,21 @@ class _Parent:
             self.broadcast({"op": "freed", **freed})
 
 
-def run_workers(config, make_router, serve, *, ready=None, names=None,
+def run_workers(config, make_router, serve=None, *, ready=None, names=None,
                 capacity: int | None = None) -> int:
     """Run ``config.workers`` router processes on ``config.host:config.port``; returns the
     exit status when stopped (0 after SIGTERM/SIGINT, 1 when a worker could not start).
     ``make_router(config, share)`` builds one worker's :class:`~eldr.proxy.app.Router`
     (called in each worker, after ``fork``; ``share``: the worker's
     :class:`~eldr.proxy.workers.sharedpool.WorkerShare`, its row and shared memory);
-    ``serve`` is :func:`eldr.commands.serve.serve`; ``ready(port)`` is called in the parent
+    ``serve(router, port=, reuse_port=)`` runs it (default :func:`eldr.proxy.serving.serve`,
+    the one serve loop; a test may stand in its own); ``ready(port)`` is called in the parent
     once the port is known. ``names``: the decoders' names (default: ``config.decode_ids``,
     else ``decode-K``); ``capacity``: decoder slots (default ``max(2K, K + 16)``)."""
     if not hasattr(socket, "SO_REUSEPORT") or not hasattr(os, "fork"):
         raise ValueError("--workers > 1 needs SO_REUSEPORT and fork (Linux, BSD, macOS)")
+    if serve is None:
+        from eldr.proxy.serving import serve
     supervisor = _Supervisor(config, make_router, serve, names, capacity)
     try:
         for row in range(config.workers):
