@@ -273,6 +273,25 @@ def test_fit_command_writes_a_loadable_artifact(tmp_path, capsys):
     assert rc == 2 and "--decoders must be >= 1" in capsys.readouterr().err
 
 
+def test_the_fit_report_says_what_was_fitted_and_why_no_prompt_predictor(fitted):
+    from dataclasses import replace
+
+    trace = _trace()
+    lines = artifact.fit_report(fitted, trace)
+    assert lines[0].startswith(f"rho = {fitted.rho:.4f} (count_idf), N* = "
+                               f"{fitted.layers.size} of {L} layers: ")
+    assert lines[1].startswith("balanced K-means, K = 2: cluster sizes [30, 30]")
+    assert lines[2].startswith("fit time ") and lines[2].endswith("tau = 0.05")
+    assert lines[3] == "prompt predictor: not fitted (the trace has no prompt_token_ids)"
+    assert len(artifact.fit_report(fitted, trace, prompt_predictor=False)) == 3
+    ids = replace(trace, prompt_token_ids=np.ones(int(trace.prompt_lens.sum()), np.int32))
+    assert "synthetic trace or fewer than 6 prompts" in artifact.fit_report(fitted, ids)[3]
+    refused = replace(fitted, fit_stats={**fitted.fit_stats,
+                                         "prompt_predictor": {"refused": "R^2 0.010 < 0.1"}})
+    assert artifact.fit_report(refused, trace)[3].startswith(
+        "prompt predictor: fitted but not kept (R^2 0.010 < 0.1)")
+
+
 # -- issue 12: odd files are refused in one line, never block, never inflate ----------------
 def _npy_header(shape, descr="<f4"):
     import io

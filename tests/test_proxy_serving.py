@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
-from eldr.proxy.serving import run_app  # noqa: E402
+from eldr.proxy.serving import run_app
 
 
 def _connectable(port: int) -> bool:

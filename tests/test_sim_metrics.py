@@ -53,6 +53,20 @@ def test_csv_and_json_are_written(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text()) == {"x": None, "y": 3}
 
 
+def test_the_summary_table_has_a_header_and_one_aligned_line_per_row():
+    from eldr.sim.metrics import summary_table
+
+    s = _result().summary()
+    lines = summary_table([s, {**s, "policy": "eldr_cost", "qps": 12.5}]).splitlines()
+    assert lines[0].split() == ["policy", "req/s", "TPOT", "p50", "TPOT", "p99", "TTFT",
+                                "p50", "tok/s", "batch", "D/layer"]
+    assert lines[1].split() == ["jsq", "20", "100.00", "100.00", "150.00", "50", "3.0",
+                                "20.0"]
+    assert lines[2].startswith("eldr_cost") and " 12.5 " in lines[2]
+    assert len({len(line) for line in lines}) == 1  # columns aligned
+    assert summary_table([]) == lines[0]
+
+
 def test_request_records_read_by_column():
     req = Requests([RequestRecord(3, 0.5, 10, 2, decoder=1, t_first=0.7),
                     RequestRecord(4, 0.6, 12, 1)])

@@ -29,6 +29,18 @@ def test_recovers_known_constants():
     np.testing.assert_allclose(fit.predict(D, B), t, atol=1e-4)
 
 
+def test_describe_says_what_was_fitted_in_microseconds():
+    t, B, D = _steps(noise=0.0)
+    text = fit_step_model(t, B, D, num_layers=48).describe("qwen3-30b-a3b")
+    first, second = text.splitlines()
+    assert first == ("fit over 400 decode steps of qwen3-30b-a3b (0 with prompt rows left "
+                     "out): t = t0 + b·ΣD + c·B")
+    assert second.startswith("  t0 = 2000.0 µs, b = 2.200 µs per distinct expert per "
+                             "layer, c = 5.00 µs per token, R² = 1.000")
+    const = fit_step_model(1e-3 + 3e-6 * D[:60], np.full(60, 8), D[:60]).describe("m")
+    assert "c = 0.00 µs per token (B never varied: not fitted)" in const
+
+
 def test_exact_without_noise():
     t, B, D = _steps(noise=0.0)
     fit = fit_step_model(t, B, D)

@@ -194,12 +194,7 @@ def run(args: argparse.Namespace) -> int:
                          mixed=np.concatenate([c.mixed for c in cols]),
                          include_mixed=args.include_mixed, num_layers=preset.num_layers,
                          min_steps=args.min_steps)
-    print(f"fit over {fit.n} decode steps of {preset.name} ({fit.num_mixed_dropped} with "
-          f"prompt rows left out): t = t0 + b·ΣD + c·B")
-    print(f"  t0 = {fit.t0_s * 1e6:.1f} µs, b = {fit.b_s * 1e6:.3f} µs per distinct expert "
-          f"per layer, c = {fit.c_s * 1e6:.2f} µs per token"
-          f"{'' if fit.fitted_c else ' (B never varied: not fitted)'}, "
-          f"R² = {fit.r2:.3f}, residual sd = {fit.residual_s * 1e6:.1f} µs")
+    print(fit.describe(preset.name))
     hw = hardware_from_fit(fit, preset, base, args.name or f"calibrated-{preset.name}")
     source = {"how": "eldr calibrate", "steps": fit.n,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -66,8 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    import numpy as np
-
     from eldr.fit import artifact
     from eldr.traces.trace import load
 
@@ -99,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             "labels and, with prompt token ids, the prompt predictor on decode profiles); "
             "docs/trace-format.md, 'Decode-only traces'")
 
+    choice = False if args.no_prompt_predictor else (True if args.prompt_predictor else None)
+
     def stage(name: str) -> None:
         print(f"[{time.perf_counter() - t0:6.2f}s] {name} ...", file=sys.stderr, flush=True)
 
@@ -106,38 +106,11 @@ def run(args: argparse.Namespace) -> int:
         trace, worker_ids=ids, tau=args.tau, representation=args.representation,
         layers=args.layers, balanced=not args.vanilla, n_init=args.n_init,
         selection_max_pairs=args.selection_max_pairs or None, random_state=args.seed,
-        prompt_predictor=False if args.no_prompt_predictor else (
-            True if args.prompt_predictor else None), tokenizer=tokenizer,
+        prompt_predictor=choice, tokenizer=tokenizer,
         model_config=config, prompt_options=options, on_stage=stage,
     )
     out = artifact.save(art, args.output)
-    stats = art.fit_stats
-    sizes = np.asarray(stats["cluster_sizes"])
-    layers = ",".join(str(x) for x in art.layers.tolist())
-    print(f"rho = {art.rho:.4f} ({art.encoder.representation}), N* = {art.layers.size} of "
-          f"{art.num_layers} layers: {layers}")
-    print(f"{'balanced' if art.balanced else 'vanilla'} K-means, K = {art.num_workers}: "
-          f"cluster sizes {sizes.tolist()} (max/mean {sizes.max() / sizes.mean():.2f}, "
-          f"cap {stats['capacity']}), inertia {stats['inertia']:.3f}, "
-          f"{stats['n_iter']} iterations")
-    print(f"fit time {stats['fit_seconds']:.2f}s (encoder {stats['encoder_seconds']:.2f}s, "
-          f"K-means {stats['kmeans_seconds']:.2f}s); tau = {art.tau}")
-    pp = art.prompt_predictor
-    if pp is not None:
-        fp = pp.tokenizer_fingerprint[:12] or "unknown"
-        print(f"prompt predictor: 2**{pp.bits_} buckets ({pp.weighting_}), rank {pp.rank_}, "
-              f"alpha {pp.alpha_:g}, cross-validated R^2 {pp.cv_r2_:.3f} on "
-              f"{pp.num_requests_} prompts, {pp.nbytes / 2**20:.1f} MiB, tokenizer {fp}, "
-              f"vocabulary {pp.vocab_size} ({pp.vocab_source}), fitted in "
-              f"{pp.fit_seconds_:.1f}s")
-    elif isinstance(stats.get("prompt_predictor"), dict) and "refused" in \
-            stats["prompt_predictor"]:
-        print(f"prompt predictor: fitted but not kept ({stats['prompt_predictor']['refused']}"
-              "): the router balances load before prefill; --prompt-predictor keeps it")
-    elif not args.no_prompt_predictor and trace.prompt_token_ids is None:
-        print("prompt predictor: not fitted (the trace has no prompt_token_ids)")
-    elif not args.no_prompt_predictor:
-        print("prompt predictor: not fitted (synthetic trace or fewer than 6 prompts; "
-              "--prompt-predictor forces it)")
+    for line in artifact.fit_report(art, trace, prompt_predictor=choice):
+        print(line)
     print(f"wrote {out}")
     return 0

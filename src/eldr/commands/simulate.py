@@ -71,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from eldr.routing import POLICIES
     from eldr.sim import SimConfig, simulate
+    from eldr.sim.metrics import summary_table
     from eldr.sim.steptime import routing_resources
 
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -130,13 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'policy':<17} {'req/s':>6} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9} "
-          f"{'tok/s':>8} {'batch':>6} {'D/layer':>8}")
-    for r in rows:
-        print(f"{r['policy']:<17} {r['qps']:>6g} {r['tpot_median_ms']:>9.2f} "
-              f"{r['tpot_p99_ms']:>9.2f} {r['ttft_median_ms']:>9.2f} "
-              f"{r['throughput_tok_s']:>8.0f} {r['mean_batch']:>6.1f} "
-              f"{r['mean_distinct_per_layer']:>8.1f}")
+    print(summary_table(rows))
     return 0
 
 

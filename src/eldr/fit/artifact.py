@@ -63,7 +63,7 @@ from eldr.fit.signature import SignatureEncoder
 from eldr.traces.trace import Trace, TraceMeta
 
 __all__ = ["ARTIFACT_VERSION", "MAX_ARRAYS_BYTES", "MAX_JSON_BYTES", "RoutingArtifact",
-           "fit_artifact", "load", "save"]
+           "fit_artifact", "fit_report", "load", "save"]
 
 ARTIFACT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)
@@ -236,6 +236,44 @@ def fit_artifact(
         profile_mean=cal.profile_mean, decoder_profiles=cluster_profiles,
         prompt_predictor=prompt,
     )
+
+
+def fit_report(art: RoutingArtifact, trace: Trace, *,
+               prompt_predictor: bool | None = None) -> list[str]:
+    """The lines ``eldr fit`` prints about a fitted artifact: ρ and the layer mask, the
+    K-means' clusters, the fit times and τ, then the prompt predictor (its choice, or why
+    there is none). ``trace``: the calibration trace; ``prompt_predictor``: what
+    :func:`fit_artifact` was asked (``False``: not fitted on purpose, nothing said)."""
+    stats = art.fit_stats
+    sizes = np.asarray(stats["cluster_sizes"])
+    layers = ",".join(str(x) for x in art.layers.tolist())
+    lines = [
+        f"rho = {art.rho:.4f} ({art.encoder.representation}), N* = {art.layers.size} of "
+        f"{art.num_layers} layers: {layers}",
+        f"{'balanced' if art.balanced else 'vanilla'} K-means, K = {art.num_workers}: "
+        f"cluster sizes {sizes.tolist()} (max/mean {sizes.max() / sizes.mean():.2f}, "
+        f"cap {stats['capacity']}), inertia {stats['inertia']:.3f}, "
+        f"{stats['n_iter']} iterations",
+        f"fit time {stats['fit_seconds']:.2f}s (encoder {stats['encoder_seconds']:.2f}s, "
+        f"K-means {stats['kmeans_seconds']:.2f}s); tau = {art.tau}"]
+    pp, pstats = art.prompt_predictor, stats.get("prompt_predictor")
+    if pp is not None:
+        fp = pp.tokenizer_fingerprint[:12] or "unknown"
+        lines.append(
+            f"prompt predictor: 2**{pp.bits_} buckets ({pp.weighting_}), rank {pp.rank_}, "
+            f"alpha {pp.alpha_:g}, cross-validated R^2 {pp.cv_r2_:.3f} on "
+            f"{pp.num_requests_} prompts, {pp.nbytes / 2**20:.1f} MiB, tokenizer {fp}, "
+            f"vocabulary {pp.vocab_size} ({pp.vocab_source}), fitted in "
+            f"{pp.fit_seconds_:.1f}s")
+    elif isinstance(pstats, dict) and "refused" in pstats:
+        lines.append(f"prompt predictor: fitted but not kept ({pstats['refused']}): the "
+                     "router balances load before prefill; --prompt-predictor keeps it")
+    elif prompt_predictor is not False and trace.prompt_token_ids is None:
+        lines.append("prompt predictor: not fitted (the trace has no prompt_token_ids)")
+    elif prompt_predictor is not False:
+        lines.append("prompt predictor: not fitted (synthetic trace or fewer than 6 "
+                     "prompts; --prompt-predictor forces it)")
+    return lines
 
 
 def _checked_workers_and_tau(trace: Trace, worker_ids: Sequence[str], tau: float

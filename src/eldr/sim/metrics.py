@@ -118,6 +118,20 @@ class SimResult:
         }
 
 
+def summary_table(rows: list[dict]) -> str:
+    """The table ``eldr simulate`` prints: a header, then one line per
+    :meth:`SimResult.summary` row (policy, rate, TPOT p50 and p99, TTFT p50 in ms,
+    throughput, mean batch, distinct experts per layer)."""
+    lines = [f"{'policy':<17} {'req/s':>6} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9} "
+             f"{'tok/s':>8} {'batch':>6} {'D/layer':>8}"]
+    for r in rows:
+        lines.append(f"{r['policy']:<17} {r['qps']:>6g} {r['tpot_median_ms']:>9.2f} "
+                     f"{r['tpot_p99_ms']:>9.2f} {r['ttft_median_ms']:>9.2f} "
+                     f"{r['throughput_tok_s']:>8.0f} {r['mean_batch']:>6.1f} "
+                     f"{r['mean_distinct_per_layer']:>8.1f}")
+    return "\n".join(lines)
+
+
 def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
     """Tidy rows (same keys) to CSV, atomically. Column order: first row's keys."""
     buf = io.StringIO()

@@ -53,6 +53,16 @@ class StepFit:
         return (self.t0_s + self.b_s * np.asarray(distinct_sum, np.float64)
                 + self.c_s * np.asarray(tokens, np.float64))
 
+    def describe(self, model: str) -> str:
+        """Two lines: what was fitted (steps of ``model``, the steps left out) and the
+        fitted constants in µs with R² and the residual spread (``eldr calibrate``)."""
+        return (f"fit over {self.n} decode steps of {model} ({self.num_mixed_dropped} with "
+                f"prompt rows left out): t = t0 + b·ΣD + c·B\n"
+                f"  t0 = {self.t0_s * 1e6:.1f} µs, b = {self.b_s * 1e6:.3f} µs per distinct "
+                f"expert per layer, c = {self.c_s * 1e6:.2f} µs per token"
+                f"{'' if self.fitted_c else ' (B never varied: not fitted)'}, "
+                f"R² = {self.r2:.3f}, residual sd = {self.residual_s * 1e6:.1f} µs")
+
     def to_json(self) -> dict:
         return {"t0_us": self.t0_s * 1e6, "b_us": self.b_s * 1e6, "c_us": self.c_s * 1e6,
                 "r2": self.r2, "n": self.n, "residual_us": self.residual_s * 1e6,
