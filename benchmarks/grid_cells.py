@@ -29,7 +29,7 @@ from joblib import Parallel, delayed
 
 from eldr.reproduce.building import build_setups
 from eldr.reproduce.grid import UNSURE, WORSE, cells_needing_seeds, class_counts, comparisons
-from eldr.reproduce.plan import GRID_POLICIES, PLANS, Task, grid_cell_tasks, with_overrides
+from eldr.reproduce.plan import PLANS, Task, grid_cell_tasks, grid_policies, with_overrides
 from eldr.reproduce.sweeps import make_job, prime_setups, run_job, run_tasks
 
 
@@ -104,7 +104,7 @@ def main() -> int:
             rows += [row for row, _ in run_tasks(plan, setups, more, runner)]
         for st in setups.values():
             st.tokens.drop_all()
-    variant_of = {p: Task("grid", "", p, 0.0, 0, plan.tau).variant for p in GRID_POLICIES}
+    variant_of = {p: Task("grid", "", p, 0.0, 0, plan.tau).variant for p in grid_policies()}
     comps = comparisons(rows, variant_of)
     print(f"\n{len(cells)} cells, {len(rows)} simulations, "
           f"{time.perf_counter() - t0:.0f}s; Δ vs each balancer, mean ± 95 % half-width (%)")
@@ -119,7 +119,7 @@ def main() -> int:
         cols = [f"{m[b]['mean']:+6.2f}±{m[b]['half']:.2f} n={m[b]['n']:<2} "
                 f"{tag.get(m[b]['cls'], 'ok'):>6}" for b in sorted(m)]
         print(f"{f'{wl}:{K}:{q:g}':26} {pol:9} {metric:6} " + "  ".join(cols))
-    for pol in GRID_POLICIES:
+    for pol in grid_policies():
         k = class_counts([c for c in comps if c["policy"] == pol])
         print(f"{pol}: " + ", ".join(f"{v} {n}" for n, v in k.items()))
     if args.out:

@@ -8,7 +8,7 @@ import pytest
 
 from eldr.capture import tiny_moe_prompt_trace_path, tiny_moe_trace_path
 from eldr.reproduce import QUICK
-from eldr.reproduce.before_prefill import POLICIES, before_prefill
+from eldr.reproduce.before_prefill import before_prefill, section_policies
 from eldr.reproduce.report import SECTIONS, before_prefill_markdown
 from eldr.traces.trace import load
 
@@ -53,7 +53,7 @@ def test_figures_compare_prediction_signature_and_tfidf(figures):
     prefill = next(r for r in figures["quality"] if r["source"] == "prefill")
     assert prefill["distinct"] < figures["round_robin"]
     (row,) = figures["tpot"]
-    assert row["qps"] == 100.0 and all(row[p] > 0 for p in POLICIES)
+    assert row["qps"] == 100.0 and all(row[p] > 0 for p in section_policies())
     assert row["prompt_gap_pct"] == pytest.approx(
         100 * (row["eldr_cost@prompt"] / row["eldr_cost"] - 1))
     assert row["cost_wins"] == (row["eldr_cost"] < row["jsq"])

@@ -37,20 +37,37 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from eldr.reproduce.grid import TOLERANCE_PCT
+from eldr.reproduce.real_models import shown_policies
 from eldr.reproduce.recorded import (
     INPUT_LABELS,
     PROMPT_OPTIONS,
     Comparison,
     compare,
+    locality,
+    oracles,
+    reference,
     routing_input,
 )
+from eldr.routing.registry import POLICIES
 from eldr.traces.models import ModelPreset, get_preset
 from eldr.traces.trace import Trace
 
-__all__ = ["MAX_HALF_WIDTH", "MIN_BATCH", "MIN_HELDOUT", "POLICIES", "Advice", "advice_json",
-           "advise", "format_advice", "plot_advice", "prepare", "recommend"]
+__all__ = ["MAX_HALF_WIDTH", "MIN_BATCH", "MIN_HELDOUT", "Advice", "advice_json", "advise",
+           "advised_policies", "format_advice", "plot_advice", "prepare", "recommend"]
 
-POLICIES = ("jsq", "eldr", "eldr_cost", "oracle_signature")  # JSQ: the balancer held against
+
+def advised_policies() -> tuple[str, ...]:
+    """The policies simulated: the reference balancer (JSQ, held against), the locality
+    policies, the oracles on the true decode pattern (registry report roles)."""
+    return (reference(), *locality(), *oracles())
+
+
+def _recommended_first() -> tuple[str, ...]:
+    """The locality policies, the one recommended when gains tie first (report role
+    ``preference``: ``eldr_cost``, eldr serve's default, before the band)."""
+    return tuple(p for p in shown_policies() if POLICIES[p].role == "locality")
+
+
 MIN_HELDOUT = 32  # held-out requests below which nothing is told
 MIN_BATCH = 2.0  # requests per decoder the data must sustain for locality to group any
 MAX_HALF_WIDTH = 5.0  # percentage points: a wider interval of the winner is too noisy
@@ -132,11 +149,12 @@ def recommend(cmp: Comparison | None, *, heldout: int) -> tuple[str, str]:
     """(recommendation, why) from a comparison against JSQ (module docstring): a locality
     policy is recommended when its median TPOT is below JSQ's by more than ``TOL`` % with
     95 % confidence and its p99 is not above by more than ``TOL`` % with 95 % confidence;
-    ``eldr_cost`` (eldr serve's default) before the band, the larger gain first."""
+    the larger gain first, then the report roles' ``preference`` (``eldr_cost``, eldr
+    serve's default, before the band)."""
     if cmp is None or heldout < MIN_HELDOUT:
         return "too small to tell", (f"{heldout} held-out requests (half the usable trace); "
                                      f"at least {MIN_HELDOUT} are needed: capture more")
-    batch = cmp.mean("jsq", "mean_batch")
+    batch = cmp.mean(reference(), "mean_batch")
     if np.isfinite(batch) and batch < MIN_BATCH:
         return "too small to tell", (
             f"the trace sustains only {batch:.1f} requests per decoder on {cmp.num_decode} "
@@ -148,7 +166,8 @@ def recommend(cmp: Comparison | None, *, heldout: int) -> tuple[str, str]:
                                      "batch: the arrivals need more distinct requests than "
                                      "the trace holds; capture more")
     wins, noisy = [], []
-    for p in ("eldr_cost", "eldr"):
+    ranked = _recommended_first()
+    for p in ranked:
         d = cmp.vs_jsq.get(p, {})
         if "p50" not in d:
             continue
@@ -156,7 +175,7 @@ def recommend(cmp: Comparison | None, *, heldout: int) -> tuple[str, str]:
         if not np.isfinite(p50.half_width) or p50.half_width > MAX_HALF_WIDTH:
             noisy.append(p)
         elif p50.high < -TOL and not (p99 is not None and p99.low > TOL):
-            wins.append((p50.mean, 0 if p == "eldr_cost" else 1, p))
+            wins.append((p50.mean, ranked.index(p), p))
     if wins:
         _, _, p = min(wins)
         return p, _versus(cmp, p)
@@ -164,7 +183,7 @@ def recommend(cmp: Comparison | None, *, heldout: int) -> tuple[str, str]:
         return "too small to tell", ("the intervals are wider than ±"
                                      f"{MAX_HALF_WIDTH:g} points ({', '.join(noisy)}): more "
                                      "requests or more seeds are needed")
-    ran = [p for p in ("eldr_cost", "eldr") if p in cmp.vs_jsq]
+    ran = [p for p in ranked if p in cmp.vs_jsq]
     if not ran:
         return "load balancing", "no locality policy has a routing input on this trace"
     return "load balancing", ("not worth it: neither is faster than JSQ by more than "
@@ -218,7 +237,7 @@ def advise(trace: Trace, *, model: str | ModelPreset | None = None,
         return out
     trace = trace.subset(np.flatnonzero(trace.decode_lens > 0))
     out.comparison = compare(trace, model=preset, hardware=hardware, num_decode=K,
-                             seeds=seeds, policies=POLICIES, warmup_s=warmup_s,
+                             seeds=seeds, policies=advised_policies(), warmup_s=warmup_s,
                              duration_s=duration_s, base_seed=seed,
                              arrival_times=arrival_times, allow_dealt=True, log=log)
     out.recommendation, out.reason = recommend(out.comparison,
@@ -238,7 +257,7 @@ def _locality(trace: Trace, K: int, inp: str, cmp: Comparison, seed: int):
     # decode steps 0 .. 23, fewer when a quarter of the requests decode less (every
     # request measured must have them all)
     steps = int(min(24, max(2, np.percentile(trace.decode_lens, 25))))
-    batch = cmp.mean("jsq", "mean_batch")
+    batch = cmp.mean(reference(), "mean_batch")
     sizes = sorted({2, 4, 8, 16, *([max(2, round(batch))] if np.isfinite(batch) else [])})
     inputs = [x for x in (inp, "oracle") if x in ("prefill", "prompt", "oracle")]
     try:
@@ -278,15 +297,15 @@ def format_advice(a: Advice) -> str:
                          "routed on their prediction, the rest by load")
         lines.append(f"\nsimulated, {c.seeds} seeds (each its own half/half split and "
                      f"arrivals), {c.qps:.1f} req/s, {c.heldout} held-out requests, "
-                     f"{c.mean('jsq', 'mean_batch'):.1f} requests per decoder (JSQ):")
+                     f"{c.mean(reference(), 'mean_batch'):.1f} requests per decoder (JSQ):")
         lines.append(f"  {'policy':<17} {'input':<26} {'TPOT p50':>9} {'p99':>7} "
                      f"{'D/layer':>8}  vs JSQ: p50 / p99 / D")
-        for p in POLICIES:
+        for p in advised_policies():
             if not any(r["policy"] == p for r in c.rows):
                 continue
             d = c.vs_jsq.get(p, {})
             row = next(r for r in c.rows if r["policy"] == p)
-            vs = "" if p == "jsq" else \
+            vs = "" if p == reference() else \
                 f"{_iv(d.get('p50'))} / {_iv(d.get('p99'))} / {_iv(d.get('distinct'))}"
             lines.append(f"  {p:<17} {_SHORT[row['input']]:<26} "
                          f"{c.mean(p, 'tpot_median_ms'):>9.2f} {c.mean(p, 'tpot_p99_ms'):>7.2f} "
@@ -307,10 +326,10 @@ def format_advice(a: Advice) -> str:
     elif a.locality_note:
         lines.append(f"\nlockstep cut: {a.locality_note}")
     lines.append(f"\nrecommendation: {a.recommendation} ({a.reason})")
-    if c is not None and "oracle_signature" in c.vs_jsq:
-        lines.append("  (bound: routing on each request's true decode pattern, which no "
-                     f"router has: median TPOT {_iv(c.vs_jsq['oracle_signature'].get('p50'))}"
-                     " vs JSQ)")
+    for p in oracles() if c is not None else ():
+        if p in c.vs_jsq:
+            lines.append("  (bound: routing on each request's true decode pattern, which no "
+                         f"router has: median TPOT {_iv(c.vs_jsq[p].get('p50'))} vs JSQ)")
     lines.append(f"({a.seconds:.0f} s)")
     return "\n".join(lines)
 
@@ -342,7 +361,7 @@ def plot_advice(a: Advice, path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax = axes[0][0]
     c = a.comparison
-    pols = [p for p in POLICIES if c is not None and p in c.vs_jsq]
+    pols = [p for p in advised_policies() if c is not None and p in c.vs_jsq]
     x = np.arange(len(pols))
     for j, (metric, label) in enumerate((("p50", "median TPOT"), ("p99", "p99 TPOT"))):
         vals = [c.vs_jsq[p].get(metric) for p in pols]

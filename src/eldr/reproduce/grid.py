@@ -1,10 +1,11 @@
 """The "never worse than load balancing" grid: every (workload, decode pool, rate) cell,
 on several seeds, with 95 % intervals.
 
-For each cell the decode-routing policies that use expert locality (``eldr``, the band;
-``eldr_cost``, the marginal expert cost) are compared with EACH load balancer of
-``GRID_BALANCERS`` separately, per metric (median and p99 TPOT). A comparison is the mean
-of per-seed PAIRED differences, ``100 · (policy − balancer) / balancer`` on the same
+For each cell the decode-routing policies that use expert locality
+(:func:`~eldr.reproduce.plan.grid_policies`: the band, the marginal expert cost) are
+compared with EACH load balancer of :func:`~eldr.reproduce.plan.grid_balancers`
+separately, per metric (median and p99 TPOT). A comparison is the mean of per-seed
+PAIRED differences, ``100 · (policy − balancer) / balancer`` on the same
 seed's arrivals, with its 95 % Student-t interval (:func:`eldr.intervals.paired_interval`).
 Comparing with the per-metric minimum over balancers instead would bias every Δ upwards
 by about the seed-to-seed spread (a minimum over noisy estimates), and a single seed
@@ -19,8 +20,8 @@ often a policy truly equal to the balancer would be classed worse by chance.
 Cells use short windows (the plan's ``grid_warmup_s`` + ``grid_duration_s``), the same
 arrivals and tokens for every policy of a seed; a cell gets seeds until its widest
 interval is at most ``target_half_width`` or it has ``grid_max_seeds``
-(:func:`cells_needing_seeds`, run by :func:`eldr.reproduce.sweeps.run_plan`).
-``GRID_BALANCERS`` and ``GRID_POLICIES`` are :mod:`eldr.reproduce.plan`'s.
+(:func:`cells_needing_seeds`, run by :func:`eldr.reproduce.sweeps.run_plan`). The two
+balancers of the rule's check are the registry's ``check_pair`` (:func:`check_pair`).
 
 Workloads: the synthetic ``task`` and ``language`` (Poisson arrivals) and the real
 ``azure_conv`` and ``mooncake_conv`` traces (their own arrival times scaled to each rate,
@@ -34,18 +35,24 @@ import math
 import numpy as np
 
 from eldr.intervals import PairedInterval, paired_interval, percent_change, t_quantile_975
-from eldr.reproduce.plan import GRID_BALANCERS, GRID_POLICIES
+from eldr.reproduce.plan import grid_balancers, grid_policies
+from eldr.routing.registry import report_flagged
 
 __all__ = ["BETTER", "CLASSES", "METRICS", "TOLERANCE_PCT", "UNSURE", "WORSE",
-           "balancer_check", "cells_needing_seeds", "class_counts", "classify",
+           "balancer_check", "cells_needing_seeds", "check_pair", "class_counts", "classify",
            "comparisons", "false_worse_probability", "grid_rows", "grid_table"]
 
 TOLERANCE_PCT = 1.0  # "never worse": within +1% of the load balancer
 WORSE, UNSURE, BETTER = "worse", "not distinguishable", "better or equal"
 CLASSES = (WORSE, UNSURE, BETTER)  # worst first
 METRICS = {"p50": "tpot_median_ms", "p99": "tpot_p99_ms"}  # short name -> row column
-# the balancer pair compared with each other as an empirical check of the rule
-CHECK_PAIR = ("jsq", "p2c")
+
+
+def check_pair() -> tuple[str, str]:
+    """The two balancers compared with each other as an empirical check of the rule (the
+    registry's report flag ``check_pair``, in report order)."""
+    a, b = report_flagged("check_pair")
+    return a, b
 
 
 def classify(iv: PairedInterval, tol: float = TOLERANCE_PCT) -> str:
@@ -114,12 +121,13 @@ def comparisons(rows: list[dict], variant_of: dict[str, str]) -> list[dict]:
     and half (the interval mean ± half, %), n (seeds), sd (per-seed spread, %), cls (one
     of ``CLASSES``) and p_false (:func:`false_worse_probability`)."""
     out = []
+    policies, balancers = grid_policies(), grid_balancers()
     for (wl, K, q), by in _cells(rows).items():
-        for name in GRID_POLICIES:
+        for name in policies:
             new = by.get(variant_of.get(name, name))
             if new is None:
                 continue
-            for lb in GRID_BALANCERS:
+            for lb in balancers:
                 if lb not in by:
                     continue
                 for metric, column in METRICS.items():
@@ -130,9 +138,11 @@ def comparisons(rows: list[dict], variant_of: dict[str, str]) -> list[dict]:
     return out
 
 
-def balancer_check(rows: list[dict], pair: tuple[str, str] = CHECK_PAIR) -> list[dict]:
+def balancer_check(rows: list[dict], pair: tuple[str, str] | None = None) -> list[dict]:
     """The rule applied to one balancer against another (both directions, both metrics):
-    comparisons like :func:`comparisons`' with policy = ``pair[i]``, balancer = the other."""
+    comparisons like :func:`comparisons`' with policy = ``pair[i]``, balancer = the other
+    (default: :func:`check_pair`)."""
+    pair = check_pair() if pair is None else pair
     out = []
     for (wl, K, q), by in _cells(rows).items():
         for a, b in (pair, pair[::-1]):
@@ -163,8 +173,9 @@ def cells_needing_seeds(rows: list[dict], target_half_width: float,
 
 def _variants(rows: list[dict]) -> dict[str, str]:
     """Grid policy name -> its row variant, read from the grid rows themselves."""
+    policies = grid_policies()
     return {r["policy"]: r["variant"] for r in rows
-            if r.get("experiment") == "grid" and r["policy"] in GRID_POLICIES}
+            if r.get("experiment") == "grid" and r["policy"] in policies}
 
 
 def class_counts(comps: list[dict]) -> dict[str, int]:
@@ -213,10 +224,12 @@ def _mark(text: str, cls: str) -> str:
 def grid_table(rows: list[dict], comps: list[dict], check: list[dict] = ()) -> str:
     """Markdown: the class counts per policy and balancer with the rule's expected false
     "worse" comparisons, the balancer-pair check, then per workload rates down, pools
-    across, cells ``eldr · eldr_cost`` as ``Δp50±h/Δp99±h [seeds]`` against the decisive
-    balancer (%; **bold** = worse, _italic_ = not distinguishable)."""
+    across, cells ``policy · policy`` (:func:`~eldr.reproduce.plan.grid_policies`) as
+    ``Δp50±h/Δp99±h [seeds]`` against the decisive balancer (%; **bold** = worse,
+    _italic_ = not distinguishable)."""
     if not rows:
         return "(no grid rows)\n"
+    policies = grid_policies()
     md = [_counts_table(comps), ""]
     if check:
         md += [_check_line(check), ""]
@@ -225,21 +238,22 @@ def grid_table(rows: list[dict], comps: list[dict], check: list[dict] = ()) -> s
         pools = sorted({r["num_decode"] for r in sub})
         idx = {(r["num_decode"], r["qps"], r["policy"]): r for r in sub}
         md.append(f"**{wl}** — Δ median / Δ p99 TPOT ± 95 % half-width vs the decisive "
-                  f"load balancer (%) [seeds], `eldr` · `eldr_cost`\n")
+                  f"load balancer (%) [seeds], "
+                  f"{' · '.join(f'`{p}`' for p in policies)}\n")
         md.append("| req/s | " + " | ".join(f"{K} decoders" for K in pools) + " |")
         md.append("|---|" + "---|" * len(pools))
         for q in sorted({r["qps"] for r in sub}):
             cells = []
             for K in pools:
                 parts = []
-                for name in GRID_POLICIES:
+                for name in policies:
                     r = idx.get((K, q, name))
                     if r is None:
                         parts.append("–")
                         continue
                     parts.append(f"{_mark(_pm(r['d_p50'], r['h_p50']), r['cls_p50'])}/"
                                  f"{_mark(_pm(r['d_p99'], r['h_p99']), r['cls_p99'])}")
-                n = max((idx[(K, q, p)]["n"] for p in GRID_POLICIES if (K, q, p) in idx),
+                n = max((idx[(K, q, p)]["n"] for p in policies if (K, q, p) in idx),
                         default=0)
                 cells.append(" · ".join(parts) + f" [{n}]")
             md.append(f"| {q:g} | " + " | ".join(cells) + " |")
@@ -251,9 +265,9 @@ def _counts_table(comps: list[dict]) -> str:
     head = ("| policy | vs | median TPOT: worse / not dist. / better | p99 TPOT: worse / "
             "not dist. / better | cells worse on either | expected false \"worse\" |")
     md = [head, "|---|---|---|---|---|---|"]
-    for name in GRID_POLICIES:
+    for name in grid_policies():
         mine = [c for c in comps if c["policy"] == name]
-        for lb in (*GRID_BALANCERS, "any"):
+        for lb in (*grid_balancers(), "any"):
             sub = mine if lb == "any" else [c for c in mine if c["balancer"] == lb]
             if not sub:
                 continue
@@ -272,7 +286,7 @@ def _counts_table(comps: list[dict]) -> str:
 
 
 def _check_line(check: list[dict]) -> str:
-    a, b = CHECK_PAIR
+    a, b = check_pair()
     parts = []
     for x, y in ((a, b), (b, a)):
         sub = [c for c in check if c["policy"] == x]

@@ -7,14 +7,17 @@ claim with its intervals in about 15 minutes on 2 cores, ``eldr reproduce``) or 
 :func:`plan_tasks` lists one :class:`Task` per simulation:
 
 - ``main``: every policy × rate × workload at 8P16D (median/p99 TPOT, median TTFT);
-  includes ``domain`` (oracle labels) and ``oracle_signature`` (perfect-signature bound);
-- ``tau``: ELDR's band width τ on ``task`` at one rate (τ = 0 is top-1, 1 is JSQ);
-- ``pool``: decode pools of 8 / 16 / 24 workers (8 prefill), load balancers vs ELDR;
-- ``vanilla``: ELDR with vanilla (unbalanced) K-means centroids, every rate;
+  includes the oracles (``domain``: oracle labels; ``oracle_signature``: the
+  perfect-signature bound), and the calibration-free variant of a policy whose report
+  role has an ``online_key``;
+- ``tau``: the band's width τ on ``task`` at one rate (τ = 0 is top-1, 1 is JSQ);
+- ``pool``: decode pools of 8 / 16 / 24 workers (8 prefill), load balancers vs the
+  locality policies;
+- ``vanilla``: the band with vanilla (unbalanced) K-means centroids, every rate;
 - ``prefix`` and ``ep`` (full plan): prefix caching through the signature cache, and
   Qwen3-235B at TP4/EP4 under three expert layouts;
-- ``grid``: every (workload, decode pool, rate) cell, ``GRID_POLICIES`` against each of
-  ``GRID_BALANCERS`` (:mod:`eldr.reproduce.grid`), on ``grid_min_seeds`` seeds per cell
+- ``grid``: every (workload, decode pool, rate) cell, :func:`grid_policies` against each
+  of :func:`grid_balancers` (:mod:`eldr.reproduce.grid`), on ``grid_min_seeds`` seeds per cell
   at first; :func:`eldr.reproduce.sweeps.run_plan` adds seeds (:func:`grid_cell_tasks`)
   to cells whose intervals are still wider than ``target_half_width``;
 - ``tiny``: the shipped tiny MoE's real trace on its measured CPU preset.
@@ -23,25 +26,52 @@ The report's "Routing before prefill" section (``prompt_rates``) and its "Real m
 section (``real_models``) are not task lists: each runs its few simulations itself
 (:mod:`eldr.reproduce.before_prefill`, :mod:`eldr.reproduce.real_models`).
 
-The policy groups and the tiny trace's set-up key live here, beside the plan that uses
-them, so the modules that build, run and report a plan all import them from one place.
+Which policies each experiment runs comes from the registry's report roles
+(:class:`eldr.routing.ReportRole`), read when the tasks are listed: the band is the
+locality policy flagged ``primary``, the load balancers are the ``balancer`` role, the
+grid holds the roles marked ``grid``. The groups and the tiny trace's set-up key live
+here, beside the plan that uses them, so the modules that build, run and report a plan
+all take them from one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from eldr.routing.registry import POLICIES, policies_with_role
+from eldr.routing.registry import POLICIES, report_flagged, report_policies
 
-__all__ = ["DEFAULT", "FULL", "GRID_BALANCERS", "GRID_POLICIES", "LOAD_BALANCERS", "PLANS",
-           "QUICK", "TINY_SETUP", "Plan", "Task", "grid_cell_tasks", "grid_duration",
-           "plan_tasks", "replicate_seed", "with_overrides"]
+__all__ = ["DEFAULT", "FULL", "PLANS", "QUICK", "TINY_SETUP", "Plan", "Task", "band",
+           "grid_balancers", "grid_cell_tasks", "grid_duration", "grid_policies",
+           "load_balancers", "other_locality", "plan_tasks", "replicate_seed", "with_overrides"]
 
-LOAD_BALANCERS = policies_with_role("balancer")  # random, round_robin, jsq, p2c
-# random never wins a grid cell: left out
-GRID_BALANCERS = tuple(p for p in LOAD_BALANCERS if p != "random")
-GRID_POLICIES = ("eldr", "eldr_cost")  # the locality policies the grid holds to them
 TINY_SETUP = "tiny_moe"  # set-up key of the shipped tiny-MoE trace
+
+
+def load_balancers() -> tuple[str, ...]:
+    """The report's load balancers, in report order (every Δ is against the best one)."""
+    return report_policies("balancer")
+
+
+def grid_balancers() -> tuple[str, ...]:
+    """The balancers of the never-worse grid (report role ``grid``)."""
+    return report_policies("balancer", grid=True)
+
+
+def grid_policies() -> tuple[str, ...]:
+    """The locality policies the grid holds to :func:`grid_balancers`."""
+    return report_policies("locality", grid=True)
+
+
+def band() -> str:
+    """The locality policy whose τ, centroid kind, signature source and expert layout the
+    report sweeps (report flag ``primary``)."""
+    return report_flagged("primary")[0]
+
+
+def other_locality() -> tuple[str, ...]:
+    """The report's locality policies besides :func:`band`, in report order (each gets
+    its own columns beside the band's)."""
+    return tuple(p for p in report_policies("locality") if p != band())
 
 
 @dataclass(frozen=True)
@@ -60,8 +90,9 @@ class Plan:
     duration_s: float = 120.0
     num_prefill: int = 8
     num_decode: int = 16
-    policies: tuple[str, ...] = (*LOAD_BALANCERS, "domain", "eldr", "eldr_cost",
-                                 "oracle_signature")
+    # the headline's policies; None: every policy with a report role, in report order
+    # (headline_policies(), read when the tasks are listed)
+    policies: tuple[str, ...] | None = None
     tau: float = 0.1
     tau_values: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
     tau_rate: float = 80
@@ -144,6 +175,11 @@ class Plan:
             raise ValueError(f"Plan: main_seeds must be an integer >= 1, got "
                              f"{self.main_seeds!r}")
 
+    def headline_policies(self) -> tuple[str, ...]:
+        """The policies of the ``main`` experiment (``policies``, or every policy with a
+        report role)."""
+        return report_policies() if self.policies is None else tuple(self.policies)
+
     @property
     def grid_start_seeds(self) -> int:
         """Seeds every grid cell runs before any is added (never above the maximum)."""
@@ -224,52 +260,46 @@ def plan_tasks(plan: Plan) -> list[Task]:
     """All runs of a plan, without duplicates (later experiments reuse ``main`` rows)."""
     tasks: list[Task] = []
     K = plan.num_decode
+    balancers, sweeping = load_balancers(), report_policies("balancer", "locality")
+    main = plan.headline_policies()
+    # a policy whose calibration-free variant the headline shows runs it too
+    online = [p for p in main if POLICIES[p].report is not None
+              and POLICIES[p].report.online_key is not None]
     for wl in plan.workloads:
         for q in plan.rates:
             for j in range(plan.main_seeds):
-                for p in plan.policies:
+                for p in main:
                     tasks.append(Task("main", wl, p, q, K, plan.tau,
                                       keep_decoders=q == plan.tau_rate and j == 0,
                                       replicate=j))
-                if "eldr_cost" in plan.policies:  # its calibration-free form too
-                    tasks.append(Task("main", wl, "eldr_cost", q, K, plan.tau, kind="online",
-                                      replicate=j))
-    wl0 = plan.workloads[0]
+                tasks += [Task("main", wl, p, q, K, plan.tau, kind="online", replicate=j)
+                          for p in online]
+    wl0, the_band = plan.workloads[0], band()
     for tau in plan.tau_values:
         if tau != plan.tau or plan.tau_rate not in plan.rates:
-            tasks.append(Task("tau", wl0, "eldr", plan.tau_rate, K, tau))
+            tasks.append(Task("tau", wl0, the_band, plan.tau_rate, K, tau))
     if plan.tau_rate not in plan.rates:
-        tasks += [Task("tau", wl0, p, plan.tau_rate, K, plan.tau) for p in LOAD_BALANCERS]
+        tasks += [Task("tau", wl0, p, plan.tau_rate, K, plan.tau) for p in balancers]
     for k in plan.pool_sizes:
         for q in plan.pool_rates:
             if k == K and q in plan.rates:
                 continue
-            for p in (*LOAD_BALANCERS, "eldr", "eldr_cost"):
+            for p in sweeping:
                 tasks.append(Task("pool", wl0, p, q, k, plan.tau))
     if plan.vanilla:
         for wl in plan.workloads:
             for q in plan.rates:
-                tasks.append(Task("vanilla", wl, "eldr", q, K, plan.tau, kind="vanilla"))
+                tasks.append(Task("vanilla", wl, the_band, q, K, plan.tau, kind="vanilla"))
     if plan.prefix:
         key = f"{wl0}+topk"
-        for p in LOAD_BALANCERS:
+        for p in balancers:
             tasks.append(Task("prefix", key, p, plan.tau_rate, K, plan.tau,
                               signature_source="trace"))
         for src in ("sigcache", "fresh"):
-            tasks.append(Task("prefix", key, "eldr", plan.tau_rate, K, plan.tau,
+            tasks.append(Task("prefix", key, the_band, plan.tau_rate, K, plan.tau,
                               signature_source=src))
     if plan.ep_experiment:
-        key = f"{wl0}@{plan.ep_model}"
-        common = dict(num_prefill=plan.ep_num_prefill, model=plan.ep_model, tp=plan.ep_tp,
-                      ep=plan.ep)
-        for q in plan.ep_rates:
-            for p in LOAD_BALANCERS:
-                for layout in ("contiguous", "global"):
-                    tasks.append(Task("ep", key, p, q, plan.ep_num_decode, plan.tau,
-                                      placement=layout, **common))
-            for layout in ("contiguous", "global", "per_decoder"):
-                tasks.append(Task("ep", key, "eldr", q, plan.ep_num_decode, plan.tau,
-                                  placement=layout, **common))
+        tasks += _ep_tasks(plan, balancers, the_band)
     if plan.grid:
         for wl in plan.grid_workloads:
             for k in plan.grid_pools:
@@ -280,19 +310,37 @@ def plan_tasks(plan: Plan) -> list[Task]:
         common = dict(num_prefill=plan.tiny_num_prefill, model="tiny-moe", hardware="cpu",
                       warmup_s=plan.tiny_warmup_s, duration_s=plan.tiny_duration_s)
         for q in plan.tiny_rates:
-            for p in (*LOAD_BALANCERS, "eldr", "eldr_cost"):
+            for p in sweeping:
                 tasks.append(Task("tiny", TINY_SETUP, p, q, plan.tiny_num_decode, plan.tau,
                                   **common))
+    return tasks
+
+
+def _ep_tasks(plan: Plan, balancers: tuple[str, ...], the_band: str) -> list[Task]:
+    """Expert parallelism: the balancers under two layouts, the band under three."""
+    key = f"{plan.workloads[0]}@{plan.ep_model}"
+    common = dict(num_prefill=plan.ep_num_prefill, model=plan.ep_model, tp=plan.ep_tp,
+                  ep=plan.ep)
+    tasks = []
+    for q in plan.ep_rates:
+        for p in balancers:
+            for layout in ("contiguous", "global"):
+                tasks.append(Task("ep", key, p, q, plan.ep_num_decode, plan.tau,
+                                  placement=layout, **common))
+        for layout in ("contiguous", "global", "per_decoder"):
+            tasks.append(Task("ep", key, the_band, q, plan.ep_num_decode, plan.tau,
+                              placement=layout, **common))
     return tasks
 
 
 def grid_cell_tasks(plan: Plan, workload: str, num_decode: int, qps: float,
                     replicate: int) -> list[Task]:
     """The runs of one grid cell on seed number ``replicate``: every balancer of
-    ``GRID_BALANCERS`` and every policy of ``GRID_POLICIES`` on the same arrivals."""
+    :func:`grid_balancers` and every policy of :func:`grid_policies` on the same
+    arrivals."""
     win = dict(warmup_s=plan.grid_warmup_s, duration_s=grid_duration(plan, qps))
     return [Task("grid", workload, p, qps, num_decode, plan.tau, replicate=replicate, **win)
-            for p in (*GRID_BALANCERS, *GRID_POLICIES)]
+            for p in (*grid_balancers(), *grid_policies())]
 
 
 def replicate_seed(base: int, replicate: int) -> int:

@@ -8,7 +8,8 @@ import numpy as np
 
 from eldr.reproduce.analysis import Analysis
 from eldr.reproduce.grid import CLASSES, TOLERANCE_PCT
-from eldr.reproduce.plan import GRID_POLICIES, LOAD_BALANCERS
+from eldr.reproduce.plan import band, grid_policies
+from eldr.routing.registry import POLICIES
 
 __all__ = ["plot_bars", "plot_decoders", "plot_grid", "plot_intervals", "plot_main", "pyplot",
            "require_matplotlib"]
@@ -36,25 +37,44 @@ def pyplot():
     return plt
 
 
+# line colours of the locality policies besides the band, in report order
+OTHER_LOCALITY_COLOURS = ("tab:green", "tab:olive", "tab:cyan", "tab:pink")
+
+
+def _main_style(name: str, others: list[str]) -> dict:
+    """The band in black on top; other locality policies thick and coloured; an oracle on
+    the true decode pattern dashed (the bound, it often coincides with the band)."""
+    spec = POLICIES[name]
+    if name == band():
+        return {"lw": 2.5, "color": "black", "zorder": 5}
+    if spec.role == "locality":
+        return {"lw": 2.5, "zorder": 5,
+                "color": OTHER_LOCALITY_COLOURS[others.index(name)
+                                                % len(OTHER_LOCALITY_COLOURS)]}
+    if spec.reads_true_decode:
+        return {"ls": "--", "color": "gray", "zorder": 6}
+    return {}
+
+
 def plot_main(an: Analysis, wl: str, path: Path) -> None:
+    """Median and p99 TPOT and median TTFT against the rate, one line per headline policy
+    (the plan's, in report order; labelled by policy name)."""
     plt = pyplot()
     K = an.plan.num_decode
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    variants = [*LOAD_BALANCERS, "domain", an.eldr(), "eldr_cost", an.oracle()]
-    labels = {an.eldr(): "eldr", an.oracle(): "oracle_signature"}
-    for v in variants:
+    names = an.plan.headline_policies()
+    others = [p for p in names if POLICIES[p].role == "locality" and p != band()]
+    for name in names:
+        v = an.variant(name)
         pts = [(q, an.get(wl, q, K, v)) for q in an.plan.rates]
         pts = [(q, r) for q, r in pts if r is not None]
         if not pts:
             continue
         qs = [q for q, _ in pts]
-        # ELDR in black on top; the oracle bound dashed (they often coincide)
-        style = {"lw": 2.5, "color": "black", "zorder": 5} if v == an.eldr() else \
-            {"lw": 2.5, "color": "tab:green", "zorder": 5} if v == "eldr_cost" else \
-            {"ls": "--", "color": "gray", "zorder": 6} if v == an.oracle() else {}
+        style = _main_style(name, others)
         for ax, key in zip(axes, ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms"),
                            strict=True):
-            ax.plot(qs, [r[key] for _, r in pts], marker="o", label=labels.get(v, v), **style)
+            ax.plot(qs, [r[key] for _, r in pts], marker="o", label=name, **style)
     for ax, title in zip(axes, ("median TPOT (ms)", "p99 TPOT (ms)", "median TTFT (ms)"),
                          strict=True):
         ax.set_xlabel("request rate (req/s)")
@@ -118,7 +138,7 @@ def plot_decoders(an: Analysis, path: Path) -> list[dict]:
     wl, q, K = an.plan.workloads[0], an.plan.tau_rate, an.plan.num_decode
     b = an.best_lb(wl, q, K)
     rows = an.results.decoder_rows
-    want = {an.eldr(): "eldr", (b["policy"] if b else None): "best LB"}
+    want = {an.eldr(): band(), (b["policy"] if b else None): "best LB"}
     series, table = {}, []
     for v, label in want.items():
         sel = [r for r in rows if r["workload"] == wl and r["variant"] == v
@@ -146,7 +166,7 @@ def plot_grid(rows: list[dict], path: Path) -> None:
 
     plt = pyplot()
     wls = list(dict.fromkeys(r["workload"] for r in rows))
-    pols = [p for p in GRID_POLICIES if any(r["policy"] == p for r in rows)]
+    pols = [p for p in grid_policies() if any(r["policy"] == p for r in rows)]
     if not wls or not pols:
         return
     fig, axes = plt.subplots(len(wls), len(pols), figsize=(4.2 * len(pols), 2.8 * len(wls) + 0.6),

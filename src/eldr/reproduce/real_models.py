@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr.fit.premises import REDUCTION_TARGETS, distinct_experts_reduction
-from eldr.reproduce.plan import Plan
-from eldr.reproduce.recorded import INPUT_LABELS, cap_outputs, compare
+from eldr.reproduce.plan import Plan, band, other_locality
+from eldr.reproduce.recorded import INPUT_LABELS, cap_outputs, compare, locality, oracles
+from eldr.routing.registry import POLICIES
 from eldr.traces.trace import Trace
 
-__all__ = ["CASES", "PREMISE_BATCH", "RealCase", "real_models", "real_models_markdown"]
+__all__ = ["CASES", "PREMISE_BATCH", "RealCase", "plot_labels", "real_models",
+           "real_models_markdown", "shown_policies"]
 
 PREMISE_BATCH = 16  # the paper's same-domain premise: one decode step of 16 requests
 
@@ -124,6 +126,33 @@ def real_models(plan: Plan, synthetic: dict[str, Trace] | None = None, *, jobs: 
     return {"cases": cases, "premises": premises, "seconds": time.perf_counter() - t0}
 
 
+# -- which policies the section shows, and as what ---------------------------------------------
+def shown_policies() -> tuple[str, ...]:
+    """The policies of the section's Δ columns: the locality policies, the recommended
+    first (report role ``preference``, then report order), then the oracles on the true
+    decode pattern."""
+    def rank(p: str) -> tuple:
+        r = POLICIES[p].report
+        return (r.preference is None, r.preference or 0, r.order)
+    return (*sorted(locality(), key=rank), *oracles())
+
+
+def _short(p: str) -> str:
+    """A policy's name in the D/layer chains: the band's label, the others' keys."""
+    r = POLICIES[p].report
+    return r.label if p == band() else r.key
+
+
+def plot_labels() -> dict[str, str]:
+    """Policy → its legend label in the section's plot, in :func:`shown_policies` order."""
+    def label(p: str) -> str:
+        r = POLICIES[p].report
+        if p == band():
+            return f"{r.label} ({p})"
+        return f"{r.label} (true decode)" if POLICIES[p].reads_true_decode else r.label
+    return {p: label(p) for p in shown_policies()}
+
+
 # -- Markdown ---------------------------------------------------------------------------------
 def _iv(d: dict, policy: str, metric: str) -> str:
     x = d.get(policy, {}).get(metric)
@@ -141,7 +170,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _case_row(c: dict) -> list[str]:
     if "error" in c:
-        return [c["label"], "—", "—", "—", "—", "—", "—", f"not run: {c['error']}", "", "", ""]
+        width = 8 + len(shown_policies())  # the table's columns
+        return [c["label"], *["—"] * 6, f"not run: {c['error']}", *[""] * (width - 8)]
     m, lb = c["means"], c["best_balancer"]
 
     def d(p):
@@ -156,12 +186,15 @@ def _case_row(c: dict) -> list[str]:
             f"{c['heldout']} / {c['qps']:.1f} / {m[lb]['batch']:.1f}",
             "n/a" if not np.isfinite(rho) else f"{rho:.2f}",
             f"{lb} {m[lb]['p50']:.2f} / {m[lb]['p99']:.2f}",
-            f"{_iv(c['deltas'], 'eldr_cost', 'p50')} / {_iv(c['deltas'], 'eldr_cost', 'p99')}",
-            f"{_iv(c['deltas'], 'eldr', 'p50')} / {_iv(c['deltas'], 'eldr', 'p99')}",
-            f"{_iv(c['deltas'], 'oracle_signature', 'p50')} / "
-            f"{_iv(c['deltas'], 'oracle_signature', 'p99')}",
-            f"{d(lb)} → {d('eldr')} → {d('eldr_cost')} → {d('oracle_signature')}",
+            *(f"{_iv(c['deltas'], p, 'p50')} / {_iv(c['deltas'], p, 'p99')}"
+              for p in shown_policies()),
+            " → ".join([d(lb), *(d(p) for p in _chained())]),
             str(sum(r["copies_in_flight"] for r in c["rows"]))]
+
+
+def _chained() -> tuple[str, ...]:
+    """The D/layer chain's policies: the locality ones in report order, then the oracles."""
+    return (*locality(), *oracles())
 
 
 def _premise_row(p: dict) -> list[str]:
@@ -197,19 +230,24 @@ def real_models_markdown(res: dict, plan: Plan, headline: list[dict]) -> list[st
           "oracle reads the true "
           f"decode pattern. {plan.real_warmup_s:g} + {plan.real_duration_s:g} s per run.\n"]
     md.append(_table(
-        ["routing", "K", "eldr / eldr_cost input", "held-out / req/s / batch", "ρ held-out",
-         "best LB p50 / p99 ms", "eldr_cost Δ p50 / p99", "band Δ p50 / p99",
-         "oracle Δ p50 / p99", "D/layer LB → band → cost → oracle", "copies met"],
+        ["routing", "K", f"{' / '.join(locality())} input", "held-out / req/s / batch",
+         "ρ held-out", "best LB p50 / p99 ms",
+         *(f"{POLICIES[p].report.label} Δ p50 / p99" for p in shown_policies()),
+         "D/layer " + " → ".join(["LB", *(_short(p) for p in _chained())]), "copies met"],
         [_case_row(c) for c in res["cases"]]))
     md.append("\nThe synthetic presets' own, from the headline above (Qwen3-30B-A3B traces "
               "drawn to the paper's premises, 16 decoders; Δ vs the best balancer):\n")
+    keys = [POLICIES[p].report.key for p in (band(), *other_locality())]
     md.append(_table(
-        ["synthetic workload", "req/s", "batch", "D/layer LB → band → cost",
-         "band Δ p50 / p99", "eldr_cost Δ p50 / p99"],
+        ["synthetic workload", "req/s", "batch",
+         "D/layer " + " → ".join(["LB", *(_short(p) for p in (band(), *other_locality()))]),
+         f"{POLICIES[band()].report.label} Δ p50 / p99",
+         *(f"{POLICIES[p].report.label} Δ p50 / p99" for p in other_locality())],
         [[h["workload"], f"{h['qps']:g}", f"{h['lb_batch']:.1f}",
-          f"{h['lb_distinct']:.1f} → {h['eldr_distinct']:.1f} → {h['cost_distinct']:.1f}",
+          " → ".join(f"{h[f'{k}_distinct']:.1f}" for k in ["lb", *keys]),
           _hl(h, "d_p50") + " / " + _hl(h, "d_p99"),
-          _hl(h, "cost_d_p50") + " / " + _hl(h, "cost_d_p99")] for h in headline]))
+          *(_hl(h, f"{k}_d_p50") + " / " + _hl(h, f"{k}_d_p99") for k in keys[1:])]
+         for h in headline]))
     md.append(f"\nThe paper's premise on every trace: distinct experts per layer of one decode "
               f"step of {PREMISE_BATCH} same-domain requests against {PREMISE_BATCH} of the "
               "natural mix (`eldr.fit.premises`; 200 batches each; a domain with fewer than "

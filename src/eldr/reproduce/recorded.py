@@ -25,8 +25,12 @@ is explicit (:data:`INPUTS`, :func:`routing_input`):
   policy has nothing to route on; it is not simulated (it would route by load, as JSQ) and
   the rows say so.
 
-The balancers need no input; ``oracle_signature`` reads each request's true decode
-pattern (an upper bound no router reaches), clustered on the calibration split's.
+The balancers need no input; an oracle on the true decode pattern
+(``oracle_signature``, :attr:`eldr.routing.PolicySpec.reads_true_decode`) reads each
+request's (an upper bound no router reaches), clustered on the calibration split's. The
+policies compared by default come from the registry's report roles (:func:`balancers`,
+:func:`locality`, :func:`oracles`); JSQ, the registry's ``reference`` balancer, is the
+one ``vs_jsq`` is against.
 
 **Load.** The held-out split is a few hundred requests; arrivals replay them over and over.
 Arrivals cycle through ONE seeded permutation (:func:`recycled_arrivals`), so copies of a
@@ -52,22 +56,41 @@ from eldr.fit.calibration import FitSettings
 from eldr.fit.cluster import BalancedKMeans
 from eldr.fit.predictor import decoder_profiles as _cluster_log_miss
 from eldr.intervals import paired_interval
-from eldr.reproduce.plan import GRID_BALANCERS
+from eldr.reproduce.plan import band, grid_balancers
 from eldr.reproduce.setup import RoutingSetup, fit_split
-from eldr.routing import POLICIES, decode_patterns
+from eldr.routing import POLICIES, decode_patterns, report_flagged, report_policies
 from eldr.sim import SimConfig, TokenBank, simulate
 from eldr.sim.steptime import routing_resources
 from eldr.traces.models import get_preset
 from eldr.traces.trace import Trace
 
-__all__ = ["BALANCERS", "INPUTS", "INPUT_LABELS", "LOCALITY", "ORACLES", "PROMPT_OPTIONS",
-           "Comparison", "PromptSetup", "cap_outputs", "compare", "copies_in_flight",
-           "fit_recorded", "heldout_rho", "policy_input", "recycled_arrivals",
-           "routing_input", "sustainable_rate"]
+__all__ = ["INPUTS", "INPUT_LABELS", "PROMPT_OPTIONS", "Comparison", "PromptSetup",
+           "balancers", "cap_outputs", "compare", "copies_in_flight", "fit_recorded",
+           "heldout_rho", "locality", "oracles", "policy_input", "recycled_arrivals",
+           "reference", "routing_input", "sustainable_rate"]
 
-BALANCERS = GRID_BALANCERS  # round_robin, jsq, p2c (random never wins a cell)
-LOCALITY = ("eldr", "eldr_cost")  # what ELDR ships
-ORACLES = ("oracle_signature",)  # the whole-decode bound
+
+def balancers() -> tuple[str, ...]:
+    """The balancers compared: the grid's (random never wins a cell)."""
+    return grid_balancers()
+
+
+def locality() -> tuple[str, ...]:
+    """The locality policies compared (what ELDR ships), in report order."""
+    return report_policies("locality")
+
+
+def oracles() -> tuple[str, ...]:
+    """The oracles compared: those on the true decode pattern (the whole-decode bound; a
+    recorded trace has it, domain labels it may not)."""
+    return tuple(p for p in report_policies("oracle") if POLICIES[p].reads_true_decode)
+
+
+def reference() -> str:
+    """The balancer of one-to-one comparisons (``vs_jsq``; the registry's ``reference``)."""
+    return report_flagged("reference")[0]
+
+
 INPUTS = ("prefill", "prompt", "none")
 INPUT_LABELS = {"prefill": "prefill signature", "prompt": "prompt prediction",
                 "none": "none (decode-only, no prompt token ids)",
@@ -371,7 +394,7 @@ def _config(model, hardware, num_decode: int, qps: float, seed: int, *,
 
 
 def sustainable_rate(setup: RoutingSetup, model, hardware, num_decode: int, *,
-                     policies: tuple[str, ...] = ("jsq",), margin: float = 0.65,
+                     policies: tuple[str, ...] | None = None, margin: float = 0.65,
                      num_prefill: int = 4, warmup_s: float = 10.0, duration_s: float = 30.0,
                      rounds: int = 3, tau: float = 0.1, start: float | None = None) -> float:
     """The highest rate (req/s) at which no held-out request meets a copy of itself.
@@ -381,9 +404,10 @@ def sustainable_rate(setup: RoutingSetup, model, hardware, num_decode: int, *,
     under any of ``policies`` (a locality policy that packs requests keeps some longer
     than a balancer does), measured at the rate found so far, starting from batch-1 step
     times (or from ``start``, e.g. another split's rate), for ``rounds`` rounds or until
-    it moves by less than 5 %."""
+    it moves by less than 5 %. ``policies``: None: :func:`reference` (JSQ)."""
     from eldr.sim.steptime import StepModel
 
+    policies = (reference(),) if policies is None else policies
     ev = setup.eval
     R = ev.num_requests
     probe = _config(model, hardware, num_decode, 1.0, setup.seed, warmup_s=warmup_s,
@@ -507,7 +531,7 @@ def _run_seed(setup: RoutingSetup, cfg: SimConfig, policies: list[str], kind: st
 
 
 def _rate(setups: list, preset, hardware, num_decode: int, arrival_times, run: list[str],
-          balancers: list[str], *, num_prefill: int, warmup_s: float, duration_s: float,
+          lbs: list[str], *, num_prefill: int, warmup_s: float, duration_s: float,
           tau: float, say) -> float:
     """The rate of :func:`compare`: the mean rate of ``arrival_times`` over the run, or
     the lowest of the splits' sustainable rates (:func:`sustainable_rate`)."""
@@ -518,7 +542,7 @@ def _rate(setups: list, preset, hardware, num_decode: int, arrival_times, run: l
         if n < 2:
             raise ValueError(f"the arrivals hold {n} request(s) in the first {horizon:g} s")
         return n / min(horizon, float(t[n - 1]) + 1e-9)
-    probes = tuple(p for p in ("jsq", "eldr") if p in run) or (balancers[0],)
+    probes = tuple(p for p in (reference(), band()) if p in run) or (lbs[0],)
     rates: list[float] = []
     for st in setups:  # each split from the last one's rate: one or two rounds
         rates.append(sustainable_rate(st, preset, hardware, num_decode, policies=probes,
@@ -533,7 +557,7 @@ def _rate(setups: list, preset, hardware, num_decode: int, arrival_times, run: l
 
 def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
             num_decode: int = 8, seeds: int = 3, qps: float | None = None,
-            policies: tuple[str, ...] = (*BALANCERS, *LOCALITY, *ORACLES),
+            policies: tuple[str, ...] | None = None,
             warmup_s: float = 10.0, duration_s: float = 30.0, num_prefill: int = 4,
             calib_share: float = 0.5, tau: float = 0.1, base_seed: int = 0,
             setups: list | None = None, arrival_times: np.ndarray | None = None,
@@ -547,8 +571,11 @@ def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
     names); ``setups``: already fitted set-ups, one per seed (:func:`fit_recorded`);
     ``arrival_times``: replay these arrival times (a real trace's, seconds from 0) instead
     of Poisson arrivals, ``qps`` then their mean rate over the run; ``allow_dealt``: see
-    :func:`fit_recorded`."""
+    :func:`fit_recorded`; ``policies``: None: :func:`balancers`, :func:`locality` and
+    :func:`oracles`."""
     t0 = time.perf_counter()
+    if policies is None:
+        policies = (*balancers(), *locality(), *oracles())
     preset = get_preset(model if model is not None else trace.meta.model)
     if (preset.num_layers, preset.num_experts) != (trace.meta.num_layers,
                                                    trace.meta.num_experts):
@@ -562,8 +589,8 @@ def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
             raise ValueError(f"unknown policy {p!r}")
     kind = routing_input(trace)
     run, skipped = _runnable(policies, kind)
-    balancers = [p for p in run if POLICIES[p].role == "balancer"]
-    if not balancers:
+    lbs = [p for p in run if POLICIES[p].role == "balancer"]
+    if not lbs:
         raise ValueError("compare needs at least one balancer among the policies")
     say = log or (lambda _msg: None)
     rows: list[dict] = []
@@ -574,7 +601,7 @@ def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
         say(f"{preset.name}: {seeds} split(s) fitted, routing input "
             f"{INPUT_LABELS[kind]} ({time.perf_counter() - ts:.1f} s)")
     if arrival_times is not None or qps is None:
-        qps = _rate(setups, preset, hardware, num_decode, arrival_times, run, balancers,
+        qps = _rate(setups, preset, hardware, num_decode, arrival_times, run, lbs,
                     num_prefill=num_prefill, warmup_s=warmup_s, duration_s=duration_s,
                     tau=tau, say=say)
     rhos = []
@@ -587,17 +614,18 @@ def compare(trace: Trace, *, model: str | None = None, hardware: str = "h200",
         say(f"{preset.name} seed {cfg.seed}: {len(run)} policies at {qps:.1f} req/s "
             f"({time.perf_counter() - ts:.1f} s)")
     means = {p: float(np.mean([r["tpot_median_ms"] for r in rows if r["policy"] == p]))
-             for p in balancers}
+             for p in lbs}
     best = min(means, key=means.get)
     out = Comparison(preset.name, str(getattr(hardware, "name", hardware)), num_decode,
                      float(qps), kind, rows, best,
                      skipped=skipped, rho=rhos, heldout=setups[0].eval.num_requests,
                      admitted=[_admitted(st) for st in setups])
+    jsq = reference()
     for p in run:
         if p != best:
             out.deltas[p] = _paired(rows, p, best)
-        if p != "jsq" and "jsq" in run:
-            out.vs_jsq[p] = _paired(rows, p, "jsq")
+        if p != jsq and jsq in run:
+            out.vs_jsq[p] = _paired(rows, p, jsq)
     overlaps = sum(r["copies_in_flight"] for r in rows)
     if overlaps:
         out.notes.append(f"{overlaps} arrivals (all runs together) met a copy of their "

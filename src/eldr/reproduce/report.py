@@ -5,10 +5,14 @@ returns the section's Markdown and the rows ``results.json`` keeps for it. All b
 read the plan's simulated rows; "Routing before prefill" computes its few figures itself
 (:mod:`eldr.reproduce.before_prefill`, seconds).
 
-Every comparison is ELDR against the BEST load balancer (lowest median TPOT among random,
-round_robin, jsq and p2c) of the same (workload, rate, pool size): Δ% = 100 · (ELDR −
+Every comparison is ELDR against the BEST load balancer (lowest median TPOT among the
+report's balancers) of the same (workload, rate, pool size): Δ% = 100 · (ELDR −
 best) / best, negative = ELDR faster. The paper reports −7.0…−13.9% (task) and
 −5.9…−10.0% (language) median TPOT at 8P16D.
+
+Which policies each table shows, and what its columns are called, comes from the
+registry's report roles (:class:`eldr.routing.ReportRole`; docs/adding-a-policy.md): a
+locality policy registered with one is in every section its role belongs to.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from eldr.fileio import atomic_write_text
 from eldr.reproduce.analysis import Analysis
-from eldr.reproduce.before_prefill import NUM_GROUPS, POLICIES, before_prefill
+from eldr.reproduce.before_prefill import NUM_GROUPS, before_prefill, section_policies
 from eldr.reproduce.grid import (
     TOLERANCE_PCT,
     balancer_check,
@@ -27,10 +31,11 @@ from eldr.reproduce.grid import (
     grid_rows,
     grid_table,
 )
-from eldr.reproduce.plan import GRID_BALANCERS, Plan
+from eldr.reproduce.plan import Plan, band, grid_balancers, grid_policies, other_locality
 from eldr.reproduce.plots import plot_bars, plot_decoders, plot_grid, plot_intervals, plot_main
-from eldr.reproduce.real_models import CASES, real_models, real_models_markdown
+from eldr.reproduce.real_models import CASES, plot_labels, real_models, real_models_markdown
 from eldr.reproduce.sweeps import Results
+from eldr.routing.registry import POLICIES, report_policies
 from eldr.sim.metrics import write_csv, write_json
 
 __all__ = ["headline_text", "write_report"]
@@ -62,18 +67,27 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _key(name: str) -> str:
+    """The results.json key of a report policy (its report role's ``key``)."""
+    return POLICIES[name].report.key
+
+
 def headline_text(an: Analysis) -> str:
     """The headline table as plain text (printed by ``eldr reproduce``)."""
+    pk, oracles = _key(band()), [_key(p) for p in report_policies("oracle")]
+    others = [_key(p) for p in other_locality()]
     lines = [f"{'workload':<9} {'req/s':>5} {'best LB':>11} {'TPOT p50':>9} {'ELDR':>7} "
-             f"{'Δp50':>12} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>12} {'domain':>12} "
-             f"{'oracle':>12} {'cost Δp50':>12} {'cost Δp99':>12}"]
+             f"{'Δp50':>12} {'TPOT p99':>9} {'ELDR':>7} {'Δp99':>12} "
+             + " ".join(f"{k:>12}" for k in oracles) + " "
+             + " ".join(f"{f'{k} Δp50':>12} {f'{k} Δp99':>12}" for k in others)]
     for h in an.headline():
         lines.append(
             f"{h['workload']:<9} {h['qps']:>5g} {h['best_lb']:>11} {h['lb_tpot_p50']:>9.2f} "
-            f"{h['eldr_tpot_p50']:>7.2f} {_pm(h, 'd_p50'):>12} {h['lb_tpot_p99']:>9.2f} "
-            f"{h['eldr_tpot_p99']:>7.2f} {_pm(h, 'd_p99'):>12} {_pm(h, 'domain_d_p50'):>12} "
-            f"{_pm(h, 'oracle_d_p50'):>12} {_pm(h, 'cost_d_p50'):>12} "
-            f"{_pm(h, 'cost_d_p99'):>12}")
+            f"{h[f'{pk}_tpot_p50']:>7.2f} {_pm(h, 'd_p50'):>12} {h['lb_tpot_p99']:>9.2f} "
+            f"{h[f'{pk}_tpot_p99']:>7.2f} {_pm(h, 'd_p99'):>12} "
+            + " ".join(f"{_pm(h, f'{k}_d_p50'):>12}" for k in oracles) + " "
+            + " ".join(f"{_pm(h, f'{k}_d_p50'):>12} {_pm(h, f'{k}_d_p99'):>12}"
+                       for k in others))
     seeds = {h["seeds"] for h in an.headline()}
     if seeds and max(seeds) > 1:
         lines.append(f"(mean of {'/'.join(map(str, sorted(seeds)))} seeds' paired differences "
@@ -89,7 +103,9 @@ def write_report(results: Results, out: str | Path) -> Path:
     write_csv(results.rows, out / "rows.csv")
     write_csv(results.decoder_rows, out / "decoders.csv")
     md = _intro(results) + _fit_section(results)
-    doc: dict = {"plan": results.plan.__dict__}
+    # the plan as it ran: its headline policies resolved from the registry
+    doc: dict = {"plan": {**results.plan.__dict__,
+                          "policies": list(results.plan.headline_policies())}}
     for name, section in SECTIONS:
         lines, rows = section(an, out)
         md += lines
@@ -138,32 +154,48 @@ def _headline_section(an: Analysis, out: Path) -> Section:
                   "± the 95 % half-width (Student t, docs/simulator.md); ms and D/layer are "
                   "means over the seeds. An interval that contains 0 does not tell the "
                   "policies apart.\n")
+    pk, oracles = _key(band()), report_policies("oracle")
     md.append(_table(
         ["workload", "req/s", "best LB", "LB p50 ms", "ELDR p50 ms", "Δ p50", "LB p99 ms",
-         "ELDR p99 ms", "Δ p99", "Δ TTFT p50", "domain Δ p50", "oracle Δ p50",
+         "ELDR p99 ms", "Δ p99", "Δ TTFT p50",
+         *(f"{POLICIES[p].report.label} Δ p50" for p in oracles),
          "D/layer LB→ELDR", "batch"],
         [[h["workload"], f"{h['qps']:g}", h["best_lb"], _f(h["lb_tpot_p50"]),
-          _f(h["eldr_tpot_p50"]), _pm(h, "d_p50"), _f(h["lb_tpot_p99"]),
-          _f(h["eldr_tpot_p99"]), _pm(h, "d_p99"), _pm(h, "d_ttft"), _pm(h, "domain_d_p50"),
-          _pm(h, "oracle_d_p50"),
-          f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}", f"{h['lb_batch']:.1f}"]
+          _f(h[f"{pk}_tpot_p50"]), _pm(h, "d_p50"), _f(h["lb_tpot_p99"]),
+          _f(h[f"{pk}_tpot_p99"]), _pm(h, "d_p99"), _pm(h, "d_ttft"),
+          *(_pm(h, f"{_key(p)}_d_p50") for p in oracles),
+          f"{h['lb_distinct']:.1f}→{h[f'{pk}_distinct']:.1f}", f"{h['lb_batch']:.1f}"]
          for h in hl]))
-    md.append("\n### The cost policy (`eldr_cost`) in the same cells\n")
-    md.append("`eldr_cost` routes on the marginal expert cost (docs/fit-and-routing.md): "
-              "fitted = the artifact's profile predictor and cluster profiles; online = no "
-              "calibration at all. Δ vs the same best load balancer (median / p99 TPOT).\n")
-    md.append(_table(
-        ["workload", "req/s", "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99",
-         "eldr_cost[online] Δ p50 / p99", "D/layer LB→ELDR→cost"],
-        [[h["workload"], f"{h['qps']:g}", f"{_pm(h, 'd_p50')} / {_pm(h, 'd_p99')}",
-          f"{_pm(h, 'cost_d_p50')} / {_pm(h, 'cost_d_p99')}",
-          f"{_pm(h, 'online_d_p50')} / {_pm(h, 'online_d_p99')}",
-          f"{h['lb_distinct']:.1f}→{h['eldr_distinct']:.1f}→{_f(h['cost_distinct'], 1)}"]
-         for h in hl]))
+    md += _other_locality_lines(an, hl)
     for wl in an.plan.workloads:
         plot_main(an, wl, out / f"main_{wl}.png")
         md.append(f"\n![{wl}](main_{wl}.png)\n")
     return md, hl
+
+
+def _other_locality_lines(an: Analysis, hl: list[dict]) -> list[str]:
+    """The headline's sub-table of the locality policies besides the band (and their
+    online variants), headed by their report roles' titles, with their ``about``."""
+    others = other_locality()
+    if not others:
+        return []
+    roles = [POLICIES[p].report for p in others]
+    cols = an.headline_columns()  # (key, variant, label) per column
+    pk = _key(band())
+    return [
+        "\n### " + " and ".join(f"{r.title} (`{p}`)" for p, r in zip(others, roles,
+                                                                      strict=True))
+        + " in the same cells\n",
+        " ".join(r.about for r in roles if r.about)
+        + " Δ vs the same best load balancer (median / p99 TPOT).\n",
+        _table(["workload", "req/s", "ELDR Δ p50 / p99",
+                *(f"{label} Δ p50 / p99" for _, _, label in cols),
+                "D/layer LB→ELDR→" + "→".join(r.key for r in roles)],
+               [[h["workload"], f"{h['qps']:g}", f"{_pm(h, 'd_p50')} / {_pm(h, 'd_p99')}",
+                 *(f"{_pm(h, f'{k}_d_p50')} / {_pm(h, f'{k}_d_p99')}" for k, _, _ in cols),
+                 f"{h['lb_distinct']:.1f}→{h[f'{pk}_distinct']:.1f}→"
+                 + "→".join(_f(h[f"{r.key}_distinct"], 1) for r in roles)]
+                for h in hl])]
 
 
 def _tau_section(an: Analysis, out: Path) -> Section:
@@ -189,19 +221,21 @@ def _pool_section(an: Analysis, out: Path) -> Section:
     plan, pool = an.plan, an.pool_rows()
     if not pool:
         return [], pool
+    others = [POLICIES[p].report for p in other_locality()]
     md = [f"\n## Decode-pool size ({plan.workloads[0]}, mean over rates "
           f"{list(plan.pool_rates)})\n",
           "Paper: 8.0 → 9.8 → 10.2% median TPOT reduction for 8P8D → 8P16D → 8P24D.\n",
           _table(["pool", "ELDR Δ p50 vs best LB", "ELDR Δ p99",
-                  "eldr_cost Δ p50", "eldr_cost Δ p99"],
-                 [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"]), _s(r["cost_d_p50"]),
-                   _s(r["cost_d_p99"])] for r in pool])]
-    plot_bars([r["pool"] for r in pool], {"ELDR Δ median %": [r["d_p50"] for r in pool],
-                                          "ELDR Δ p99 %": [r["d_p99"] for r in pool],
-                                          "eldr_cost Δ median %":
-                                              [r["cost_d_p50"] for r in pool],
-                                          "eldr_cost Δ p99 %":
-                                              [r["cost_d_p99"] for r in pool]},
+                  *(f"{r.label} Δ {m}" for r in others for m in ("p50", "p99"))],
+                 [[r["pool"], _s(r["d_p50"]), _s(r["d_p99"]),
+                   *(_s(r[f"{o.key}_d_{m}"]) for o in others for m in ("p50", "p99"))]
+                  for r in pool])]
+    series = {"ELDR Δ median %": [r["d_p50"] for r in pool],
+              "ELDR Δ p99 %": [r["d_p99"] for r in pool]}
+    for o in others:
+        series[f"{o.label} Δ median %"] = [r[f"{o.key}_d_p50"] for r in pool]
+        series[f"{o.label} Δ p99 %"] = [r[f"{o.key}_d_p99"] for r in pool]
+    plot_bars([r["pool"] for r in pool], series,
               "ELDR vs best load balancer by decode-pool size", "% vs best LB",
               out / "pool.png")
     md.append("\n![pool](pool.png)\n")
@@ -264,7 +298,7 @@ def _ep_section(an: Analysis, out: Path) -> Section:
 
 def _grid_section(an: Analysis, out: Path) -> Section:
     plan = an.plan
-    variants = {"eldr": an.eldr()}
+    variants = {p: an.variant(p) for p in grid_policies()}
     grid = grid_rows(an.results.rows, variants) if plan.grid else []
     if not grid:
         return [], grid
@@ -286,7 +320,7 @@ def _grid_section(an: Analysis, out: Path) -> Section:
            f"of the cell is within ±{plan.target_half_width:g} points. ")
           + "Every Δ is the mean of "
           "per-seed paired differences (same arrivals) against ONE load balancer, with "
-          f"its 95 % interval, for each of {', '.join(GRID_BALANCERS)} and each metric "
+          f"its 95 % interval, for each of {', '.join(grid_balancers())} and each metric "
           f"(median and p99 TPOT). A comparison is **worse** when the interval lies "
           f"entirely above +{TOLERANCE_PCT:g}%, _not distinguishable_ when it straddles "
           f"+{TOLERANCE_PCT:g}%, better or equal when it lies entirely below. The last "
@@ -308,6 +342,8 @@ def _tiny_section(an: Analysis, out: Path) -> Section:
     tiny = an.tiny_rows() if plan.tiny else []
     if not tiny:
         return [], tiny
+    others = [POLICIES[p].report for p in other_locality()]
+    keys = [_key(band()), *(o.key for o in others)]  # the band's columns first
     md = ["\n## The real tiny-MoE trace on its measured CPU preset\n",
           f"The shipped tiny Qwen3-MoE's captured routing (314 held-out prompts; "
           f"calibration a third), step costs measured on this project's CPU "
@@ -315,13 +351,13 @@ def _tiny_section(an: Analysis, out: Path) -> Section:
           f"{plan.tiny_num_decode}D, {plan.tiny_warmup_s:g} + "
           f"{plan.tiny_duration_s:g} s. Δ vs the best load balancer per metric.\n",
           _table(["req/s", "batch", "best LB", "LB p50 ms", "LB p99 ms",
-                  "ELDR Δ p50 / p99", "eldr_cost Δ p50 / p99", "D/layer LB→ELDR→cost"],
+                  "ELDR Δ p50 / p99", *(f"{o.label} Δ p50 / p99" for o in others),
+                  "D/layer LB→ELDR→" + "→".join(o.key for o in others)],
                  [[f"{r['qps']:g}", f"{r['batch']:.1f}", r["best_lb"],
                    _f(r["lb_p50"]), _f(r["lb_p99"]),
-                   f"{_s(r['eldr_d_p50'])} / {_s(r['eldr_d_p99'])}",
-                   f"{_s(r['cost_d_p50'])} / {_s(r['cost_d_p99'])}",
-                   f"{r['lb_distinct']:.1f}→{_f(r['eldr_distinct'], 1)}→"
-                   f"{_f(r['cost_distinct'], 1)}"] for r in tiny])]
+                   *(f"{_s(r[f'{k}_d_p50'])} / {_s(r[f'{k}_d_p99'])}" for k in keys),
+                   f"{r['lb_distinct']:.1f}→"
+                   + "→".join(_f(r[f"{k}_distinct"], 1) for k in keys)] for r in tiny])]
     return md, tiny
 
 
@@ -347,8 +383,7 @@ def _real_section(an: Analysis, out: Path) -> Section:
     md = real_models_markdown(res, plan, an.headline())
     ok = [c for c in res["cases"] if "error" not in c]
     if ok:
-        names = {"eldr_cost": "eldr_cost", "eldr": "band (eldr)",
-                 "oracle_signature": "oracle (true decode)"}
+        names = plot_labels()
         series = {label: [(c["deltas"].get(p, {}).get("p50", {}).get("mean", float("nan")),
                            c["deltas"].get(p, {}).get("p50", {}).get("half_width",
                                                                      float("nan")))
@@ -370,6 +405,7 @@ _SOURCE_NAMES = {"prompt": "prompt predictor (before prefill)",
 def before_prefill_markdown(res: dict, plan: Plan) -> list[str]:
     """The section's Markdown from :func:`~eldr.reproduce.before_prefill.before_prefill`'s
     figures (``plan`` gives the simulator's sizes)."""
+    columns = section_policies()
     md = ["\n## Routing before prefill (the prompt predictor)\n",
           "On the shipped tiny-MoE capture that keeps its prompt token ids "
           f"(`tiny_moe_prompts.npz`, {res['num_fit'] + res['num_heldout']} prompts of ten "
@@ -390,8 +426,8 @@ def before_prefill_markdown(res: dict, plan: Plan) -> list[str]:
           f"{plan.prompt_duration_s:g} s, seed {plan.seed}, a third of the trace "
           "calibrating; `eldr_cost` on the predicted signature and profile vs on the real "
           "prefill ones, same arrivals. Gap = prediction vs prefill signature.\n",
-          _table(["req/s", *(f"`{p}`" for p in POLICIES), "gap", "cost beats JSQ"],
-                 [[f"{r['qps']:g}", *(_f(r[p]) for p in POLICIES), _s(r["prompt_gap_pct"]),
+          _table(["req/s", *(f"`{p}`" for p in columns), "gap", "cost beats JSQ"],
+                 [[f"{r['qps']:g}", *(_f(r[p]) for p in columns), _s(r["prompt_gap_pct"]),
                    "yes" if r["cost_wins"] else "no"] for r in res["tpot"]])]
     return md
 

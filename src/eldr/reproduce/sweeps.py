@@ -33,7 +33,7 @@ from eldr.reproduce.grid import cells_needing_seeds
 from eldr.reproduce.memmaps import map_to_files
 from eldr.reproduce.plan import Plan, Task, grid_cell_tasks, plan_tasks, replicate_seed
 from eldr.reproduce.setup import RoutingSetup
-from eldr.routing import decode_patterns
+from eldr.routing import POLICIES, decode_patterns
 from eldr.sim import SimConfig, TokenBank, simulate
 from eldr.sim.steptime import routing_resources
 
@@ -270,18 +270,15 @@ def _local_runner(parallel: Parallel):
     return run
 
 
-# simulate() time per simulated request of the cost policy relative to the others
-# (eldr reproduce --quick's rows: about 1,000 against 2,000 requests per second)
-_COST_POLICY_WEIGHT = 2.0
-
-
 def task_weight(plan: Plan, task: Task) -> float:
     """A task's expected simulate() time in arbitrary units: its arrivals (rate × warm-up
-    and window) times a policy factor. Only the order of tasks depends on it (the
-    longest first), never a row."""
+    and window) times the policy's report role ``sweep_weight`` (its simulate() time per
+    request relative to a balancer's; 1 without a report role). Only the order of tasks
+    depends on it (the longest first), never a row."""
     warmup = plan.warmup_s if task.warmup_s is None else task.warmup_s
     duration = plan.duration_s if task.duration_s is None else task.duration_s
-    factor = _COST_POLICY_WEIGHT if task.policy == "eldr_cost" else 1.0
+    role = POLICIES[task.policy].report
+    factor = 1.0 if role is None else float(role.sweep_weight)
     return float(task.qps) * (warmup + duration) * factor
 
 

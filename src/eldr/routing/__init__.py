@@ -9,8 +9,9 @@ Modules, in the order a decision runs (llm-d's filter → score → pick shape):
 - :mod:`~eldr.routing.pickers`: lowest score with tie-breaks;
 - policies: :mod:`~eldr.routing.baselines` (random, round-robin, JSQ, P2C, domain),
   :mod:`~eldr.routing.band` (``eldr``), :mod:`~eldr.routing.cost` (``eldr_cost``);
-- :mod:`~eldr.routing.registry`: names → factories with declared resources, roles and
-  stand-ins; :mod:`~eldr.routing.lazy`: a policy served before the model's shape is known;
+- :mod:`~eldr.routing.registry`: names → factories with declared resources, roles,
+  stand-ins and report roles (:mod:`~eldr.routing.roles`); :mod:`~eldr.routing.lazy`: a
+  policy served before the model's shape is known;
 - :mod:`~eldr.routing.loads`: the router's live per-decoder loads and health.
 """
 
@@ -40,11 +41,14 @@ from eldr.routing.registry import (
     ROLES,
     SHAPE_RESOURCES,
     PolicySpec,
+    ReportRole,
     RoutingResources,
     make_policy,
     make_unbound_policy,
     policies_with_role,
     register_policy,
+    report_flagged,
+    report_policies,
 )
 
 __all__ = [
@@ -66,6 +70,7 @@ __all__ = [
     "PolicyBase",
     "PolicySpec",
     "RandomPolicy",
+    "ReportRole",
     "RoundRobinPolicy",
     "RouteRequest",
     "RoutingResources",
@@ -78,5 +83,7 @@ __all__ = [
     "policies_with_role",
     "prefill_profile",
     "register_policy",
+    "report_flagged",
+    "report_policies",
     "scorers",
 ]

@@ -17,15 +17,18 @@ any policy from it. Registered policies:
 - ``oracle_signature``: the band on the TRUE decode pattern (evaluation only).
 
 Each spec also says what the policy is for (``role``: balancer, locality, oracle), what
-it needs fitted (``fitted``) and what a router runs while that is missing
-(``stand_in``), so callers (the router, the reproduction) ask the registry instead of
-matching policy names.
+it needs fitted (``fitted``), what a router runs while that is missing (``stand_in``) and
+what the reproduction's report needs of it (``report``, a
+:class:`~eldr.routing.roles.ReportRole`; None: not in the report), so callers (the
+router, the reproduction) ask the registry instead of matching policy names:
+:func:`report_policies` lists the report's policies of a role in report order,
+:func:`report_flagged` the one(s) a section is about (docs/adding-a-policy.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -41,17 +44,21 @@ from eldr.routing.baselines import (
 from eldr.routing.cost import CostPolicy
 from eldr.routing.lazy import LazyShapePolicy
 from eldr.routing.protocol import Policy
+from eldr.routing.roles import UNIQUE_FLAGS, ReportRole, check_report_role
 
 __all__ = [
     "POLICIES",
     "ROLES",
     "SHAPE_RESOURCES",
     "PolicySpec",
+    "ReportRole",
     "RoutingResources",
     "make_policy",
     "make_unbound_policy",
     "policies_with_role",
     "register_policy",
+    "report_flagged",
+    "report_policies",
 ]
 
 
@@ -108,7 +115,8 @@ class PolicySpec:
     against), ``"locality"`` (routes on expert locality; what ELDR ships) or ``"oracle"``
     (reads labels a deployment lacks: evaluation only). ``stand_in``: the policy a router
     runs while what this one needs fitted is missing (``--learn`` before its first
-    artifact), or None.
+    artifact), or None. ``report``: what the reproduction's report needs of it, or None
+    (not in the report).
     """
 
     name: str
@@ -117,6 +125,7 @@ class PolicySpec:
     options: frozenset[str] = frozenset()  # resources used when given
     role: str = "balancer"
     stand_in: str | None = None
+    report: ReportRole | None = None
 
     @property
     def evaluation_only(self) -> bool:
@@ -140,6 +149,12 @@ class PolicySpec:
         return self.name
 
     @property
+    def reads_true_decode(self) -> bool:
+        """Routes on each request's TRUE decode pattern (an oracle's bound on what routing
+        by locality can reach; a recorded trace has it, a deployment never)."""
+        return "decode_centroids" in self.needs
+
+    @property
     def needs_only_shape(self) -> bool:
         """Needs the model's (L, E) and nothing fitted: it can run before the shape is
         known (:mod:`eldr.routing.lazy`)."""
@@ -151,24 +166,37 @@ POLICIES: Mapping[str, PolicySpec] = MappingProxyType(_REGISTRY)  # name → spe
 
 
 def register_policy(name: str, factory: Callable[..., Policy], *, needs=(), options=(),
-                    role: str = "balancer", stand_in: str | None = None) -> None:
-    """Add a policy. A name can be registered once; resources must be known names; a
-    stand-in must be registered already and need nothing fitted."""
+                    role: str = "balancer", stand_in: str | None = None,
+                    report: ReportRole | None = None) -> None:
+    """Add a policy. A name can be registered once; resources must be known names, each
+    either needed or optional; a stand-in must be registered already and need nothing
+    fitted; a report role must have what its role needs and agree with the registered
+    ones (:func:`eldr.routing.roles.check_report_role`). A refusal is one line naming
+    the field."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy name must be a non-empty string, got {name!r}")
     if name in _REGISTRY:
-        raise ValueError(f"policy {name!r} is already registered")
+        raise ValueError(f"policy {name!r}: name is already registered")
+    if not callable(factory):
+        raise ValueError(f"policy {name!r}: factory must be callable, got {factory!r}")
     unknown = (set(needs) | set(options)) - RESOURCE_NAMES
     if unknown:
         raise ValueError(f"policy {name!r} declares unknown resources {sorted(unknown)}; "
                          f"known: {sorted(RESOURCE_NAMES)}")
+    both = set(needs) & set(options)
+    if both:
+        raise ValueError(f"policy {name!r}: options {sorted(both)} are in needs too")
     if role not in ROLES:
         raise ValueError(f"policy {name!r}: role must be one of {ROLES}, got {role!r}")
     if stand_in is not None and (stand_in not in _REGISTRY or _REGISTRY[stand_in].fitted):
         raise ValueError(f"policy {name!r}: stand-in {stand_in!r} must be a registered "
                          f"policy that needs nothing fitted")
+    if report is not None:
+        check_report_role(name, role, frozenset(needs), frozenset(options), report,
+                          _REGISTRY)
+        report = replace(report, key=report.key or name, label=report.label or name)
     _REGISTRY[name] = PolicySpec(name, factory, frozenset(needs), frozenset(options),
-                                 role, stand_in)
+                                 role, stand_in, report)
 
 
 def policies_with_role(role: str) -> tuple[str, ...]:
@@ -176,6 +204,31 @@ def policies_with_role(role: str) -> tuple[str, ...]:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     return tuple(n for n, spec in _REGISTRY.items() if spec.role == role)
+
+
+def report_policies(*roles: str, grid: bool | None = None) -> tuple[str, ...]:
+    """Names of the policies with a report role, in report order (``ReportRole.order``):
+    of ``roles`` only when given; of the grid only (``grid=True``) or outside it."""
+    for role in roles:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    specs = sorted((s for s in _REGISTRY.values() if s.report is not None),
+                   key=lambda s: s.report.order)
+    return tuple(s.name for s in specs if (not roles or s.role in roles)
+                 and (grid is None or s.report.grid == grid))
+
+
+def report_flagged(flag: str) -> tuple[str, ...]:
+    """The policies carrying report flag ``flag`` (:data:`eldr.routing.roles.UNIQUE_FLAGS`),
+    in report order; exactly as many as the flag takes, else ``ValueError``."""
+    if flag not in UNIQUE_FLAGS:
+        raise ValueError(f"report flag must be one of {tuple(UNIQUE_FLAGS)}, got {flag!r}")
+    names = tuple(n for n in report_policies() if getattr(_REGISTRY[n].report, flag))
+    if len(names) != UNIQUE_FLAGS[flag]:
+        raise ValueError(f"the report needs {UNIQUE_FLAGS[flag]} registered polic"
+                         f"{'y' if UNIQUE_FLAGS[flag] == 1 else 'ies'} with report.{flag}, "
+                         f"found {len(names)}")
+    return names
 
 
 def make_policy(name: str, *, num_workers: int, **resources) -> Policy:
@@ -217,18 +270,33 @@ def make_unbound_policy(name: str, *, num_workers: int, **resources) -> Policy:
     return LazyShapePolicy(name, num_workers, probe.inputs, build)
 
 
-register_policy("random", lambda K, **kw: RandomPolicy(K, **kw), options={"random_state"})
-register_policy("round_robin", lambda K: RoundRobinPolicy(K))
-register_policy("jsq", lambda K: JSQPolicy(K))
-register_policy("p2c", lambda K, **kw: P2CPolicy(K, **kw), options={"random_state"})
+# The report roles (eldr.routing.roles): `order` is the report's order of rows, tables and
+# plot lines; keys and labels are the names its results.json columns and tables use.
+register_policy("random", lambda K, **kw: RandomPolicy(K, **kw), options={"random_state"},
+                report=ReportRole(order=0))  # never wins a grid cell: not in the grid
+register_policy("round_robin", lambda K: RoundRobinPolicy(K),
+                report=ReportRole(order=1, grid=True, paper_baseline=True))
+register_policy("jsq", lambda K: JSQPolicy(K),
+                report=ReportRole(order=2, grid=True, reference=True, check_pair=True))
+register_policy("p2c", lambda K, **kw: P2CPolicy(K, **kw), options={"random_state"},
+                report=ReportRole(order=3, grid=True, check_pair=True))
 register_policy("domain", lambda K, **kw: DomainPolicy(K, **kw), needs={"domain_shares"},
-                role="oracle")
+                role="oracle", report=ReportRole(order=4))
 register_policy("eldr_cost", lambda K, **kw: CostPolicy(K, **kw),
                 needs={"num_layers", "num_experts"},
                 options={"context_weight", "capacity", "decoder_profiles", "load_slack"},
-                role="locality")
+                role="locality",
+                report=ReportRole(
+                    order=6, key="cost", title="The cost policy", grid=True,
+                    about="`eldr_cost` routes on the marginal expert cost "
+                          "(docs/fit-and-routing.md): fitted = the artifact's profile "
+                          "predictor and cluster profiles; online = no calibration at all.",
+                    before_prefill=True, online_key="online", preference=0,
+                    sweep_weight=2.0))  # simulates slower than a balancer: its tasks start first
 register_policy("eldr", lambda K, **kw: EldrPolicy(K, **kw), needs={"centroids"},
-                options={"tau"}, role="locality", stand_in="eldr_cost")
+                options={"tau"}, role="locality", stand_in="eldr_cost",
+                report=ReportRole(order=5, label="band", grid=True, primary=True,
+                                  preference=1))
 register_policy("eldr_top1", lambda K, centroids: EldrPolicy(K, centroids=centroids, tau=0.0,
                                                              name="eldr_top1"),
                 needs={"centroids"}, role="locality", stand_in="eldr_cost")
@@ -236,4 +304,5 @@ register_policy("oracle_signature",
                 lambda K, decode_centroids, tau=0.1: EldrPolicy(
                     K, centroids=decode_centroids, tau=tau, use_decode_pattern=True,
                     name="oracle_signature"),
-                needs={"decode_centroids"}, options={"tau"}, role="oracle")
+                needs={"decode_centroids"}, options={"tau"}, role="oracle",
+                report=ReportRole(order=7, key="oracle", label="oracle"))
