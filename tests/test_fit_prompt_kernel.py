@@ -39,6 +39,30 @@ def test_the_kernel_loads():
     assert compiled_kernels() is not None
 
 
+@pytest.mark.parametrize("weighting", ["token", "tfidf"])
+def test_one_compiled_version_serves_every_caller(weighting):
+    """Read-only ids (what a tokenizer process's bytes give), writable ids of any integer
+    type and a fitted predictor's own arrays all run the ONE version compiled at import: a
+    request never compiles (seconds, past its prompt timeout: the stock-vLLM e2e's first
+    text prompt was routed by load on a fresh clone), and one version per function is what
+    keeps numba's on-disk cache consistent across processes."""
+    kernels = compiled_kernels()
+    p = _random_predictor(10, 7, 6, 16, 2, 1000, weighting)
+    ids = np.arange(40, dtype=np.int64)
+    read_only = np.frombuffer(ids.tobytes(), dtype=np.int64)
+    assert not read_only.flags.writeable
+    want = p.predict(ids, kernel="numpy")
+    for x in (read_only, ids, ids.astype(np.int32), list(ids), ids[::-1][::-1]):
+        got = p.predict(x, kernel="compiled")
+        assert np.abs(got - want).max() <= 1e-6 and got.flags.writeable
+    for fn in (kernels.predict_bag, kernels.predict_tfidf):
+        assert len(fn.signatures) == 1
+    with pytest.raises(TypeError):  # another type is refused, not compiled
+        kernels.predict_bag(ids.astype(np.float64), p._rows, 54, 1000, False, p.basis_,
+                            p.mean_, 6, 2)
+    assert len(kernels.predict_bag.signatures) == 1
+
+
 @pytest.mark.parametrize("weighting", ["token", "tf", "tfidf"])
 @pytest.mark.parametrize("bits,rank", [(16, 32), (12, 7), (10, 46)])
 def test_both_kernels_agree_on_every_profile_entry(weighting, bits, rank):

@@ -31,7 +31,30 @@ _M1, _M2, _S32, _ONE = u64(0x9E3779B97F4A7C15), u64(0xC2B2AE3D27D4EB4F), u64(32)
 # log1p of the small counts an n-gram has in one prompt, as numpy's float32 log1p gives
 # them (a libm call per distinct bucket cost more than the rest of the tfidf path)
 _LOG1P = np.log1p(np.arange(256, dtype=np.float32))
-_jit = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+_jit = numba.njit(nogil=True, fastmath={"reassoc", "contract"})
+
+
+def _ro(dtype, ndim: int):
+    """A read-only C-contiguous array type: writable arrays convert to it, so ids from
+    ``np.frombuffer`` (read-only) and a fitted predictor's own arrays meet ONE compiled
+    version."""
+    return numba.types.Array(dtype, ndim, "C", readonly=True)
+
+
+_i64, _f32 = numba.types.int64, numba.types.float32
+# The entry points are compiled for exactly these argument types when this module is
+# imported (read from numba's on-disk cache after the first time) and never again: a call
+# with other types converts to them or is refused (TypeError), it never compiles on a
+# request. And a single version per function is what makes the on-disk cache safe across
+# processes: numba's cache numbers each function's versions as processes save them,
+# without a lock, so two processes that compiled DIFFERENT versions at once could leave one
+# version's entry naming the other's machine code (this module had several versions: one
+# read-only ids array compiled anew, seconds, on a router's first text prompt). With one
+# version every process writes the same file with the same code.
+_BAG = (_ro(_i64, 1), _ro(_f32, 2), _i64, _i64, numba.types.boolean, _ro(_f32, 2),
+        _ro(_f32, 1), _i64, _i64)
+_TFIDF = (_ro(_i64, 1), _ro(_f32, 2), _ro(_f32, 1), _i64, _i64, _ro(_f32, 2),
+          _ro(_f32, 1), _i64, _i64)
 
 
 @_jit
@@ -130,7 +153,7 @@ def _finish(z, scale, basis, mean, num_layers, top_k):
     return y
 
 
-@_jit
+@numba.njit([_BAG], nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def predict_bag(ids, rows, shift, vocab, per_token, basis, mean, num_layers, top_k):
     """(L·E,) float32 profile of the ``tf`` / ``token`` models: the mean of ``rows``
     (2**bits, r') over the buckets of the prompt's P unigrams and P − 1 bigrams (divided by
@@ -139,13 +162,13 @@ def predict_bag(ids, rows, shift, vocab, per_token, basis, mean, num_layers, top
     meaningless: the caller refuses the prompt)."""
     b, ok = _buckets(ids, shift, vocab)
     if not ok:
-        return mean, False
+        return mean.copy(), False  # the same (writable) type as a profile
     z = _sum_rows(rows, b, None, b.size)
     scale = np.float32(1.0 / (ids.size if per_token else b.size))
     return _finish(z, scale, basis, mean, num_layers, top_k), True
 
 
-@_jit
+@numba.njit([_TFIDF], nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def predict_tfidf(ids, rows, idf, shift, vocab, basis, mean, num_layers, top_k):
     """(L·E,) float32 profile of the ``tfidf`` model: Σ_b w_b · rows[b] over the distinct
     buckets b of the prompt's n-grams, w_b = log1p(count_b) · idf[b] / ||w||, through
@@ -153,7 +176,7 @@ def predict_tfidf(ids, rows, idf, shift, vocab, basis, mean, num_layers, top_k):
     open-addressing table of 2-4 slots per n-gram (no sort, no 2**bits scratch array)."""
     b, ok = _buckets(ids, shift, vocab)
     if not ok:
-        return mean, False
+        return mean.copy(), False  # the same (writable) type as a profile
     n = b.size
     size = 16
     while size < 2 * n:
