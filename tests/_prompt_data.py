@@ -67,3 +67,11 @@ def two_domain_trace(R: int = 48, seed: int = 0) -> Trace:
                  output_lens=np.full(R, 4, dtype=np.int64), domains=dom.astype(np.int32),
                  domain_names=("a", "b"),
                  prompt_token_ids=np.concatenate(tokens).astype(np.int32))
+
+
+def mix64(key: int) -> int:
+    """The documented 64-bit mix of one n-gram key, in Python integers."""
+    mask = (1 << 64) - 1
+    h = key * 0x9E3779B97F4A7C15 & mask
+    h ^= h >> 32
+    return h * 0xC2B2AE3D27D4EB4F & mask

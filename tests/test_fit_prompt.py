@@ -1,4 +1,3 @@
-import hashlib
 import json
 from collections import Counter
 from itertools import pairwise
@@ -6,18 +5,11 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from _prompt_data import K_TOP, VOCAB, E, L, token_trace
+from _prompt_data import K_TOP, VOCAB, E, L, mix64, token_trace
 from eldr.cli import main
 from eldr.fit import artifact
 from eldr.fit.artifact import fit_artifact
-from eldr.fit.prompt import (
-    WEIGHTINGS,
-    PromptPredictor,
-    config_vocab_size,
-    ngram_hashes,
-    tokenizer_fingerprint,
-    tokenizer_vocab_size,
-)
+from eldr.fit.prompt import WEIGHTINGS, PromptPredictor, ngram_hashes, tokenizer_fingerprint
 from eldr.traces.trace import save as save_trace
 
 SMALL = {"bits": (10, 12), "ranks": (4, 8), "alphas": (0.01, 0.1, 1.0)}
@@ -74,41 +66,15 @@ def test_rows_sum_to_top_k_before_clipping(fitted):
 @pytest.mark.parametrize("weighting", ["tf", "tfidf"])
 def test_predict_is_the_model_on_the_fitted_features(trace, weighting):
     """predict's fast paths compute what the fit's feature rows imply."""
-    from eldr.fit.prompt import _feature_row
+    from eldr.fit.prompt_features import feature_row
 
     p = PromptPredictor(**SMALL, weightings=(weighting,)).fit(trace.subset(np.arange(60)))
     ids = trace.prompt_tokens(100)
-    b, w = _feature_row(ngram_hashes(ids), p.bits_, p.idf_, weighting)
+    b, w = feature_row(ngram_hashes(ids), p.bits_, p.idf_, weighting)
     y = (p.mean_ + (w @ p.weights_[b]) @ p.basis_).reshape(L, E)
     y = np.maximum(y, 0)
     y *= K_TOP / y.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(p.predict(ids), y, rtol=1e-4, atol=1e-6)
-
-
-def _mix(key: int) -> int:
-    """The documented 64-bit mix of one n-gram key, in Python integers."""
-    mask = (1 << 64) - 1
-    h = key * 0x9E3779B97F4A7C15 & mask
-    h ^= h >> 32
-    return h * 0xC2B2AE3D27D4EB4F & mask
-
-
-def test_ngram_hashes_are_pinned_and_unigrams_differ_from_bigrams():
-    mix = _mix
-    ids = np.array([5, 0, 7])
-    expected = [mix(5), mix(0), mix(7), mix((6 << 32) | 0), mix((1 << 32) | 7)]
-    assert ngram_hashes(ids).tolist() == expected
-    assert ngram_hashes(np.array([3])).tolist() == [mix(3)]
-    # the largest ids (the bigrams' product is built from the unigrams' by shifts and
-    # adds), whatever the integer dtype
-    top = (1 << 31) - 1
-    expected = [mix(top), mix(top - 1), mix(0), mix((top + 1) << 32 | top - 1), mix(top << 32)]
-    for dtype in (np.int64, np.uint32, np.int32, np.uint64):
-        assert ngram_hashes(np.array([top, top - 1, 0], dtype=dtype)).tolist() == expected
-    # coarser buckets are a shift of finer ones
-    h = ngram_hashes(np.arange(100))
-    np.testing.assert_array_equal(h >> np.uint64(64 - 10), (h >> np.uint64(64 - 12)) >> 2)
-
 
 
 def _predict_written_out(p: PromptPredictor, ids) -> np.ndarray:
@@ -119,7 +85,7 @@ def _predict_written_out(p: PromptPredictor, ids) -> np.ndarray:
     rescaled to top_k (an all-zero layer uniform)."""
     ids = [int(t) for t in ids]
     keys = ids + [(a + 1) << 32 | b for a, b in pairwise(ids)]
-    count = Counter(_mix(key) >> (64 - p.bits_) for key in keys)
+    count = Counter(mix64(key) >> (64 - p.bits_) for key in keys)
     if p.weighting_ == "tfidf":
         w = {b: np.log1p(c) * float(p.idf_[b]) for b, c in count.items()}
         norm = np.sqrt(sum(v * v for v in w.values()))
@@ -184,27 +150,6 @@ def test_token_ids_may_be_any_integer_sequence(fitted, trace):
     ref = fitted.predict(ids)
     for other in (ids.astype(np.int64), ids.astype(np.uint16), [int(t) for t in ids]):
         np.testing.assert_array_equal(fitted.predict(other), ref)
-
-
-def test_tokenizer_fingerprint_and_vocabulary(tmp_path):
-    doc = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}},
-           "added_tokens": [{"id": 7, "content": "<eos>"}]}
-    raw = json.dumps(doc).encode()
-    (tmp_path / "tokenizer.json").write_bytes(raw)
-    fp = hashlib.sha256(raw).hexdigest()
-    assert tokenizer_fingerprint(raw) == fp
-    assert tokenizer_fingerprint(tmp_path) == fp
-    assert tokenizer_fingerprint(tmp_path / "tokenizer.json") == fp
-    assert tokenizer_fingerprint(raw + b" ") != fp
-    assert tokenizer_vocab_size(tmp_path) == 8
-    unigram = {"model": {"type": "Unigram", "vocab": [["a", -1.0], ["b", -2.0]]}}
-    assert tokenizer_vocab_size(json.dumps(unigram).encode()) == 2
-    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
-        tokenizer_fingerprint(tmp_path / "nothing")
-    with pytest.raises(ValueError, match=r"not a readable tokenizer\.json"):
-        tokenizer_vocab_size(b"{not json")
-    with pytest.raises(ValueError, match="no vocabulary"):
-        tokenizer_vocab_size(b"{}")
 
 
 def test_another_tokenizer_is_refused(fitted):
@@ -380,31 +325,6 @@ def test_without_a_vocabulary_ids_beyond_the_calibration_are_hashed_not_refused(
         "tokenizer"
 
 
-def test_config_vocab_size_reads_a_models_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 4096}))
-    assert config_vocab_size(tmp_path) == 4096
-    assert config_vocab_size(tmp_path / "config.json") == 4096
-    assert config_vocab_size({"text_config": {"vocab_size": 262144}}) == 262144
-    from eldr.capture import tiny_moe_dir
-
-    assert config_vocab_size(tiny_moe_dir()) == json.loads(
-        (tiny_moe_dir() / "config.json").read_text())["vocab_size"]
-    for bad, match in (({}, "vocab_size must be an integer"),
-                       ({"vocab_size": 0}, "vocab_size must be"),
-                       ({"vocab_size": True}, "vocab_size must be"),
-                       ({"vocab_size": 2**31 + 1}, "vocab_size must be")):
-        with pytest.raises(ValueError, match=match):
-            config_vocab_size(bad)
-    with pytest.raises(ValueError, match=r"no config\.json"):
-        config_vocab_size(tmp_path / "none")
-    (tmp_path / "config.json").write_text("[1]")
-    with pytest.raises(ValueError, match="must be a JSON object"):
-        config_vocab_size(tmp_path)
-    (tmp_path / "config.json").write_text("{oops")
-    with pytest.raises(ValueError, match=r"not a readable config\.json"):
-        config_vocab_size(tmp_path)
-
-
 def test_a_model_config_gives_the_vocabulary_and_ids_outside_it_are_refused(trace, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB + 10}))
     a = fit_artifact(trace, worker_ids=["a", "b"], n_init=1, model_config=tmp_path,
@@ -531,27 +451,6 @@ def test_eldr_fit_fits_the_predictor_with_its_tokenizer(trace, tmp_path, capsys)
     assert main([*base, "--tokenizer", str(tmp_path / "none"), "-o",
                  str(tmp_path / "c")]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
-
-
-def test_the_sparse_kernel_equals_the_dense_products():
-    """Frequent buckets go through a dense block, rare ones through pair expansion."""
-    from eldr.fit.prompt import _Design
-
-    rng = np.random.default_rng(3)
-    R, B = 50, 256
-    x = np.zeros((R, B))
-    x[:, :4] = rng.random((R, 4))  # in every row: dense columns
-    for i in range(R):  # a few rare buckets per row
-        x[i, rng.choice(np.arange(4, B), 6, replace=False)] = rng.random(6)
-    rows = [(np.flatnonzero(x[i]), x[i, np.flatnonzero(x[i])]) for i in range(R)]
-    d = _Design(rows, B)
-    assert set(range(4)) <= set(d.used[d.dense].tolist()) and d.sparse.size > 0
-    d._PAIRS_PER_CHUNK = 7  # many chunks
-    d._ENTRIES_PER_CHUNK = 5
-    np.testing.assert_allclose(d.gram(), x @ x.T, rtol=1e-12, atol=1e-12)
-    a = rng.random((R, 3))
-    np.testing.assert_allclose(d.transpose_times(a), x.T @ a, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(d.mean_row(), x.mean(axis=0), rtol=1e-12, atol=1e-12)
 
 
 def test_the_token_model_learns_each_tokens_experts_from_prefill_topk():

@@ -7,150 +7,79 @@ token's expert choices, and a token's choices depend mostly on the token and its
 neighbours. :class:`PromptPredictor` learns that map from a captured trace (prompt token
 ids + prefill counts):
 
-- features: unigrams and bigrams of token ids, hashed (:func:`ngram_hashes`, a fixed
-  64-bit multiplicative hash, the same in every process; never Python's ``hash()``) into
-  ``2**bits`` buckets, weighted ``log(1 + tf) · idf`` and L2-normalised (TF-IDF);
+- features: unigrams and bigrams of token ids, hashed into ``2**bits`` buckets, weighted
+  ``log(1 + tf) · idf`` and L2-normalised (TF-IDF) or by relative frequency (``tf``)
+  (:mod:`eldr.fit.prompt_features`);
 - model: ridge regression onto the centred profiles in a reduced target basis (the top
-  ``rank`` right singular vectors of the training profiles). It is solved in the dual
-  (an R × R kernel of the requests), so fitting costs O(R² · buckets used), and stored in
-  the primal: ``weights_`` (2**bits, rank), so a prediction gathers one row per distinct
-  n-gram of the prompt;
+  ``rank`` right singular vectors of the training profiles), solved in the dual and stored
+  in the primal: ``weights_`` (2**bits, rank), so a prediction gathers one row per
+  distinct n-gram of the prompt (:mod:`eldr.fit.prompt_ridge`); with a trace's per-token
+  experts (``prefill_topk``) a third candidate, the ``token`` model, learns each n-gram's
+  experts from every prompt token instead of from whole prompts, and predicts as cheaply
+  as ``tf`` (:mod:`eldr.fit.prompt_token`);
 - output: ``mean_ + (x @ weights_) @ basis_``, negative entries clipped to 0 and each
   layer's row rescaled to sum to ``top_k``, as a real profile's rows do. Before clipping
   the rows already sum to ``top_k``: every basis row lies in the span of centred
   profiles, whose layer rows sum to 0.
 
-With a trace's per-token experts (``prefill_topk``) a third candidate, the ``token`` model
-(:class:`_TokenData`), learns each n-gram's experts from every prompt token instead of from
-whole prompts, and predicts as cheaply as ``tf``.
+This module is the estimator: the search (``bits``, the model, ``rank`` and ``alpha``
+chosen by k-fold cross-validated R² of the profile on the calibration requests, the kernel
+computed once per feature set for all folds, candidates whose stored arrays would exceed
+``max_bytes`` skipped, then the model refitted on every request), the prediction (numpy,
+or the compiled kernel of :mod:`eldr.fit.prompt_kernel` when numba loads) and the stored
+state.
 
-``bits``, the model, ``rank`` and ``alpha`` are chosen by k-fold cross-validated R² of the
-profile on the calibration requests (the kernel is computed once per ``bits`` for all
-folds), candidates whose stored arrays would exceed ``max_bytes`` skipped, then the model
-is refitted on every request.
-
-A predictor belongs to one tokenizer: it carries the SHA-256 of its ``tokenizer.json``
-(:func:`tokenizer_fingerprint`, "" when unknown), its vocabulary size and where that size
-came from (``vocab_source``, :data:`VOCAB_SOURCES`): the tokenizer's vocabulary
-(:func:`tokenizer_vocab_size`) or the model's ``config.json`` (:func:`config_vocab_size`)
-is a real vocabulary, and token ids outside ``[0, vocab_size)`` are refused; without
-either, ``vocab_size`` is only 1 + the largest id the calibration held, and a later prompt's
-larger id is hashed like any other (an id is refused only when negative or beyond the
-hash's ``2**31``). :meth:`PromptPredictor.check_tokenizer` refuses another tokenizer's
-fingerprint. Synthetic traces draw their token ids uniformly:
-a predictor fitted on one carries no information (evaluate on captured traces only).
+A predictor belongs to one tokenizer (:mod:`eldr.fit.prompt_vocab`): it carries the
+SHA-256 of its ``tokenizer.json`` (:func:`tokenizer_fingerprint`, "" when unknown), its
+vocabulary size and where that size came from (``vocab_source``, :data:`VOCAB_SOURCES`):
+the tokenizer's vocabulary or the model's ``config.json`` is a real vocabulary, and token
+ids outside ``[0, vocab_size)`` are refused; without either, ``vocab_size`` is only 1 + the
+largest id the calibration held, and a later prompt's larger id is hashed like any other
+(an id is refused only when negative or beyond the hash's ``2**31``).
+:meth:`PromptPredictor.check_tokenizer` refuses another tokenizer's fingerprint.
+Synthetic traces draw their token ids uniformly: a predictor fitted on one carries no
+information (evaluate on captured traces only). The names of those modules that callers
+use (:func:`ngram_hashes`, :data:`HASH_NAME`, the tokenizer functions) are importable
+from here too.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
+from eldr.fit.prompt_features import (
+    HASH_NAME,
+    check_token_ids,
+    feature_row,
+    ngram_hashes,
+    tfidf_features,
+)
+from eldr.fit.prompt_ridge import Design, ridge, ridge_fold_predictions
+from eldr.fit.prompt_token import TokenData, dense_table, token_fold_predictions
+from eldr.fit.prompt_vocab import (
+    MAX_TOKEN_ID,
+    VOCAB_SOURCES,
+    config_vocab_size,
+    resolve_vocab_source,
+    tokenizer_fingerprint,
+    tokenizer_vocab_size,
+)
 from eldr.traces.trace import Trace
 
 __all__ = ["HASH_NAME", "KERNELS", "VOCAB_SOURCES", "WEIGHTINGS", "PromptPredictor",
            "compiled_kernels", "config_vocab_size", "ngram_hashes", "tokenizer_fingerprint",
            "tokenizer_vocab_size"]
 
-HASH_NAME = "mul64-unigram-bigram-v1"  # names the feature hash below; stored, checked
 WEIGHTINGS = ("tfidf", "tf", "token")  # feature weightings / models (module docstring)
-_MAX_TOKENS = 1 << 18  # tokens the token model learns from per fit (a seeded sample beyond)
 _MAX_BITS = 24
-_MAX_ID = 1 << 31  # token ids the feature hash takes (a bigram key holds two below 2**32)
-_MAX_TOKENIZER_BYTES = 256 << 20
-_MAX_CONFIG_BYTES = 4 << 20
-# where a predictor's vocab_size comes from: a tokenizer's or a model config's vocabulary
-# (ids outside it refused), or the calibration's largest id (ids beyond it hashed)
-VOCAB_SOURCES = ("tokenizer", "config", "calibration")
-# Odd 64-bit multipliers (golden-ratio and a MurmurHash3 finaliser constant).
-_M1 = np.uint64(0x9E3779B97F4A7C15)
-_M2 = np.uint64(0xC2B2AE3D27D4EB4F)
-_S32 = np.uint64(32)
-_M1_HIGH = np.uint64((0x9E3779B97F4A7C15 << 32) % (1 << 64))  # M1 << 32
 KERNELS = ("auto", "numpy", "compiled")  # PromptPredictor.predict(kernel=...)
 _log = logging.getLogger(__name__)
-
-
-# -- tokenizer identity ------------------------------------------------------------------
-def _tokenizer_bytes(source: str | os.PathLike | bytes) -> bytes:
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source)
-    path = Path(source)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(f"{path}: no tokenizer.json there")
-    if path.stat().st_size > _MAX_TOKENIZER_BYTES:
-        raise ValueError(f"{path}: larger than {_MAX_TOKENIZER_BYTES >> 20} MiB, refused")
-    return path.read_bytes()
-
-
-def tokenizer_fingerprint(tokenizer_json_path_or_bytes: str | os.PathLike | bytes) -> str:
-    """SHA-256 (hex) of a tokenizer's ``tokenizer.json`` bytes: a file, a model folder
-    holding one, or the bytes themselves. Two tokenizers with the same file map text to
-    the same ids; any change to the file (vocabulary, merges, normaliser) changes it."""
-    return hashlib.sha256(_tokenizer_bytes(tokenizer_json_path_or_bytes)).hexdigest()
-
-
-def tokenizer_vocab_size(tokenizer_json_path_or_bytes: str | os.PathLike | bytes) -> int:
-    """1 + the largest token id of a ``tokenizer.json`` (model vocabulary and added
-    tokens): every id that tokenizer can produce is below it."""
-    raw = _tokenizer_bytes(tokenizer_json_path_or_bytes)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-        vocab = doc.get("model", {}).get("vocab", {})
-        if isinstance(vocab, dict):
-            ids = [int(v) for v in vocab.values()]
-        else:  # Unigram: a list of [piece, score], the id is the position
-            ids = [len(vocab) - 1] if vocab else []
-        ids += [int(t["id"]) for t in doc.get("added_tokens", []) or []]
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, KeyError,
-            ValueError) as exc:
-        raise ValueError(f"not a readable tokenizer.json ({exc})") from None
-    if not ids or min(ids) < 0:
-        raise ValueError("tokenizer.json has no vocabulary")
-    return max(ids) + 1
-
-
-def config_vocab_size(config: str | os.PathLike | dict) -> int:
-    """``vocab_size`` of a model's Hugging Face ``config.json``: a file, a model folder
-    holding one, or the parsed document (a multimodal config's ``text_config`` read for
-    the language model's). Every token id the model embeds is below it; ValueError naming
-    the problem otherwise."""
-    where = "config"
-    if isinstance(config, dict):
-        doc = config
-    else:
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        where = str(path)
-        if not path.is_file():
-            raise ValueError(f"{path}: no config.json there")
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise ValueError(f"{path}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, refused")
-        try:
-            doc = json.loads(path.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable config.json ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{where}: a config.json must be a JSON object")
-    text = doc.get("text_config")
-    v = doc.get("vocab_size")
-    if v is None and isinstance(text, dict):
-        v = text.get("vocab_size")
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= _MAX_ID:
-        raise ValueError(f"{where}: vocab_size must be an integer in [1, 2**31], got {v!r}")
-    return v
 
 
 # -- the compiled kernel (optional) -------------------------------------------------------
@@ -189,80 +118,6 @@ def _load_compiled():
                      "predictions use the numpy path", type(exc).__name__, exc)
         return None
     return prompt_kernel
-
-
-# -- features ----------------------------------------------------------------------------
-def _check_ids(token_ids, limit: int | None, where: str = "") -> np.ndarray:
-    """(P,) int64 token ids in ``[0, limit)`` (``None``: non-negative only), or ValueError
-    naming the problem; ``where`` says what the limit is, for the message."""
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1:
-        raise ValueError(f"token ids must be a 1-D sequence, got shape {ids.shape}")
-    if ids.size == 0:
-        raise ValueError("empty prompt: no token ids")
-    if ids.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-    checked = ids.astype(np.int64, copy=False)
-    # one pass for the common case: a negative id read as uint64 is >= 2**63, beyond any
-    # vocabulary; the two-sided check below names the bad id
-    if limit is not None and checked.view(np.uint64).max() < limit:
-        return checked
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0:
-        raise ValueError(f"unknown token id {lo}: token ids are non-negative")
-    if limit is not None and hi >= limit:
-        raise ValueError(f"unknown token id {hi}: outside [0, {limit}) {where}".rstrip())
-    return checked
-
-
-def ngram_hashes(token_ids: np.ndarray) -> np.ndarray:
-    """(2P − 1,) uint64 hashes of a prompt's P unigrams then P − 1 bigrams.
-
-    Keys: a unigram is its id ``t`` (< 2**32); a bigram ``(a, b)`` is ``(a + 1) << 32 | b``
-    (≥ 2**32, so no bigram key equals a unigram key). Each key is mixed by multiply,
-    xor-shift, multiply (mod 2**64); the bucket of ``bits`` is the top ``bits`` bits,
-    ``h >> (64 − bits)``, so a coarser bucketing is a shift of a finer one. Ids must be
-    valid (non-negative, < 2**31); :meth:`PromptPredictor.predict` checks them first.
-    """
-    t = np.asarray(token_ids)
-    t = t.view(np.uint64) if t.dtype == np.int64 else t.astype(np.uint64)
-    keys = np.empty(2 * t.size - 1, dtype=np.uint64)
-    unigrams, bigrams = keys[:t.size], keys[t.size:]
-    np.multiply(t, _M1, out=unigrams)
-    # ((a + 1) << 32 | b) · M1 = (a·M1 << 32) + (M1 << 32) + b·M1 (mod 2**64, as b < 2**32):
-    # the bigrams' first product from the unigrams' by shifts and adds (a uint64 multiply
-    # is the slowest step), in place (no temporary but the xor-shift's)
-    np.left_shift(unigrams[:-1], _S32, out=bigrams)
-    bigrams += _M1_HIGH
-    bigrams += unigrams[1:]
-    keys ^= keys >> _S32
-    keys *= _M2
-    return keys
-
-
-def _bucket_counts(hashes: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct buckets (sorted, intp) and their counts of one prompt's hashes."""
-    b = (hashes >> np.uint64(64 - bits)).astype(np.int32)  # < 2**24: a 32-bit sort is
-    b.sort()  # a third faster than a 64-bit one
-    starts = np.flatnonzero(np.concatenate(([True], b[1:] != b[:-1])))
-    counts = np.diff(np.append(starts, b.size))
-    return b[starts].astype(np.intp), counts
-
-
-def _feature_row(hashes: np.ndarray, bits: int, idf: np.ndarray, weighting: str
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """(buckets, float32 weights) of one prompt: ``tfidf``: log(1 + tf) · idf,
-    L2-normalised (zero stays zero); ``tf``: tf / number of n-grams (the profile is a mean
-    over tokens, so a model linear in relative frequencies can match it exactly when each
-    n-gram's experts are fixed)."""
-    buckets, counts = _bucket_counts(hashes, bits)
-    if weighting == "tf":
-        return buckets, counts.astype(np.float32) / np.float32(hashes.size)
-    w = np.log1p(counts.astype(np.float32)) * idf[buckets]
-    norm = np.sqrt(np.dot(w, w))
-    if norm > 0:
-        w /= norm
-    return buckets, w
 
 
 _ONES = np.ones(1 << 12, dtype=np.float32)  # read-only, grown by _ones for longer prompts
@@ -346,253 +201,6 @@ def _target_basis(yc: np.ndarray, max_rank: int, seed: int = 0) -> np.ndarray:
     if not keep.any():  # every target the same: a zero direction, predictions = the mean
         return np.zeros((1, n))
     return vt[keep]
-
-
-# -- the kernel ------------------------------------------------------------------------------
-class _Design:
-    """Sparse rows (R requests × 2**bits buckets) as column-sorted COO, for the kernel
-    X X^T and for X^T A.
-
-    A column (bucket) shared by many requests (a frequent token) is cheapest as part of a
-    dense block multiplied by BLAS (R² flops each); a rare one as the pairs of its own
-    requests (n² scattered products). Columns holding more than R / 16 requests go dense,
-    the rest are expanded into pairs a chunk at a time, so the kernel costs about
-    R² · (dense columns) + Σ n² over the rest, never R² · (all buckets used).
-    """
-
-    _PAIRS_PER_CHUNK = 1 << 22  # bounded memory of the pair expansion
-    _ENTRIES_PER_CHUNK = 1 << 20  # bounded memory of X^T A
-
-    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray]], num_buckets: int) -> None:
-        self.num_rows = R = len(rows)
-        self.num_buckets = num_buckets
-        r = np.concatenate([np.full(b.size, i, dtype=np.intp) for i, (b, _) in enumerate(rows)])
-        c = np.concatenate([b for b, _ in rows])
-        v = np.concatenate([w for _, w in rows]).astype(np.float64)
-        used, col = np.unique(c, return_inverse=True)
-        order = np.argsort(col, kind="stable")
-        self.used = used  # (U,) bucket of each compact column
-        self.rows, self.cols, self.vals = r[order], col[order], v[order]
-        self.bounds = np.searchsorted(self.cols, np.arange(used.size + 1))
-        sizes = np.diff(self.bounds)
-        self.dense = np.flatnonzero(sizes > max(1, R // 16))  # compact columns, dense part
-        self.sparse = np.flatnonzero(sizes <= max(1, R // 16))
-
-    def _dense_block(self) -> np.ndarray:
-        """(R, number of dense columns) float64."""
-        d = np.zeros((self.num_rows, self.dense.size))
-        for j, c in enumerate(self.dense):
-            s0, s1 = self.bounds[c], self.bounds[c + 1]
-            d[self.rows[s0:s1], j] = self.vals[s0:s1]
-        return d
-
-    def gram(self) -> np.ndarray:
-        """(R, R) float64 X X^T."""
-        R = self.num_rows
-        d = self._dense_block()
-        k = d @ d.T
-        sizes = np.diff(self.bounds)[self.sparse]
-        cost = np.cumsum(sizes.astype(np.int64) ** 2)
-        start = 0
-        while start < self.sparse.size:  # columns [start, stop) expanded into pairs
-            stop = int(np.searchsorted(cost, (cost[start - 1] if start else 0)
-                                       + self._PAIRS_PER_CHUNK, side="right"))
-            stop = max(stop, start + 1)
-            cols = self.sparse[start:stop]
-            n = np.diff(self.bounds)[cols]
-            first = self.bounds[cols]
-            # entry e of column c pairs with each of the n_c entries of c
-            entry = _ranges(first, n)
-            reps = np.repeat(n, n)  # each entry repeated n_c times
-            left = np.repeat(entry, reps)
-            col_first = np.repeat(np.repeat(first, n), reps)
-            within = np.arange(left.size) - np.repeat(np.cumsum(reps) - reps, reps)
-            right = col_first + within
-            flat = self.rows[left] * R + self.rows[right]
-            k += np.bincount(flat, weights=self.vals[left] * self.vals[right],
-                             minlength=R * R).reshape(R, R)
-            start = stop
-        return k
-
-    def transpose_times(self, a: np.ndarray) -> np.ndarray:
-        """(2**bits, r) float64 X^T a for a (R, r)."""
-        out = np.zeros((self.num_buckets, a.shape[1]))
-        U = self.used.size
-        c0 = 0
-        while c0 < U:  # columns [c0, c1) hold at most _ENTRIES_PER_CHUNK entries (or one)
-            c1 = int(np.searchsorted(self.bounds, self.bounds[c0] + self._ENTRIES_PER_CHUNK,
-                                     side="right")) - 1
-            c1 = min(max(c1, c0 + 1), U)
-            s0, s1 = self.bounds[c0], self.bounds[c1]
-            prod = self.vals[s0:s1, None] * a[self.rows[s0:s1]]
-            out[self.used[c0:c1]] = np.add.reduceat(prod, self.bounds[c0:c1] - s0, axis=0)
-            c0 = c1
-        return out
-
-    def mean_row(self) -> np.ndarray:
-        """(2**bits,) float64 mean feature row x̄."""
-        out = np.bincount(self.used[self.cols], weights=self.vals, minlength=self.num_buckets)
-        return out / max(self.num_rows, 1)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
-    total = int(lengths.sum())
-    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + (np.arange(total) - offsets)
-
-
-def _center(k: np.ndarray, train: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Kernel rows ``rows`` × columns ``train`` of the features centred on ``train``."""
-    ktt = k[np.ix_(train, train)]
-    col_mean = ktt.mean(axis=0)
-    krt = k[np.ix_(rows, train)]
-    return krt - krt.mean(axis=1, keepdims=True) - col_mean[None, :] + col_mean.mean()
-
-
-class _TokenData:
-    """The ``token`` model's data: every prompt token's experts, learned per n-gram.
-
-    The prefill profile is the mean over the prompt's tokens of each token's k-hot expert
-    choice per layer, so a captured trace (``prefill_topk``) gives one supervised sample per
-    TOKEN, not per prompt. The model: a token's deviation from the mean profile, in the
-    target basis, is ``U[its unigram] + G[its bigram with the previous token]``, ``U`` the
-    shrunk mean deviation of the tokens sharing a unigram bucket (``sum / (n + λ)``), ``G``
-    the same of what ``U`` leaves, per bigram bucket (backoff); both tables share the
-    hashed bucket space (one table, as in the linear models). A prompt's prediction is the
-    mean over its tokens: ``mean + Σ_{n-grams} W[bucket] / P``, as cheap as the ``tf``
-    model. At most ``_MAX_TOKENS`` tokens (a seeded sample) are learned from.
-    """
-
-    def __init__(self, ids, hashes, experts, num_experts: int, rng) -> None:
-        self.hashes = hashes
-        self.lengths = np.array([p.size for p in ids])
-        offsets = np.concatenate(([0], np.cumsum(self.lengths)))
-        self.offsets = offsets
-        total = int(offsets[-1])
-        take = np.arange(total) if total <= _MAX_TOKENS else np.sort(
-            rng.choice(total, _MAX_TOKENS, replace=False))
-        self.token = take  # global index of each sampled token
-        self.prompt = np.searchsorted(offsets, take, side="right") - 1
-        pos = take - offsets[self.prompt]
-        top = np.concatenate([np.asarray(e, dtype=np.int64).reshape(e.shape[0], -1)
-                              for e in experts])[take]  # (T, L·k)
-        L = np.asarray(experts[0]).shape[1]
-        k = np.asarray(experts[0]).shape[2]
-        self.flat = top + (np.arange(L) * num_experts).repeat(k)[None, :]  # into L·E
-        self.pos = pos
-        self.has_prev = pos > 0
-
-    def _buckets(self, bits: int) -> tuple[np.ndarray, np.ndarray]:
-        """(unigram bucket, bigram bucket or -1) of each sampled token."""
-        shift = np.uint64(64 - bits)
-        uni = np.empty(self.token.size, dtype=np.intp)
-        bi = np.full(self.token.size, -1, dtype=np.intp)
-        for i in np.unique(self.prompt):
-            sel = np.flatnonzero(self.prompt == i)
-            h, P, p = self.hashes[i], self.lengths[i], self.pos[sel]
-            uni[sel] = (h[p] >> shift).astype(np.intp)
-            prev = p > 0
-            bi[sel[prev]] = (h[P + p[prev] - 1] >> shift).astype(np.intp)
-        return uni, bi
-
-    def tables(self, prompts: np.ndarray, bits: int, basis: np.ndarray, mean: np.ndarray,
-               lam: float) -> tuple[np.ndarray, np.ndarray]:
-        """The table learned from the tokens of ``prompts``, compact: (sorted buckets,
-        (U, rank) float64 rows); other buckets are 0."""
-        key = bits
-        if getattr(self, "_key", None) != key:
-            self._uni, self._bi = self._buckets(bits)
-            self._key = key
-        sel = np.flatnonzero(np.isin(self.prompt, prompts))
-        cache = self.__dict__.setdefault("_deviations", {})
-        key = (id(basis), sel.size, basis.shape[0])  # a fold's basis is reused across
-        if key not in cache:  # buckets and λ: its token deviations are computed once
-            bt = basis.T  # (L·E, rank)
-            z = np.empty((sel.size, basis.shape[0]))
-            for c in range(0, sel.size, 2048):  # bounded memory of the gathered rows
-                rows = sel[c:c + 2048]
-                z[c:c + 2048] = np.take(bt, self.flat[rows], axis=0).sum(axis=1)
-            z -= mean @ bt
-            cache[key] = (basis, z)  # the basis is kept so its id stays unique
-        z = cache[key][1].copy()
-        uni, bi = self._uni[sel], self._bi[sel]
-        keys, vals = _bucket_means(uni, z, lam)
-        z -= vals[np.searchsorted(keys, uni)]
-        has = bi >= 0
-        bkeys, bvals = _bucket_means(bi[has], z[has], lam)
-        table_keys = np.union1d(keys, bkeys)
-        table = np.zeros((table_keys.size, z.shape[1]))
-        table[np.searchsorted(table_keys, keys)] += vals
-        table[np.searchsorted(table_keys, bkeys)] += bvals
-        return table_keys, table
-
-    def mean_row(self, i: int, bits: int, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """(rank,) the model's prediction for prompt ``i`` (deviation from the mean)."""
-        keys, vals = table
-        rows = (self.hashes[i] >> np.uint64(64 - bits)).astype(np.intp)
-        pos = np.minimum(np.searchsorted(keys, rows), keys.size - 1)
-        hit = pos[keys[pos] == rows]
-        return np.take(vals, hit, axis=0).sum(axis=0) / self.lengths[i]
-
-
-def _dense_table(table: tuple[np.ndarray, np.ndarray], num_buckets: int) -> np.ndarray:
-    """(num_buckets, r) float64 from a compact (keys, values) table."""
-    keys, vals = table
-    out = np.zeros((num_buckets, vals.shape[1]))
-    out[keys] = vals
-    return out
-
-
-def _bucket_means(idx: np.ndarray, z: np.ndarray, lam: float
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Compact table: (sorted buckets present, (U, r) Σ z over each / (count + λ))."""
-    keys, inv = np.unique(idx, return_inverse=True)
-    n = np.bincount(inv, minlength=keys.size).astype(np.float64)
-    out = np.empty((keys.size, z.shape[1]))
-    for j in range(z.shape[1]):
-        out[:, j] = np.bincount(inv, weights=z[:, j], minlength=keys.size)
-    return keys, out / (n + lam)[:, None]
-
-
-def _ridge_fold_predictions(k: np.ndarray, target: np.ndarray, alphas: Sequence[float],
-                            train: np.ndarray, held_out: np.ndarray, mean: np.ndarray,
-                            basis: np.ndarray):
-    """Yield (alpha, (R_v, rank_max) float64 predicted basis coordinates of the requests
-    ``held_out``) of the kernel ridge fitted on ``train``, per alpha: one eigendecomposition
-    of the centred training kernel serves every alpha. ``k`` (R, R) kernel of all requests,
-    ``target`` (R, L·E), ``mean`` and ``basis`` the fold's."""
-    yc = target[train] - mean
-    kc = _center(k, train, train)
-    scale = max(float(np.trace(kc)) / train.size, 1e-12)
-    lam, q = np.linalg.eigh(kc)
-    lam = np.maximum(lam, 0.0) / scale
-    g = q.T @ (yc @ basis.T)  # (R_t, rank_max)
-    kq = _center(k, train, held_out) @ q / scale
-    for a in alphas:
-        yield a, (kq / (lam + a)) @ g
-
-
-def _token_fold_predictions(tokens: _TokenData, bits: int, alphas: Sequence[float],
-                            train: np.ndarray, held_out: np.ndarray, mean: np.ndarray,
-                            basis: np.ndarray):
-    """Yield (alpha, (R_v, rank_max) float64 predicted basis coordinates of the requests
-    ``held_out``) of the token model learned from the tokens of ``train``, per alpha."""
-    for a in alphas:
-        table = tokens.tables(train, bits, basis, mean, a)
-        yield a, np.stack([tokens.mean_row(i, bits, table) for i in held_out])
-
-
-def _vocab_source(source: str | None, vocab_size: int | None, fingerprint: str) -> str:
-    """The fit's ``vocab_source`` checked, or its default: ``tokenizer`` with a known
-    tokenizer, else ``calibration`` (``config`` is always said by the caller)."""
-    if source is None:
-        return "tokenizer" if fingerprint else "calibration"
-    if source not in VOCAB_SOURCES:
-        raise ValueError(f"vocab_source must be one of {VOCAB_SOURCES}, got {source!r}")
-    if source != "calibration" and vocab_size is None:
-        raise ValueError(f"vocab_source={source!r} needs that vocabulary's vocab_size")
-    return source
 
 
 # -- the estimator --------------------------------------------------------------------------
@@ -681,7 +289,7 @@ class PromptPredictor:
         vocabulary (a tokenizer's or a model config's), else the hash's ``2**31`` (a
         vocabulary seen in calibration only: a larger id is hashed like any other)."""
         if getattr(self, "vocab_source", "calibration") == "calibration":
-            return _MAX_ID
+            return MAX_TOKEN_ID
         return self.vocab_size
 
     def _id_limit_named(self) -> str:
@@ -738,14 +346,14 @@ class PromptPredictor:
         t0 = time.perf_counter()
         y = self._check_targets(profiles, len(prompts), tokenizer_fingerprint)
         R, L, E = y.shape
-        ids = [_check_ids(p, None) for p in prompts]
+        ids = [check_token_ids(p, None) for p in prompts]
         seen = max(int(p.max()) for p in ids) + 1
         vocab = seen if vocab_size is None else int(vocab_size)
         if vocab < seen:
             raise ValueError(f"vocab_size={vocab} but the prompts hold token id {seen - 1}")
-        if vocab > _MAX_ID:
+        if vocab > MAX_TOKEN_ID:
             raise ValueError(f"vocab_size {vocab} is beyond 2**31")
-        source = _vocab_source(vocab_source, vocab_size, tokenizer_fingerprint)
+        source = resolve_vocab_source(vocab_source, vocab_size, tokenizer_fingerprint)
         hashes = [ngram_hashes(p) for p in ids]
         tokens = None
         if token_experts is not None:
@@ -754,7 +362,7 @@ class PromptPredictor:
                 raise ValueError(f"token_experts must hold one (P, {L}, {top_k}) array per "
                                  "prompt")
             sample = np.random.default_rng(self.random_state)
-            tokens = _TokenData(ids, hashes, token_experts, E, sample)
+            tokens = TokenData(ids, hashes, token_experts, E, sample)
         return self._fit(hashes, y, top_k, (vocab, source), tokenizer_fingerprint, tokens, t0)
 
     def fit_hashes(self, bags: Sequence[np.ndarray], profiles: np.ndarray, *, top_k: int,
@@ -778,7 +386,7 @@ class PromptPredictor:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
                 or not 0 < vocab_size <= 1 << 31:
             raise ValueError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
-        source = _vocab_source(vocab_source, vocab_size, tokenizer_fingerprint)
+        source = resolve_vocab_source(vocab_source, vocab_size, tokenizer_fingerprint)
         return self._fit(hashes, y, top_k, (int(vocab_size), source), tokenizer_fingerprint,
                          None, t0)
 
@@ -799,7 +407,7 @@ class PromptPredictor:
         return y
 
     def _fit(self, hashes: list[np.ndarray], y: np.ndarray, top_k: int,
-             vocab: tuple[int, str], tokenizer_fingerprint: str, tokens: _TokenData | None,
+             vocab: tuple[int, str], tokenizer_fingerprint: str, tokens: TokenData | None,
              t0: float) -> PromptPredictor:
         """The fit proper (module docstring) on checked inputs: cross-validate the grid,
         choose a candidate, refit it on every request, store it. ``vocab``: (vocab_size,
@@ -832,7 +440,7 @@ class PromptPredictor:
         return self
 
     def _cross_validate(self, hashes: list[np.ndarray], target: np.ndarray,
-                        weightings: tuple[str, ...], tokens: _TokenData | None
+                        weightings: tuple[str, ...], tokens: TokenData | None
                         ) -> tuple[list[dict], dict]:
         """(grid, features): the k-fold cross-validated R² of every candidate (bits,
         weighting, rank, alpha) within ``max_bytes``, and the linear models' feature rows
@@ -849,13 +457,13 @@ class PromptPredictor:
             if not ranks:
                 continue
             if weighting == "token":
-                predict = functools.partial(_token_fold_predictions, tokens, bits,
+                predict = functools.partial(token_fold_predictions, tokens, bits,
                                             self.alphas)
             else:
-                idf, rows = self._features(hashes, bits, weighting)
-                k = _Design(rows, 1 << bits).gram()
+                idf, rows = tfidf_features(hashes, bits, weighting)
+                k = Design(rows, 1 << bits).gram()
                 features[bits, weighting] = (idf, rows)
-                predict = functools.partial(_ridge_fold_predictions, k, target, self.alphas)
+                predict = functools.partial(ridge_fold_predictions, k, target, self.alphas)
             sse, sst = self._fold_errors(target, fold, bases, ranks, predict)
             for (r, a), err in sse.items():
                 grid.append({"bits": bits, "weighting": weighting, "rank": r, "alpha": a,
@@ -906,7 +514,7 @@ class PromptPredictor:
                    key=lambda g: (g["bits"], g["rank"], -g["alpha"], -g["r2"]))
 
     def _refit(self, best: dict, target: np.ndarray, features: dict,
-               tokens: _TokenData | None
+               tokens: TokenData | None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The chosen candidate fitted on every request, float64: (basis (r, L·E), weights
         (2**bits, r), intercept (L·E,), idf (2**bits,))."""
@@ -916,42 +524,12 @@ class PromptPredictor:
         basis = _target_basis(yc, rank)
         if best["weighting"] == "token":
             everyone = np.arange(target.shape[0])
-            weights = _dense_table(tokens.tables(everyone, bits, basis, mean, alpha),
+            weights = dense_table(tokens.tables(everyone, bits, basis, mean, alpha),
                                    1 << bits)
             return basis, weights, mean, np.ones(1 << bits)
-        weights, intercept, idf = self._ridge(features[bits, best["weighting"]], bits, yc,
+        weights, intercept, idf = ridge(features[bits, best["weighting"]], bits, yc,
                                               basis, mean, alpha)
         return basis, weights, intercept, idf
-
-    @staticmethod
-    def _ridge(features, bits: int, yc: np.ndarray, basis: np.ndarray, mean: np.ndarray,
-               alpha: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(weights (2**bits, rank), intercept (L·E,), idf) of the ridge on every request."""
-        idf, rows = features
-        design = _Design(rows, 1 << bits)
-        k = design.gram()
-        R = yc.shape[0]
-        everyone = np.arange(R)
-        kc = _center(k, everyone, everyone)
-        scale = max(float(np.trace(kc)) / R, 1e-12)
-        lam, q = np.linalg.eigh(kc)
-        # ridge with penalty alpha · scale (alpha relative to the mean self-similarity)
-        a_dual = (q / (np.maximum(lam, 0.0) + alpha * scale)) @ (q.T @ (yc @ basis.T))
-        weights = design.transpose_times(a_dual) - np.outer(design.mean_row(), a_dual.sum(0))
-        # prediction = mean + (x - x̄) W B = (mean - x̄ W B) + x W B: fold x̄ W B into mean_
-        intercept = mean - (design.mean_row() @ weights) @ basis
-        return weights, intercept, idf
-
-    @staticmethod
-    def _features(hashes: list[np.ndarray], bits: int, weighting: str
-                  ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        """IDF (2**bits,) float32 over the prompts, and each prompt's feature row."""
-        df = np.zeros(1 << bits, dtype=np.int64)
-        for h in hashes:
-            df[_bucket_counts(h, bits)[0]] += 1
-        n = len(hashes)
-        idf = (np.log((n + 1.0) / (df + 1.0)) + 1.0).astype(np.float32)
-        return idf, [_feature_row(h, bits, idf, weighting) for h in hashes]
 
     # -- predict ------------------------------------------------------------------------------
     def check_tokenizer(self, fingerprint: str | None) -> None:
@@ -984,10 +562,10 @@ class PromptPredictor:
             elif kernel == "compiled":
                 raise ValueError("the compiled prompt-prediction kernel is not available "
                                  "(numba missing or failing: see the log)")
-        ids = _check_ids(token_ids, self.id_limit, self._id_limit_named())
+        ids = check_token_ids(token_ids, self.id_limit, self._id_limit_named())
         hashes = ngram_hashes(ids)
         if self.weighting_ == "tfidf":  # repeated n-grams aggregated first (a sort)
-            rows, w = _feature_row(hashes, self.bits_, self.idf_, self.weighting_)
+            rows, w = feature_row(hashes, self.bits_, self.idf_, self.weighting_)
             z = w @ np.take(self._rows, rows, axis=0)
         else:  # tf, token: Σ_b (count_b / n) W[b] = (Σ W[b]) / n over the n-grams (tf) or
             # the P tokens (token): no aggregation. np.take and a BLAS dot: 3x and 7x
