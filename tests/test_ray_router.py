@@ -93,6 +93,14 @@ class BrokenTable(LocalTable):
         raise ConnectionError("the table actor died")
 
 
+class SlowTable(LocalTable):
+    """A table actor still starting: its reservation lands after the decision gave up."""
+
+    async def reserve(self, request_id, **kw):
+        await asyncio.sleep(0.3)
+        return await super().reserve(request_id, **kw)
+
+
 def _router(artifact: str, table=None, routing_state=None, **kw) -> EldrDecodeRouter:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
@@ -315,30 +323,39 @@ def test_cancelled_routing_another_replica_and_a_second_choice_keep_the_loads_ri
     router.close()
 
 
-def test_other_methods_and_a_dead_table_go_by_load_without_holding(artifacts):
+def test_other_methods_and_a_dead_or_slow_table_go_by_load_without_holding(artifacts):
     _, predicting, _ = artifacts
     table = _table(predicting)
     router = _router(predicting, table)
     router.ready(30)
     replicas = [Replica("r0"), Replica("r1")]
     broken = _router(predicting, BrokenTable(table.table))
-    broken.ready(30)
+    slow_table = SlowTable(table.table)
+    slow = _router(predicting, slow_table, table_timeout=0.05)
+    for r in (broken, slow):
+        r.ready(30)
 
     async def go():
         other = await router.choose_replicas(replicas, _pending({}, method="llm_config"))
         none = await router.choose_replicas([], _pending({"prompt": [1]}))
-        pr = _pending({"model": "tiny", "prompt": list(range(12))})
-        dead = await broken.choose_replicas(replicas, pr)
+        dead = await broken.choose_replicas(replicas, _pending({"prompt": list(range(12))}))
+        late = await slow.choose_replicas(replicas, _pending({"prompt": list(range(12))}))
+        await asyncio.sleep(0.5)  # the slow reservation lands, and is given back
         await _settle()
-        return other, none, dead
+        return other, none, dead, late
 
-    other, none, dead = asyncio.run(go())
+    other, none, dead, late = asyncio.run(go())
     assert [len(r) for r in other] == [2] and none == []
-    assert [len(r) for r in dead] == [2]  # every replica: Serve's load check decides
-    assert table.calls == [] and table.table.snapshot()["held"] == 0
+    for ranks in (dead, late):  # every replica: Serve's load check decides
+        assert [len(r) for r in ranks] == [2]
+    assert table.calls == []  # the llm_config call held nothing
+    assert slow_table.calls == ["reserve", "release:cancelled"]
+    assert table.table.snapshot()["held"] == 0 and _loads(table) == [0.0, 0.0]
     assert broken.stats()["counters"]["fallbacks:table"] == 1
-    router.close()
-    broken.close()
+    assert slow.stats()["counters"]["fallbacks:table"] == 1
+    assert slow.stats()["counters"]["released:late"] == 1
+    for r in (router, broken, slow):
+        r.close()
 
 
 def test_request_router_kwargs_are_validated(artifacts, tmp_path):
@@ -371,3 +388,15 @@ def test_prompt_body_reads_request_models_and_dicts():
         "messages": [{"role": "user", "content": "hi"}]}  # only what was set
     assert prompt_body({"prompt": "x", "max_tokens": 3}) == {"prompt": "x"}
     assert prompt_body(None) is None
+
+
+def test_the_router_class_survives_serves_pickling_by_value():
+    """Serve pickles the router's module by value (``RequestRouterConfig``): the class
+    must pickle and come back whole (a lock at module or class level would not)."""
+    from ray.serve.config import RequestRouterConfig
+
+    config = RequestRouterConfig(
+        request_router_class="eldr.integrations.ray.router:EldrDecodeRouter",
+        request_router_kwargs={"num_decode": 2, "policy": "jsq"})
+    cls = config.get_request_router_class()
+    assert cls.__name__ == "EldrDecodeRouter" and hasattr(cls, "choose_replicas")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import logging
 import math
@@ -69,7 +68,12 @@ _PROMPT_KEYS = ("prompt", "prompt_embeds", "add_special_tokens", "messages",
 @dataclass(frozen=True)
 class DecodeRouterConfig:
     """``request_router_kwargs`` of :class:`EldrDecodeRouter` (JSON values only: Serve
-    requires them); validated on construction."""
+    requires them); validated on construction.
+
+    Serve pickles this module *by value* with the router class (its
+    ``_serialize_request_router_cls``): nothing here may hold a lock or a handle at
+    module level or in a class attribute (a ``functools.cached_property`` did, in
+    Python 3.11)."""
 
     artifact: str | None = None  # routing artifact directory, as eldr serve --artifact
     policy: str = "eldr_cost"  # a name in eldr.routing.POLICIES, as eldr serve --policy
@@ -86,6 +90,7 @@ class DecodeRouterConfig:
     reservation_ttl: float = 600.0  # seconds an unreleased reservation holds its decoder
     heartbeat_timeout: float = 30.0  # seconds a replica unseen by any router stays routable
     allow_untested_ray: bool = False  # run on a Ray outside TESTED_RAY (with a warning)
+    _decoders: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         t = self.table_timeout
@@ -95,23 +100,27 @@ class DecodeRouterConfig:
         if self.artifact is None and self.num_decode is None:
             raise ValueError("num_decode (the decode deployment's num_replicas) is required "
                              "without an artifact")
+        object.__setattr__(self, "_decoders", self._count_decoders())
         self.serve_config()  # the policy, τ and the prompt work settings, as eldr serve checks
         self.table_config()
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> DecodeRouterConfig:
         """The config of a ``request_router_kwargs`` mapping; unknown keys are refused."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = set(kwargs) - known
         if unknown:
             raise ValueError(f"EldrDecodeRouter: unknown request_router_kwargs "
                              f"{sorted(unknown)}; known: {sorted(known)}")
         return cls(**kwargs)
 
-    @functools.cached_property
+    @property
     def decoders(self) -> int:
         """K: the artifact's worker count (``num_decode``, if given, must equal it), else
-        ``num_decode``; read once."""
+        ``num_decode``; the artifact is read once, on construction."""
+        return self._decoders
+
+    def _count_decoders(self) -> int:
         if self.artifact is None:
             return self.num_decode
         from eldr.fit import artifact as artifact_mod
@@ -318,14 +327,17 @@ class EldrDecodeRouter(RequestRouter):
         replicas = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         rid = f"{iid}#{ticket.attempts}"
         ticket.attempts += 1
+        call = asyncio.ensure_future(
+            self.table().reserve(rid, reading=reading, replicas=tuple(replicas)))
         try:
-            got = await asyncio.wait_for(
-                self.table().reserve(rid, reading=reading, replicas=tuple(replicas)),
-                self.config.table_timeout)
+            got = await asyncio.wait_for(asyncio.shield(call), self.config.table_timeout)
         except Exception as exc:
             self.counters["fallbacks:table"] += 1
             _log.warning("EldrDecodeRouter: the table did not decide (%r): routed by load", exc)
-            self._spawn(lambda: self.table().release(rid, "cancelled"))  # if it landed late
+            # the call may still land (the actor was starting, or slow): released then.
+            # Not released now: an actor of async methods need not run two calls of one
+            # caller in the order they were sent
+            call.add_done_callback(lambda done: self._late(done, rid))
             return everyone
         chosen = replicas.get(got.get("replica")) if "error" not in got else None
         if chosen is None:  # no healthy decoder among these replicas
@@ -387,6 +399,13 @@ class EldrDecodeRouter(RequestRouter):
                 return reading
         self.counters[f"predictions:{result}"] += 1
         return Reading(None, None, 0, "none", f"prompt_{result}")
+
+    def _late(self, call, rid: str) -> None:
+        """A reservation made after its decision gave up waiting: given back."""
+        if not call.cancelled() and call.exception() is None \
+                and "reservation" in call.result():
+            self.counters["released:late"] += 1
+            self._spawn(lambda: self.table().release(rid, "cancelled"))
 
     def _routed(self, iid: str, ticket: _Ticket, fut) -> None:
         """The request's routing ended: cancelled (the caller left before a replica was
