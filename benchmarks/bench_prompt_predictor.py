@@ -35,6 +35,7 @@ kept its prompt token ids, docs/capture.md); ``--skip-quality`` runs the cost se
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import time
@@ -148,6 +149,18 @@ def cost(args) -> None:
                 print(f"   predict, 2**{bits} x rank {rank} ({p.nbytes / 2**20:4.1f} MiB), "
                       f"{'tf/token' if weighting == 'token' else weighting:<8} "
                       f"{kernel:<8}: {figs}")
+    # the figures above repeat ONE prompt, so the rows it reads stay in the cache; a router
+    # sees different prompts, whose rows come from memory: 256 prompts in turn
+    prompts = [rng.integers(0, vocab, P) for _ in range(256)]
+    for bits in (16, 18):
+        p = _random_predictor(bits, 32, L, E, k, vocab, rng)
+        p.weighting_ = "token"
+        for kernel in kernels:
+            turn = itertools.cycle(prompts)
+            figs = _percentiles(lambda p=p, k=kernel, t=turn: p.predict(next(t), kernel=k),
+                                args.calls)
+            print(f"   predict, 2**{bits} x rank 32, tf/token, 256 prompts in turn, "
+                  f"{kernel:<8}: {figs}")
     p = _random_predictor(16, 32, L, E, k, vocab, rng)
     enc = SignatureEncoder.from_state({
         "representation": "count_idf", "num_layers": L, "num_experts": E,

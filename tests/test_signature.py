@@ -159,8 +159,10 @@ def test_transform_one_equals_transform_bit_for_bit(representation):
     for trial in range(20):
         layers = sorted(rng.choice(6, size=int(rng.integers(1, 7)), replace=False).tolist())
         enc = SignatureEncoder(representation=representation, layers=layers).fit(trace)
-        for dtype in (np.int32, np.int64, np.uint16):
+        for dtype in (np.int32, np.int64, np.uint16, np.float32, np.float64):
             counts = rng.integers(0, 9, size=(6, 16)).astype(dtype)
+            if dtype in (np.float32, np.float64):  # a predicted profile's fractions
+                counts = (counts * rng.random((6, 16))).astype(dtype)
             counts[:, rng.integers(16)] = 0
             if trial % 5 == 0:
                 counts[layers] = 0  # nothing selected on the mask: the zero row
@@ -174,6 +176,14 @@ def test_transform_one_falls_back_and_fails_like_transform():
     enc = SignatureEncoder(layers=[1, 3]).fit(trace)
     floats = np.random.default_rng(0).random((4, 16))
     np.testing.assert_array_equal(enc.transform_one(floats), enc.transform(floats))
+    np.testing.assert_array_equal(enc.transform_one(list(floats)), enc.transform(floats))
+    for bad_value, match in ((np.nan, "NaN or Inf"), (np.inf, "NaN or Inf"),
+                             (-0.5, "negative")):
+        bad = floats.astype(np.float32)
+        bad[0, 3] = bad_value  # layer 0 is not in the mask: refused as transform does
+        for fn in (enc.transform_one, enc.transform):
+            with pytest.raises(ValueError, match=match):
+                fn(bad)
     with pytest.raises(ValueError, match="negative"):
         enc.transform_one(np.full((4, 16), -1, dtype=np.int32))  # also outside the mask
     bad = np.zeros((4, 16), dtype=np.int32)

@@ -117,7 +117,7 @@ class RoutingArtifact:
                              "trace with prompt_token_ids)")
         pred.check_tokenizer(tokenizer_fingerprint)
         pre = pred.predict(token_ids)
-        signature = self.encoder.transform(pre)
+        signature = self.encoder.transform_one(pre)  # = transform(pre), bit for bit
         return signature, shrink(pre, self.profile_alpha or 0.0, self.profile_mean)
 
     @property

@@ -283,22 +283,30 @@ class SignatureEncoder:
         """(|S|·E,) float32 signature of one request's (L, E) counts: ``transform(counts)``,
         bit for bit, at a fifth of its cost — the router encodes every prompt with it.
 
-        Integer counts of a count representation take a direct path: only the mask's
-        layers are transformed (the representations are elementwise, the norm is taken
-        over the mask), in the same float64 arithmetic as :meth:`transform` (the same
-        einsum for the norm), without its generic checks and copies; about 8 µs instead
-        of 40 µs for a 48 × 128 model and a 16-layer mask. Anything else (float input, the
-        gate representations, a wrong shape) goes through :meth:`transform`, and so do its
-        errors: negative counts anywhere raise ``ValueError`` either way.
+        Counts of a count representation, integer or float (a prompt prediction's
+        expected profile), take a direct path: only the mask's layers are transformed (the
+        representations are elementwise, the norm is taken over the mask), in the same
+        float64 arithmetic as :meth:`transform` (the same einsum for the norm), without
+        its generic copies (docs/fit-and-routing.md has the cost). Anything else (the gate
+        representations, a wrong shape, not an array) goes through :meth:`transform`, and
+        so do its errors: negative counts, NaN or Inf anywhere raise ``ValueError`` either
+        way.
         """
         direct = self._direct_path()
-        if type(counts) is not np.ndarray or counts.dtype.kind not in "iu" \
-                or direct is None or counts.shape != direct[2]:
+        kind = counts.dtype.kind if type(counts) is np.ndarray else None
+        if kind not in ("i", "u", "f") or direct is None or counts.shape != direct[2]:
             return self.transform(counts)
         layers, idf, _, _ = direct
-        if counts.dtype.kind == "i" and counts.min() < 0:
-            raise ValueError("signature input contains negative counts")
-        x = counts[layers]
+        if kind == "f":  # a predicted profile: transform's checks, over every layer
+            if not np.isfinite(counts).all():
+                raise ValueError("signature input contains NaN or Inf")
+            if (counts < 0).any():
+                raise ValueError("signature input contains negative counts")
+            x = counts[layers].astype(np.float64)
+        else:
+            if kind == "i" and counts.min() < 0:
+                raise ValueError("signature input contains negative counts")
+            x = counts[layers]
         rep = self.representation
         if rep == "count_idf":
             feats = x * idf
