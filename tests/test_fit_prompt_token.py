@@ -19,7 +19,7 @@ def test_each_unigram_row_is_the_mean_deviation_of_its_tokens():
     """One-token prompts (no bigram): with no shrinkage a unigram's row is the mean of its
     tokens' k-hot deviations from the mean profile, in the basis; a prompt's prediction is
     its token's row; shrinkage pulls rows towards 0 by n / (n + lambda)."""
-    L, E, k = 2, 4, 1
+    L, E = 2, 4
     choice = {0: [[0], [1]], 1: [[2], [3]], 2: [[1], [0]]}  # token id -> (L, k) experts
     ids = [np.array([t]) for t in (0, 1, 2, 0, 1, 0)]
     experts = [np.array([choice[int(p[0])]]) for p in ids]  # (1, L, k) each

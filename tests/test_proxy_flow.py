@@ -4,7 +4,6 @@ import json
 import pytest
 
 from _proxy_fakes import cluster, make_state, run, spy_events
-from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body, prompt_key
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -14,30 +13,14 @@ def _metric(router, name, **labels):
     return getattr(router.metrics, name).get(**labels)
 
 
-# -- pure helpers -------------------------------------------------------------------------
-def test_prompt_key():
-    assert prompt_key({"prompt": "héllo"}, "completions") == "héllo".encode()
-    assert prompt_key({"messages": [{"role": "user", "content": "hi"}]}, "chat") == \
-        b'[{"role":"user","content":"hi"}]'
-
-
-def test_prefill_body():
-    body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True},
-            "min_tokens": 4, "max_tokens": 50, "temperature": 0}
-    pre = json.loads(prefill_body(body, "chat", PREFILL_KV_PARAMS))
-    assert pre["max_tokens"] == 1 and pre["max_completion_tokens"] == 1
-    assert pre["stream"] is False and "stream_options" not in pre and "min_tokens" not in pre
-    assert pre["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    assert pre["temperature"] == 0 and body["max_tokens"] == 50  # the original is untouched
-    assert "return_token_ids" not in pre and "return_token_ids" not in body
-    # a learning router asks the prefill for the prompt's token ids (never the client's body)
-    learning = json.loads(prefill_body(body, "completion", PREFILL_KV_PARAMS, token_ids=True))
-    assert learning["return_token_ids"] is True and "return_token_ids" not in body
-
-
 # -- the flow through fake engines ----------------------------------------------------------
+def test_the_prefill_names_stay_importable_from_the_flow():
+    from eldr.proxy.request import flow, prefill
+
+    assert flow.prefill_body is prefill.prefill_body and flow.prompt_key is prefill.prompt_key
+    assert flow.PREFILL_KV_PARAMS is prefill.PREFILL_KV_PARAMS
+
+
 def test_domains_reach_their_decoders_with_relayed_kv_params():
     async def go():
         async with cluster() as (router, client, prefills, decoders):

@@ -16,7 +16,9 @@ from pathlib import Path
 from _proxy_fakes import cluster, run
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "serve.md"
-MAX_PASSES = 8  # modules that hand one request on, handler to decoder stream
+# modules that hand one request on, handler to decoder stream: the attempt loop and its
+# three legs (prefill, decoder choice, decode relay) are one module each
+MAX_PASSES = 10
 # the HTTP client's modules run only with httptools (the serve extra installs it)
 CLIENT = {"eldr.proxy.engines.client", "eldr.proxy.engines.connection"}
 

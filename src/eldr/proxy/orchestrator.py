@@ -265,7 +265,7 @@ class Orchestrator:
         """(the client's response, outcome) of one completion; the reservation, once made,
         goes into ``held``."""
         from eldr.proxy.request import split_kv_params
-        from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body
+        from eldr.proxy.request.prefill import PREFILL_KV_PARAMS, prefill_body
 
         prefill = next(self._prefills)
         headers = {"Content-Type": "application/json", "X-Request-Id": rid}

@@ -1,7 +1,9 @@
 """The request path of ``eldr serve``: one client request in, a prefill, a routing decision,
 a decode, the decoder's answer relayed out (docs/serve.md#one-request).
 
-:mod:`~eldr.proxy.request.flow` runs it (:class:`RequestFlow`) and hands each decode to
+:mod:`~eldr.proxy.request.flow` runs it (:class:`RequestFlow`): each attempt's prefill
+goes through :mod:`~eldr.proxy.request.prefill`, its decoder is
+:mod:`~eldr.proxy.request.choice`'s, and its decode goes to
 :mod:`~eldr.proxy.request.relay` as a :class:`DecodeAttempt`; the routing snapshot is
 :mod:`~eldr.proxy.request.decision`'s, what a prefill answer tells the policy
 :mod:`~eldr.proxy.request.signatures`'; :mod:`~eldr.proxy.request.affinity` picks the

