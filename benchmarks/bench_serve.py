@@ -28,7 +28,7 @@ measured rate is printed too, but on a small machine the Python client and backe
 the other core are its ceiling). Ratios are against vllm-router in the same run.
 
 Also printed: the signature path in-process (payload decode, signature encode, policy
-decision, the part of ``_decide`` that is eldr's own work), median over many calls.
+decision, the part of ``DecoderChoice.decide`` that is eldr's own work), median over many calls.
 
 Targets (issue 15): added p50 <= vllm-router's + 0.15 ms; CPU per request <= 2x
 vllm-router's; signature path <= 40 us.
