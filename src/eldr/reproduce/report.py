@@ -183,8 +183,9 @@ def _other_locality_lines(an: Analysis, hl: list[dict]) -> list[str]:
     cols = an.headline_columns()  # (key, variant, label) per column
     pk = _key(band())
     return [
-        "\n### " + " and ".join(f"{r.title} (`{p}`)" for p, r in zip(others, roles,
-                                                                      strict=True))
+        "\n### " + " and ".join(f"{r.title if i == 0 else r.title[:1].lower() + r.title[1:]}"
+                                f" (`{p}`)" for i, (p, r) in enumerate(zip(others, roles,
+                                                                           strict=True)))
         + " in the same cells\n",
         " ".join(r.about for r in roles if r.about)
         + " Δ vs the same best load balancer (median / p99 TPOT).\n",
