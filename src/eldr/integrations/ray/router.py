@@ -252,6 +252,8 @@ class EldrDecodeRouter(RequestRouter):
         from eldr.proxy.request.decision import build_state
 
         try:
+            if self._table is None:  # found or made here: its GCS calls block
+                self._table = _actor_table(self.config.table_config(), self._deployment_id)
             state = build_state(self.config.serve_config())
             if state.prompt is not None:
                 self._offload.prepare(state.prompt.tokenizer, state.prompt.predict)
@@ -267,7 +269,8 @@ class EldrDecodeRouter(RequestRouter):
 
     # -- the table ---------------------------------------------------------------------------
     def table(self):
-        """The shared table's client: the named actor (made or found on first use)."""
+        """The shared table's client: the named actor (found or made while the routing
+        state builds, or here if a request comes first)."""
         if self._table is None:
             self._table = _actor_table(self.config.table_config(), self._deployment_id)
         return self._table
@@ -444,7 +447,9 @@ def _actor_table(config, deployment_id):
     router to ask (``get_if_exists``) and registered with Serve's controller, which kills
     it on ``serve.shutdown()`` (best effort: a private call of Ray's, as Ray's own
     prefix-aware router makes). Its name carries a digest of ``config``: a redeploy with
-    other settings gets a table of its own."""
+    other settings gets a table of its own. Ray restarts it if its process dies: empty,
+    as Serve restarts ``build_eldr_pd_app``'s table (loads from zero; releases of
+    reservations it no longer knows are no-ops)."""
     import ray
 
     from eldr.integrations.ray.deployments import EldrDecodeTable, TableClient
@@ -454,7 +459,8 @@ def _actor_table(config, deployment_id):
     name = getattr(deployment_id, "name", "") or "decode"
     actor = ray.remote(EldrDecodeTable).options(
         name=f"EldrDecodeTable-{digest}", namespace=f"eldr::{app}::{name}",
-        get_if_exists=True, lifetime="detached", num_cpus=0).remote(config)
+        get_if_exists=True, lifetime="detached", num_cpus=0,
+        max_restarts=-1).remote(config)  # restarted empty if its process dies
     try:
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
