@@ -146,8 +146,8 @@ def _aligned_rows(weights: np.ndarray) -> np.ndarray:
     A prediction gathers one row per n-gram of the prompt, and the gather's cost is the
     cache lines it touches: numpy's allocator puts a large array 16 bytes past a line, so
     each 128-byte row (rank 32) straddles three lines instead of two; a 184-byte row (rank
-    46) touches about 3.8 instead of 3 (measured: the gather of 4,095 rows 10-15 % faster
-    aligned, and padded)."""
+    46) touches about 3.8 instead of 3 (the gather timed both ways: docs/fit-and-routing.md,
+    "Layout choices, each alone")."""
     n, r = weights.shape
     per_line = _LINE // 4
     padded = -(-r // per_line) * per_line
@@ -178,10 +178,10 @@ def _target_basis(yc: np.ndarray, max_rank: int, seed: int = 0) -> np.ndarray:
     sums of the basis).
 
     Exact (eigenvectors of the R × R Gram matrix) for few requests; else a seeded
-    randomized range finder (two power
-    iterations, ``max_rank`` + 10 columns), whose top ``max_rank`` directions match the
-    exact ones to far below the noise of a fit, at a fraction of a full SVD's cost (an
-    R × 6,144 SVD of 700 requests took seconds on the development machine)."""
+    randomized range finder (two power iterations, ``max_rank`` + 10 columns), whose top
+    ``max_rank`` directions match the exact ones to far below the noise of a fit, at a
+    fraction of a full SVD's cost (both timed: docs/fit-and-routing.md, "Layout choices,
+    each alone")."""
     R, n = yc.shape
     width = max_rank + 10
     if R <= 2 * width:  # few requests: eigenvectors of the R × R Gram matrix
@@ -568,8 +568,8 @@ class PromptPredictor:
             rows, w = feature_row(hashes, self.bits_, self.idf_, self.weighting_)
             z = w @ np.take(self._rows, rows, axis=0)
         else:  # tf, token: Σ_b (count_b / n) W[b] = (Σ W[b]) / n over the n-grams (tf) or
-            # the P tokens (token): no aggregation. np.take and a BLAS dot: 3x and 7x
-            # faster than fancy indexing and .sum(0)
+            # the P tokens (token): no aggregation. np.take and a BLAS dot, not fancy
+            # indexing and .sum(0) (docs/fit-and-routing.md, "Layout choices, each alone")
             hashes >>= np.uint64(64 - self.bits_)  # buckets < 2**24: exact as int64
             rows = hashes.view(np.int64)
             z = _ones(rows.size) @ np.take(self._rows, rows, axis=0, mode="clip")

@@ -76,7 +76,7 @@ def ngram_hashes(token_ids: np.ndarray) -> np.ndarray:
 def bucket_counts(hashes: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct buckets (sorted, intp) and their counts of one prompt's hashes."""
     b = (hashes >> np.uint64(64 - bits)).astype(np.int32)  # < 2**24: a 32-bit sort is
-    b.sort()  # a third faster than a 64-bit one
+    b.sort()  # faster than a 64-bit one (docs/fit-and-routing.md, "Layout choices")
     starts = np.flatnonzero(np.concatenate(([True], b[1:] != b[:-1])))
     counts = np.diff(np.append(starts, b.size))
     return b[starts].astype(np.intp), counts
