@@ -984,6 +984,8 @@ def run(args) -> dict:
                     if "timings" in extra:
                         rec["timing"] = timing_summary(extra["timings"], per)
                     records.append(rec)
+                    if getattr(args, "out", None):  # a run cut short can still be analysed
+                        save_partial(args, records, time.monotonic() - t0)
                     tail = ""
                     if "timing" in rec:
                         t = rec["timing"]
@@ -1008,6 +1010,19 @@ def run(args) -> dict:
            "seconds": time.monotonic() - t0}
     res.update(analyse_all(records, args.policies, fits))
     return res
+
+
+def save_partial(args, records: list[dict], seconds: float) -> None:
+    """The records so far as ``--out``'s ``result.json`` (no step fits; ``--analyse``
+    reads it), replaced by the whole result at the end of the run."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
+           "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
+           "records": records, "seconds": seconds, "partial": True}
+    tmp = out / "result.json.tmp"
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(out / "result.json")
 
 
 def fit_from_json(doc: dict):
