@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", "-s", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-topk", action="store_true",
                    help="do not route tokens one by one: draw per-request counts directly "
-                   "(~30x faster, no prefill_topk/decode_topk in the trace)")
+                   "(much faster: docs/synth.md, 'Speed'; no prefill_topk/decode_topk in "
+                   "the trace)")
     p.add_argument("--default", action="store_true",
                    help="write the embedded default trace (eldr.traces.synth.DEFAULT_TRACE) "
                    "and ignore "

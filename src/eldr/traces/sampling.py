@@ -12,7 +12,7 @@ selected experts are exactly the k largest logits and the k largest probabilitie
 Two ways to produce a trace from it:
 
 * token path (:func:`token_topk`): draws ``h_t`` for every token, keeps the top-k ids;
-  counts and gate sums are exact sums over tokens. About 1 µs per token and layer.
+  counts and gate sums are exact sums over tokens; its cost grows with tokens x layers.
 * count path (:func:`aggregate_counts`, :func:`approx_gate_sums`): draws per-segment
   aggregates directly. Counts: each expert's inclusion probability ``π_e`` in the top-k is
   approximated by the exponential-clock (Poisson) formula ``π_e = 1 - exp(-λ w_e)`` with λ
@@ -20,7 +20,8 @@ Two ways to produce a trace from it:
   fix-up so every layer sums to ``k n`` exactly and no count exceeds ``n``. The mean and
   per-expert variance match the token path to first order (tests check the means). Gate
   sums use the mean softmax and its per-token variance (:func:`approx_gate_sums`). Use the
-  token path when exact gate sums or per-token ids matter; the count path is ~100x faster.
+  token path when exact gate sums or per-token ids matter; the count path is much faster
+  (docs/synth.md, "Speed", has both paths timed).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def token_topk(
     probabilities ``softmax(gate_scale * h)`` (T, E) float32 (else None, None). A positive
     scale leaves the top-k unchanged and sets how peaked the router's softmax is.
     """
-    # -log(Exp(1)) is standard Gumbel; float32 keeps the per-token cost near 1 µs.
+    # -log(Exp(1)) is standard Gumbel; drawn in float32, the token path's main cost
+    # (docs/synth.md, "Speed", times the path)
     h = z.astype(np.float32, copy=True)
     x = rng.standard_exponential(size=h.shape, dtype=np.float32)
     np.maximum(x, np.float32(1e-30), out=x)

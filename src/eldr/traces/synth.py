@@ -230,9 +230,9 @@ def generate(
     model: preset name or :class:`~eldr.traces.models.ModelPreset`; workload: name or
     :class:`~eldr.traces.workloads.Workload`; num_requests: default ``workload.num_requests``;
     keep_topk: route every token explicitly and keep ``prefill_topk``/``decode_topk``
-    (memory ≈ (prompt + output tokens) x L x k x 2 bytes, ~1 µs per token and layer);
+    (memory ≈ (prompt + output tokens) x L x k x 2 bytes, time per token and layer);
     ``False`` draws the per-request counts and gate sums directly (count path of
-    :mod:`eldr.traces.sampling`), ~100x faster. params: override the calibrated
+    :mod:`eldr.traces.sampling`), faster: docs/synth.md. params: override the calibrated
     :data:`CALIBRATION` entry. lengths: explicit ``(prompt_lens, output_lens)``, two (R,)
     integer arrays (prompt >= 0, output >= 1), used instead of the workload's length
     distributions, e.g. to pair a real request trace's lengths with synthetic routing

@@ -2,8 +2,8 @@
 
 Why not aiohttp's ``ClientSession`` for every call: per upstream request it builds a URL
 object, a request and a response object, merges default and per-request headers, runs a
-cookie jar and a tracing hook; measured under load (``benchmarks/bench_serve.py``,
-py-spy) that was about a third of the router's CPU per request, for two requests that
+cookie jar and a tracing hook: a large share of the router's CPU per request under load
+(docs/serve.md, "Overhead": ``benchmarks/bench_serve.py`` and py-spy), for two requests that
 are always the same shape (a POST of a JSON body to a known engine, a JSON or SSE answer).
 :class:`UpstreamSession` does only that: one pool of idle keep-alive connections per
 engine, a request written as one buffer, the answer parsed by ``httptools`` (llhttp, the

