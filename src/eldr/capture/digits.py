@@ -1,8 +1,9 @@
 """Base-91 fixed-width digits: non-negative integers as a JSON-safe ASCII string.
 
 The payload of version 2 (:mod:`eldr.capture.payload`) carries its counts as text inside a
-JSON document. Base64 plus zlib (version 1) costs the router ~80 µs per 48 x 128 payload:
-CPython's base64 decoder walks the string a character at a time and inflating adds more.
+JSON document. Base64 plus zlib (version 1) cost the router several times more per payload
+(docs/capture.md times both versions): CPython's base64 decoder walks the string a
+character at a time and inflating adds more.
 Here a value is ``w`` digits of base 91 whose alphabet is the printable ASCII characters
 ``#`` (35) to ``~`` (126) without ``\\`` (92): none needs escaping in JSON, so the string
 crosses the wire and the JSON parser untouched, and decoding is vectorised numpy:

@@ -52,8 +52,8 @@ WIDTH_STEP = 32
 MAX_WIDTH = 8192
 # What a vLLM-CPU engine holds beside its weights: API server, engine core and worker
 # processes with torch and vLLM loaded, plus the 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1).
-# An estimate from measured engines (benchmarks/bench_wide_moe.py --engine): 3.09 GiB RSS
-# on the shipped tiny MoE, 4.21 GiB at width 2048 (experts 1.13 GiB in float32).
+# An estimate from measured engines (benchmarks/bench_wide_moe.py --engine; docs/capture.md
+# has their RSS, narrow and wide, with the experts' own bytes).
 RUNTIME_BYTES = int(3.1 * 2**30)
 _SERVE_ITEMSIZE = 4  # engines serve the tiny MoE in float32
 _MANIFEST = "eldr-wide.json"

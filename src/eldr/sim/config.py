@@ -4,14 +4,18 @@ Hardware presets hold what a decode or prefill step costs on one GPU; the MoE-la
 constants ``a`` (fixed µs per layer) and ``b`` (µs per distinct expert) are per model, so
 :func:`moe_constants` resolves them for a (hardware, model) pair.
 
+The figures behind every preset (fits, derivations, the resulting step times) are in
+docs/simulator.md, "Hardware presets" and "The tiny-MoE CPU preset", and
+docs/method.md#h200-constants, with how and when each was measured; here, what kind each
+constant is.
+
 H200 (``h200``). ``a`` and ``b`` are the measured fused-MoE fits of docs/method.md#h200-constants
 (stored in the model presets). HBM bandwidth 4.8 TB/s, 141 GB HBM3e, 989 TFLOPS dense bf16.
 ``t_fixed`` = 2.0 ms per step is an ASSUMPTION: everything in a decode step that is neither
 a routed-expert GEMM nor a weight/KV read — attention/norm/rotary kernels at small batch,
-sampling, the scheduler and the CPU↔GPU sync under CUDA graphs. With it a batch-1
-Qwen3-30B-A3B step is 2.0 + 48·(18.7 + 2.22·8) µs + 2.46 GB / 4.8 TB/s ≈ 4.3 ms
-(≈ 230 tokens/s single stream), in line with public single-stream reports for this model
-on H100/H200. It dilutes every relative TPOT gain, so it is a CLI option
+sampling, the scheduler and the CPU↔GPU sync under CUDA graphs; with it a batch-1
+Qwen3-30B-A3B step lands in line with public single-stream reports for this model on
+H100/H200 (docs/simulator.md). It dilutes every relative TPOT gain, so it is a CLI option
 (``--t-fixed-ms``).
 
 H100 (``h100``, H100 SXM 80 GB). The same GH100 chip as the H200 with HBM3 at 3.35 TB/s
@@ -25,12 +29,12 @@ divide by the preset's bandwidth). Models without a fit get the derived constant
 3.35 TB/s. No H100 measurement backs any of it: ``eldr calibrate`` on a real H100 replaces it.
 
 MI300X (``mi300x``). No measured fits are published here, so the constants are DERIVED:
-``b`` = bytes of one expert / (5.3 TB/s × η), with η = 0.886 the bandwidth efficiency the
-H200 fit implies for Qwen3-30B-A3B (9.44 MB / 4.8 TB/s = 1.97 µs vs the measured
-2.22 µs). ``a`` comes from the paper's microbenchmark (Fig. 2): 16 → 128 active experts
-makes an MoE layer 4.7× slower, so (a + 128 b) / (a + 16 b) = 4.7, i.e.
-a = (128 − 4.7·16) / 3.7 · b ≈ 14.3 b. ``t_fixed`` = 3.0 ms (ASSUMED; ROCm launch and
-sync overheads are larger). 192 GB HBM3, 1307 TFLOPS dense bf16.
+``b`` = bytes of one expert / (5.3 TB/s × η), with η (:data:`_ETA`) the bandwidth
+efficiency the H200 fit implies for Qwen3-30B-A3B (its expert's bytes read at 4.8 TB/s
+against the fitted ``b``). ``a`` comes from the paper's microbenchmark (Fig. 2): 16 → 128
+active experts makes an MoE layer 4.7× slower, so (a + 128 b) / (a + 16 b) = 4.7, i.e.
+a = (128 − 4.7·16) / 3.7 · b. ``t_fixed`` = 3.0 ms (ASSUMED; ROCm launch and sync
+overheads are larger). 192 GB HBM3, 1307 TFLOPS dense bf16.
 
 A model preset without a measured fit (the shipped ``tiny-moe``) gets these DERIVED
 constants on the H200 and the MI300X (``moe_constants``).
@@ -42,13 +46,13 @@ benchmarks/bench_tiny_moe_step.py (docs/simulator.md#the-tiny-moe-cpu-preset). I
 constants of ``tiny-moe`` ONLY, the one model that runs on that machine; any other model
 is refused (:func:`moe_constants`) rather than given made-up numbers. ``a``, ``b``: the
 least-squares fit ``a + b·D + c·B`` of one MoE layer (router + experts) over forced
-(B, D) routings (R² 0.977; the simulator has no per-token ``c`` = 3.9 µs term).
-``hbm_bandwidth``: an EFFECTIVE rate, KV bytes per context token / the measured decode
-step time per context token (934 ns at batch 1, 100 → 1000 tokens); the 1.7 MB of dense
-weights sit in cache, so ``dense/BW`` is no physical read: it is folded back into
-``t_fixed`` = measured batch-1 step (ctx 100) − L(a + b·k) − dense/BW − KV/BW = 1.49 ms.
-``peak_flops``: EFFECTIVE, chosen so that the default ``prefill_mfu`` 0.5 reproduces the
-measured prefill time per prompt token (88.9 µs). ``hbm_bytes``: the machine's RAM.
+(B, D) routings (the simulator has no per-token ``c`` term). ``hbm_bandwidth``: an
+EFFECTIVE rate, KV bytes per context token / the measured decode step time per context
+token (batch 1, 100 → 1000 tokens); the dense weights sit in cache, so ``dense/BW`` is no
+physical read: it is folded back into ``t_fixed`` = measured batch-1 step (ctx 100) −
+L(a + b·k) − dense/BW − KV/BW. ``peak_flops``: EFFECTIVE, chosen so that the default
+``prefill_mfu`` 0.5 reproduces the measured prefill time per prompt token.
+``hbm_bytes``: the machine's RAM.
 """
 
 from __future__ import annotations
@@ -74,13 +78,14 @@ HARDWARE: dict[str, Hardware] = {
                      t_fixed_s=2.0e-3, measured_moe=True, fit_bandwidth=4.8e12),
     "mi300x": Hardware("mi300x", hbm_bandwidth=5.3e12, hbm_bytes=192e9, peak_flops=1307e12,
                        t_fixed_s=3.0e-3, measured_moe=False),
-    # measured for tiny-moe only (module docstring; docs/simulator.md#the-tiny-moe-cpu-preset)
-    "cpu": Hardware("cpu", hbm_bandwidth=1.645e9,  # effective: 1536 B / 933.7 ns per ctx token
+    # measured for tiny-moe only; each constant's measurement and arithmetic:
+    # docs/simulator.md#the-tiny-moe-cpu-preset
+    "cpu": Hardware("cpu", hbm_bandwidth=1.645e9,  # effective: KV bytes / time per ctx token
                     hbm_bytes=25.28e9,  # MemTotal of the machine, 24,684,084 kB
-                    peak_flops=52.34e9,  # effective: 2 x 1,163,264 / (88.9 µs x 0.5)
-                    t_fixed_s=1.490e-3,  # measured step 4.535 ms minus the modelled terms
+                    peak_flops=52.34e9,  # effective: gives back the prefill time per token
+                    t_fixed_s=1.490e-3,  # the batch-1 step less the modelled terms
                     measured_moe=True,
-                    moe_fits=(("tiny-moe", 301.46, 3.636),)),  # a + b·D + c·B fit, R² 0.977
+                    moe_fits=(("tiny-moe", 301.46, 3.636),)),  # the a + b·D + c·B fit
 }
 
 
