@@ -345,6 +345,11 @@ def timing_summary(rows: list[dict], per: dict) -> dict:
     out["spread_ms"] = 1e3 * float(np.mean(spreads)) if spreads else float("nan")
     firsts = [r for r in rows if "d_up" in r]
     out["first_decoder"] = min(firsts, key=lambda r: r["d_up"])["d_engine"] if firsts else None
+    # decodes that started while prefills of the wave were still running, per decoder: a
+    # decoder that shares a core with the prefill engine slows those prefills down
+    last_prefill = max(ends, default=float("nan"))
+    out["early"] = {name: sum(1 for r in firsts if r["d_engine"] == name
+                              and r["d_up"] < last_prefill) for name in per}
     out["spread_steps"] = float(np.mean(steps)) if steps else float("nan")
     return out
 
@@ -1039,6 +1044,9 @@ def reanalyse(path: Path) -> dict:
     """A saved ``result.json`` analysed again (with this version's analysis), no engines."""
     res = json.loads(path.read_text())
     fits = {n: fit_from_json(f) for n, f in res.get("fits", {}).items()} or None
+    for rec in res["records"]:  # this version's timing figures of the saved timelines
+        if "timings" in rec:
+            rec["timing"] = timing_summary(rec["timings"], rec["per"])
     res.pop("analysis_by_mode", None)
     res.update(analyse_all(res["records"], res["policies"], fits))
     return res

@@ -166,3 +166,4 @@ def test_join_and_summary_of_a_wave():
     assert t["spread_steps"] == pytest.approx(2.2)
     assert t["ttft_ms"] == pytest.approx(700.0) and t["hold_ms"] == pytest.approx(0.0)
     assert t["first_decoder"] == "decode-0"
+    assert t["early"] == {"decode-0": 1, "decode-1": 0}  # k1 started before k2's prefill ended
