@@ -323,13 +323,17 @@ INTERVALS = (("to_prefill", "send", "p_in"),  # the router's admission, prefill 
              ("e2e", "send", "last"))
 
 
-def timing_summary(rows: list[dict], per: dict) -> dict:
+def timing_summary(rows: list[dict], per: dict, tokens: int | None = None) -> dict:
     """A wave's timing figures in ms: the mean of each interval over its requests; the
     prefill engine's spread (last − first prefill end); and the decode arrival spread at
     each decoder (last − first release to it) in ms and in that decoder's decode steps
     (its mean step time over the wave), averaged over the decoders that got 2 or more
-    requests."""
+    requests. With ``tokens`` (each request's completion tokens) also the TPOT the
+    client saw: (last − first event) / (tokens − 1), streamed."""
     out = {}
+    if tokens is not None and tokens > 1:
+        vals = [(r["last"] - r["first"]) / (tokens - 1) for r in rows]
+        out["client_tpot_ms"] = 1e3 * float(np.mean(vals)) if vals else float("nan")
     for name, a, b in INTERVALS:
         vals = [r[b] - r[a] for r in rows if a in r and b in r]
         out[f"{name}_ms"] = 1e3 * float(np.mean(vals)) if vals else float("nan")
@@ -783,7 +787,8 @@ def _abs_interval(pairs, value) -> dict | None:
     return {"mean": ci.mean, "half": ci.half_width, "n": ci.n}
 
 
-TIMING_KEYS = (*(f"{name}_ms" for name, _, _ in INTERVALS), "prefill_spread_ms",
+TIMING_KEYS = (*(f"{name}_ms" for name, _, _ in INTERVALS), "client_tpot_ms",
+               "prefill_spread_ms",
                "spread_ms", "spread_steps")
 ROUTER_KEYS = ("decide_ms", "cpu_ms_per_request")
 
@@ -815,9 +820,11 @@ def analyse_timings(records: list[dict], policies: list[str]) -> dict:
                                            r.get(g, {}).get(k, float("nan")))
                         if ci is not None:
                             entry[f"{key}_vs_base"] = ci
-            if "ttft_ms" in entry and all("timing" in x for pair in pairs for x in pair):
-                entry["ttft_pct_vs_base"] = _pct_interval(
-                    pairs, lambda r: r["timing"]["ttft_ms"])
+            for key in ("ttft_ms", "client_tpot_ms"):
+                if key in entry and all(key in x.get("timing", {}) for pair in pairs
+                                        for x in pair):
+                    entry[f"{key}_pct_vs_base"] = _pct_interval(
+                        pairs, lambda r, key=key: r["timing"][key])
         out[p] = entry
     return out
 
@@ -848,7 +855,8 @@ def _timing_report(analysis: dict) -> list[str]:
     cols = [("to_prefill_ms", "client → prefill"), ("prefill_ms", "prefill"),
             ("route_ms", "prefill done → decode sent"), ("hold_ms", "held"),
             ("decoder_first_ms", "decode sent → first byte"), ("decode_ms", "decode"),
-            ("ttft_ms", "TTFT"), ("e2e_ms", "end to end"),
+            ("ttft_ms", "TTFT"), ("client_tpot_ms", "TPOT at the client"),
+            ("e2e_ms", "end to end"),
             ("prefill_spread_ms", "prefill ends spread"),
             ("spread_ms", "decode arrival spread / decoder"),
             ("spread_steps", "(in decode steps)"), ("decide_ms", "router decision"),
@@ -866,10 +874,13 @@ def _timing_report(analysis: dict) -> list[str]:
             lines.append(f"| vs {base} | " + " | ".join(
                 f"{e[k + '_vs_base']['mean']:+.1f} ± {e[k + '_vs_base']['half']:.1f}"
                 if k + "_vs_base" in e else "" for k, _ in cols) + " |")
+    lines.append("")
     for p, e in t.items():
-        if "ttft_pct_vs_base" in e:
-            v = e["ttft_pct_vs_base"]
-            lines.append(f"\nTTFT {p} vs {base}: {v['mean_pct']:+.1f} ± {v['half_pct']:.1f} %")
+        for key, label in (("ttft_ms", "TTFT"), ("client_tpot_ms", "TPOT at the client")):
+            if f"{key}_pct_vs_base" in e:
+                v = e[f"{key}_pct_vs_base"]
+                lines.append(f"- {label} {p} vs {base}: {v['mean_pct']:+.1f} ± "
+                             f"{v['half_pct']:.1f} %")
     return lines
 
 
@@ -987,7 +998,8 @@ def run(args) -> dict:
                     rec = {"round": k, "policy": p, "mode": mode, "per": per, "summary": s,
                            **extra}
                     if "timings" in extra:
-                        rec["timing"] = timing_summary(extra["timings"], per)
+                        rec["timing"] = timing_summary(extra["timings"], per,
+                                                       args.max_tokens if stream else None)
                     records.append(rec)
                     if getattr(args, "out", None):  # a run cut short can still be analysed
                         save_partial(args, records, time.monotonic() - t0)
@@ -1024,7 +1036,8 @@ def save_partial(args, records: list[dict], seconds: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     doc = {"width": args.width, "rounds": args.rounds, "per_decoder": args.per_decoder,
            "max_tokens": args.max_tokens, "policies": args.policies, "seed": args.seed,
-           "records": records, "seconds": seconds, "partial": True}
+           "stream": getattr(args, "stream", False), "records": records,
+           "seconds": seconds, "partial": True}
     tmp = out / "result.json.tmp"
     tmp.write_text(json.dumps(doc))
     tmp.replace(out / "result.json")
@@ -1046,7 +1059,8 @@ def reanalyse(path: Path) -> dict:
     fits = {n: fit_from_json(f) for n, f in res.get("fits", {}).items()} or None
     for rec in res["records"]:  # this version's timing figures of the saved timelines
         if "timings" in rec:
-            rec["timing"] = timing_summary(rec["timings"], rec["per"])
+            rec["timing"] = timing_summary(rec["timings"], rec["per"],
+                                           res["max_tokens"] if res.get("stream") else None)
     res.pop("analysis_by_mode", None)
     res.update(analyse_all(res["records"], res["policies"], fits))
     return res

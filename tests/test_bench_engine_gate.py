@@ -159,11 +159,12 @@ def test_join_and_summary_of_a_wave():
     rows = bench.join_timings(client, gate, start=100.0)
     assert rows[1]["p_end"] == pytest.approx(0.4) and rows[1]["d_up"] == pytest.approx(0.43)
     per = {"decode-0": {"step_s": 0.1}, "decode-1": {"step_s": 0.1}}
-    t = bench.timing_summary(rows, per)
+    t = bench.timing_summary(rows, per, tokens=3)
     assert t["route_ms"] == pytest.approx(20.0)  # (10 + 30) / 2
     assert t["prefill_spread_ms"] == pytest.approx(200.0)
     assert t["spread_ms"] == pytest.approx(220.0)  # decode-1 got no requests: not counted
     assert t["spread_steps"] == pytest.approx(2.2)
     assert t["ttft_ms"] == pytest.approx(700.0) and t["hold_ms"] == pytest.approx(0.0)
+    assert t["client_tpot_ms"] == pytest.approx((2500 + 2300) / 2 / 2)
     assert t["first_decoder"] == "decode-0"
     assert t["early"] == {"decode-0": 1, "decode-1": 0}  # k1 started before k2's prefill ended
