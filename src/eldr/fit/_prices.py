@@ -23,7 +23,7 @@ _EPS_FLOOR = 1e-6  # smallest ε relative to the cost spread: float32 resolves ~
 _EXP_FLOOR = 60.0  # exp(-60) ≈ 1e-26 stands for anything smaller
 
 # The price phase works on the transposed cost CT (K, N): numpy reduces over a short
-# last axis an order of magnitude slower than over the first axis of a C-ordered array.
+# last axis much slower than over the first axis of a C-ordered array.
 
 
 def _top2(RT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -58,7 +58,8 @@ def pairwise_cosine_distance(x: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.
         return 1.0 - (u @ u.T)[i, j]
     out = np.empty(i.size)
     # Gather a few hundred KB of rows at a time: they stay in cache for the einsum (chunks
-    # of 128 MB went out to memory and back, 4x slower); every pair's dot is the same.
+    # of 128 MB went out to memory and back: commit 168cdce timed both); every pair's dot
+    # is the same.
     step = max(1, (1 << 15) // max(u.shape[1], 1))
     for start in range(0, i.size, step):
         sl = slice(start, start + step)
@@ -84,8 +85,8 @@ def _rankdata(x: np.ndarray) -> np.ndarray:
 
 
 def _pearson(a: np.ndarray, b_centered: np.ndarray, b_norm: float) -> float:
-    # einsum, not BLAS dot: a multi-threaded BLAS on a busy machine made each 500k-element
-    # dot take ~100 ms (thread hand-offs), einsum stays on this thread.
+    # einsum, not BLAS dot: a multi-threaded BLAS on a busy machine hands each large dot
+    # between its threads, waiting for cores; einsum stays on this thread.
     a = a - a.mean()
     den = np.sqrt(np.einsum("i,i->", a, a)) * b_norm
     return float(np.einsum("i,i->", a, b_centered) / den) if den > 0 else float("nan")
@@ -140,9 +141,9 @@ class SignatureEncoder:
     max_pairs: pairs used for the reported ``rho_`` (``None``: all pairs, exact).
     selection_max_pairs: pairs used while searching the layer mask. The greedy search
         evaluates ρ for every remaining layer at every step (hundreds of evaluations), so by
-        default it ranks a seeded sample of 20,000 pairs (on a calibrated Qwen3-30B trace of
-        1,000 requests: the same N* and ρ within 0.003 of ranking all pairs, 10x faster);
-        ``None`` uses all pairs.
+        default it ranks a seeded sample of 20,000 pairs (against all pairs on a calibrated
+        Qwen3-30B trace: docs/fit-and-routing.md, "Signatures and ρ"); ``None`` uses all
+        pairs.
     min_gain: a layer joins the mask only if it raises ρ by more than this. "Stop when no
         layer raises ρ" taken literally keeps adding layers whose gain is sampling noise
         (a noise layer moves ρ by ±1e-4); 1e-3 is well below any real layer's gain.
