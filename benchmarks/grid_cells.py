@@ -25,12 +25,10 @@ import sys
 import tempfile
 import time
 
-from joblib import Parallel, delayed
-
 from eldr.reproduce.building import build_setups
 from eldr.reproduce.grid import UNSURE, WORSE, cells_needing_seeds, class_counts, comparisons
 from eldr.reproduce.plan import PLANS, Task, grid_cell_tasks, grid_policies, with_overrides
-from eldr.reproduce.sweeps import make_job, prime_setups, run_job, run_tasks
+from eldr.reproduce.sweeps import local_runner, prime_setups, run_tasks
 
 
 def parse_cells(text: str) -> list[tuple[str, int, float]]:
@@ -83,12 +81,8 @@ def main() -> int:
         unknown = sorted({wl for wl, _, _ in cells} - set(setups))
         if unknown:
             raise SystemExit(f"--cells: no set-up for {unknown}")
-        parallel = Parallel(n_jobs=args.jobs, return_as="generator", temp_folder=tmp,
-                            max_nbytes="1M")
-
-        def runner(plan_, setup, tasks):
-            yield from enumerate(parallel(delayed(run_job)(make_job(plan_, setup, t))
-                                          for t in tasks))
+        # a Parallel per call (eldr.reproduce.sweeps.local_runner says why)
+        runner = local_runner(n_jobs=args.jobs, temp_folder=tmp, max_nbytes="1M")
 
         tasks = [t for wl, K, q in cells for j in range(plan.grid_start_seeds)
                  for t in grid_cell_tasks(plan, wl, K, q, j)]

@@ -131,6 +131,37 @@ def test_two_worker_processes_give_the_rows_of_one():
         [{k: v for k, v in r.items() if k not in volatile} for r in rows[1]]
 
 
+def test_each_call_of_the_local_runner_has_a_parallel_of_its_own(monkeypatch):
+    """One joblib Parallel reused for every round of grid seeds made loky's resource
+    tracker print KeyError tracebacks (eldr.reproduce.sweeps.local_runner says why): every
+    call builds its own, with the same arguments, and yields each output at its task's
+    position, the longest task run first."""
+    from eldr.reproduce import sweeps
+    from eldr.reproduce.plan import Task
+
+    made = []
+
+    class Recording:  # joblib.Parallel's call protocol, run in this process
+        def __init__(self, **kwargs):
+            self.kwargs, self.calls = kwargs, 0
+            made.append(self)
+
+        def __call__(self, jobs):
+            self.calls += 1
+            return [f(*args, **kw) for f, args, kw in jobs]
+
+    monkeypatch.setattr(sweeps, "Parallel", Recording)
+    monkeypatch.setattr(sweeps, "make_job", lambda plan, setup, task: task)
+    monkeypatch.setattr(sweeps, "run_job", lambda task: task.qps)
+    runner = sweeps.local_runner(n_jobs=2, temp_folder="tmp", max_nbytes="1M")
+    tasks = [Task("grid", "task", "jsq", q, 4, 0.1) for q in (10.0, 80.0, 40.0)]
+    first, again = list(runner(TINY, None, tasks)), list(runner(TINY, None, tasks))
+    assert first == again == [(1, 80.0), (2, 40.0), (0, 10.0)]  # (position, output)
+    assert len(made) == 2 and [p.calls for p in made] == [1, 1]
+    assert made[0].kwargs == made[1].kwargs == {"return_as": "generator", "n_jobs": 2,
+                                                "temp_folder": "tmp", "max_nbytes": "1M"}
+
+
 def test_a_job_carries_what_its_task_needs_and_not_the_setup():
     from eldr.reproduce.setup import fit_setup
 

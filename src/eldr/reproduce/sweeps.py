@@ -37,8 +37,8 @@ from eldr.routing import POLICIES, decode_patterns
 from eldr.sim import SimConfig, TokenBank, simulate
 from eldr.sim.steptime import routing_resources
 
-__all__ = ["Results", "SimJob", "make_job", "prime_setups", "replayed_arrivals", "run_job",
-           "run_plan", "run_task", "run_tasks"]
+__all__ = ["Results", "SimJob", "local_runner", "make_job", "prime_setups",
+           "replayed_arrivals", "run_job", "run_plan", "run_task", "run_tasks"]
 
 
 @dataclass(frozen=True)
@@ -187,9 +187,8 @@ def run_plan(plan: Plan, *, jobs: int = 1, trace=None, log=print,
             map_to_files(st.calib, os.path.join(tmp, f"setup-{n}-calib"))
         t2 = time.perf_counter()
         if cluster is None:
-            runner = _local_runner(Parallel(n_jobs=jobs, backend=backend,
-                                            return_as="generator", temp_folder=tmp,
-                                            max_nbytes="1M"))
+            runner = local_runner(n_jobs=jobs, backend=backend, temp_folder=tmp,
+                                  max_nbytes="1M")
             where = f"with {jobs} process(es)"
         else:
             runner, jobs, where = cluster.run, cluster.num_threads, f"on {cluster}"
@@ -259,12 +258,23 @@ def prime_setups(setups: dict[str, RoutingSetup], tasks: list[Task]) -> None:
         prime_setup(st, [t for t in tasks if t.workload == key])
 
 
-def _local_runner(parallel: Parallel):
-    """A runner of :func:`run_tasks` over a joblib ``parallel``: the longest tasks first
-    (:func:`task_weight`), so that the batch does not end on one long task while the
-    other workers wait; each output is yielded with its position in ``tasks``."""
+def local_runner(**parallel_args):
+    """A runner of :func:`run_tasks` on local worker processes: each call runs its tasks
+    through a joblib ``Parallel(return_as="generator", **parallel_args)`` of its own, the
+    longest tasks first (:func:`task_weight`), so that the batch does not end on one long
+    task while the other workers wait; each output is yielded with its position in
+    ``tasks``.
+
+    A new ``Parallel`` per call, not one reused: joblib names a call's memmapping folder
+    after the ``Parallel`` object, and the (reused) worker pool remembers which arrays it
+    has dumped there. A second call of the same object that sends the same large array
+    again (a set-up's cached centroids or cluster profiles, in every round of grid seeds)
+    dumps it to the same file without the extra reference the first call took, while the
+    call's clean-up still drops one: loky's resource tracker then counts below zero and
+    prints ``KeyError`` tracebacks on stderr. The worker processes are reused either way."""
     def run(plan: Plan, setup: RoutingSetup, tasks: list[Task]):
         order = sorted(range(len(tasks)), key=lambda i: -task_weight(plan, tasks[i]))
+        parallel = Parallel(return_as="generator", **parallel_args)
         outs = parallel(delayed(run_job)(make_job(plan, setup, tasks[i])) for i in order)
         yield from zip(order, outs, strict=True)
     return run
