@@ -145,7 +145,10 @@ class DecodeTable:
         fresh = _Engine(replica, url, pid, node, now)
         k = self._free_slot(now)
         if k is None:
+            known = replica in self.spares
             self.spares[replica] = fresh
+            if known:  # a spare's heartbeat: said once
+                return {"slot": None}
             _log.warning("decode replica %s is a spare: all %d slots of the artifact are held",
                          replica, len(self.slots))
             return {"slot": None}
