@@ -68,6 +68,30 @@ def test_task_weight_puts_longer_and_costlier_runs_first():
     assert task_weight(DEFAULT, low) == pytest.approx(10 * (10 + grid_duration(DEFAULT, 10)))
 
 
+def test_each_experiment_takes_its_policies_from_the_report_roles():
+    from dataclasses import replace
+
+    from eldr.reproduce.plan import band, grid_balancers, grid_policies, other_locality
+
+    assert QUICK.policies is None  # read from the registry when the tasks are listed
+    assert QUICK.headline_policies() == ("random", "round_robin", "jsq", "p2c", "domain",
+                                         "eldr", "eldr_cost", "oracle_signature")
+    assert (band(), other_locality()) == ("eldr", ("eldr_cost",))
+    assert (grid_balancers(), grid_policies()) == (("round_robin", "jsq", "p2c"),
+                                                   ("eldr", "eldr_cost"))
+    tasks = plan_tasks(QUICK)
+    by = {}
+    for t in tasks:
+        by.setdefault(t.experiment, set()).add((t.policy, t.kind))
+    assert ("eldr_cost", "online") in by["main"]  # its report role has an online_key
+    assert {p for p, _ in by["tau"]} == {"eldr"} and by["vanilla"] == {("eldr", "vanilla")}
+    assert {p for p, _ in by["pool"]} == {"random", "round_robin", "jsq", "p2c", "eldr",
+                                          "eldr_cost"}
+    assert {p for p, _ in by["grid"]} == {"round_robin", "jsq", "p2c", "eldr", "eldr_cost"}
+    mine = replace(QUICK, policies=("jsq", "eldr"))  # a plan's own headline policies
+    assert {t.policy for t in plan_tasks(mine) if t.experiment == "main"} == {"jsq", "eldr"}
+
+
 def test_quick_and_full_are_exclusive(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["reproduce", "--quick", "--full"])
