@@ -1066,6 +1066,31 @@ def reanalyse(path: Path) -> dict:
     return res
 
 
+def pool_results(paths: list[Path]) -> dict:
+    """Several saved runs of one design analysed as one: their rounds numbered on (each
+    run's round k becomes a round of its own), the pairs of all of them in the intervals.
+    The runs must share policies, tokens and wave size. The step fits on every timed step
+    are per run, so the pooled analysis has only the per-wave fits."""
+    runs = [reanalyse(p) for p in paths]
+    first = runs[0]
+    for path, res in zip(paths[1:], runs[1:], strict=True):
+        for key in ("policies", "max_tokens", "per_decoder", "width"):
+            if res.get(key) != first.get(key):
+                raise ValueError(f"{path}: {key} {res.get(key)!r} differs from "
+                                 f"{paths[0]}'s {first.get(key)!r}")
+    records, offset = [], 0
+    for res in runs:
+        rounds = sorted({r["round"] for r in res["records"]})
+        records += [{**r, "round": offset + rounds.index(r["round"])} for r in res["records"]]
+        offset += len(rounds)
+    out = {k: first[k] for k in ("width", "per_decoder", "max_tokens", "policies")}
+    out.update(records=records, seconds=sum(r["seconds"] for r in runs),
+               pooled=[str(p) for p in paths], seeds=[r.get("seed") for r in runs],
+               rounds=offset)
+    out.update(analyse_all(records, first["policies"], None))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=2048, help="decoders' expert width (2048)")
@@ -1108,9 +1133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="keep the engines' and routers' logs")
     p.add_argument("--out", default=None, help="write result.json and report.md here")
-    p.add_argument("--analyse", default=None, metavar="RESULT_JSON",
+    p.add_argument("--analyse", default=None, metavar="RESULT_JSON[,RESULT_JSON...]",
                    help="start no engines: analyse a saved result.json again and print "
-                        "its report (to --out if given)")
+                        "its report (to --out if given); several, comma-separated: their "
+                        "rounds pooled into one analysis")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     args.only_domains = ([x.strip() for x in args.only_domains.split(",") if x.strip()]
@@ -1126,7 +1152,8 @@ def main(argv: list[str] | None = None) -> int:
         args.gate = True
     if args.analyse:
         try:
-            res = reanalyse(Path(args.analyse))
+            paths = [Path(x) for x in args.analyse.split(",") if x.strip()]
+            res = reanalyse(paths[0]) if len(paths) == 1 else pool_results(paths)
         except (OSError, ValueError, KeyError) as exc:
             p.error(f"--analyse {args.analyse}: not a readable result.json ({exc!r})")
     else:

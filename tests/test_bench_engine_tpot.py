@@ -105,3 +105,23 @@ def test_reanalyse_reads_a_saved_result(bench, tmp_path):
     text = bench.report({**res, "width": 2048, "per_decoder": 8, "max_tokens": 48,
                          "seconds": 1.0})
     assert "| eldr |" in text and "decode-1: t0 10000 µs, b 1000.0 µs" in text
+
+
+def test_pooled_runs_number_their_rounds_on_and_must_match(bench, tmp_path):
+    paths = []
+    for seed in (3, 4):
+        doc = {"records": _synthetic_records(np.random.default_rng(seed)),
+               "policies": ["jsq", "eldr"], "width": 2048, "per_decoder": 4,
+               "max_tokens": 48, "seconds": 10.0, "seed": seed}
+        paths.append(tmp_path / f"r{seed}.json")
+        paths[-1].write_text(json.dumps(doc))
+    res = bench.pool_results(paths)
+    assert sorted({r["round"] for r in res["records"]}) == list(range(12))  # 6 + 6
+    assert res["analysis"]["policies"]["eldr"]["step_ms_vs_base"]["n"] == 12
+    assert res["seeds"] == [3, 4] and res["seconds"] == 20.0
+    assert "| eldr |" in bench.report(res)
+    other = json.loads(paths[1].read_text())
+    other["max_tokens"] = 16
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="max_tokens 16 differs"):
+        bench.pool_results(paths)
