@@ -112,16 +112,38 @@ class EldrPDIngress:
         self.engines = _engines  # the engine deployments' handles (bound so Serve runs them)
 
     async def __call__(self, request):
-        from starlette.responses import Response, StreamingResponse
+        from starlette.responses import Response
 
         body = await request.body()
         answer = await self.relay.handle(request.method, request.url.path, body,
                                          request.headers.get("x-request-id"))
         if answer.stream is not None:
-            return StreamingResponse(answer.stream, status_code=answer.status,
+            return _closing_stream()(answer.stream, status_code=answer.status,
                                      media_type=answer.content_type, headers=answer.headers)
         return Response(answer.body, status_code=answer.status,
                         media_type=answer.content_type, headers=answer.headers)
+
+
+def _closing_stream():
+    """Starlette's ``StreamingResponse``, closing its body when it ends in any way.
+
+    Starlette iterates the body with ``async for`` and does not close it: when the
+    client leaves, Serve cancels the response, and a relay stream suspended at its
+    ``yield`` (waiting for the send) stays suspended until the garbage collector
+    finalizes it; only then does its ``finally`` release the decoder. Closing it here
+    runs that ``finally`` at once, as ``cancelled``."""
+    from starlette.responses import StreamingResponse
+
+    class ClosingStreamingResponse(StreamingResponse):
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                close = getattr(self.body_iterator, "aclose", None)
+                if close is not None:
+                    await close()
+
+    return ClosingStreamingResponse
 
 
 def bind_app(config):
