@@ -150,7 +150,7 @@ def _table(base: str) -> dict:
         return json.loads(r.read())
 
 
-def _settled(base: str, timeout: float = 10.0) -> dict:
+def _settled(base: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         snap = _table(base)
@@ -233,7 +233,10 @@ def test_the_app_on_two_ray_nodes_routes_on_the_payload_and_releases_everything(
 
         # a client that leaves mid-stream: Serve cancels the ingress, which releases
         _leave_mid_stream(base, "code, slowly")
-        deadline = time.monotonic() + 10
+        # Serve's cancellation reaches the ingress through the proxy and the replica's
+        # event loop: seconds when the machine is busy (it took over 10 s in runs beside
+        # vLLM engines on this 2-core machine), well under a second when idle
+        deadline = time.monotonic() + 45
         while _table(base)["counters"].get("reservations:cancelled", 0) != 1:
             assert time.monotonic() < deadline, _table(base)
             time.sleep(0.1)
