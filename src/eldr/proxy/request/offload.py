@@ -78,9 +78,9 @@ def _warm() -> None:
 
 def _load_kernel(done: concurrent.futures.Future, predict=None) -> None:
     """Load (compile, the first time on a machine) the compiled prediction kernel, and run
-    ``predict`` once on a one-token prompt: numba compiles again for the predictor's own
-    arrays (their layout, not the generic warm-up's) on their first call, seconds that a
-    request's prompt timeout would otherwise spend."""
+    ``predict`` once on a one-token prompt, so that the artifact's predictor has made one
+    call (its arrays checked against the kernel's one signature, eldr.fit.prompt_kernel)
+    before a request's prompt timeout counts."""
     try:
         from eldr.fit.prompt import compiled_kernels
 
