@@ -197,6 +197,26 @@ def _floor(p: PromptPredictor, ids: np.ndarray, calls: int) -> None:
              f"basis product {p.rank_}x{p.basis_.shape[1]}": lambda: z @ p.basis_}
     for name, fn in steps.items():
         print(f"     step alone, {name:<26}: {_percentiles(fn, calls)}")
+    from eldr.fit.prompt import compiled_kernels
+
+    if compiled_kernels() is None:
+        return
+    # the compiled kernel's own three loops, each alone (numba compiles these private
+    # helpers once more for a call from Python: a second or two, before the timing)
+    from eldr.fit import prompt_kernel as kern
+
+    ids64 = np.ascontiguousarray(ids, dtype=np.int64)
+    shift, vocab = 64 - p.bits_, p.id_limit
+    buckets, _ = kern._buckets(ids64, shift, vocab)
+    z = kern._sum_rows(p._rows, buckets, None, buckets.size)
+    scale = np.float32(1.0 / ids64.size)
+    steps = {f"hash {buckets.size} n-grams": lambda: kern._buckets(ids64, shift, vocab),
+             f"gather+sum {buckets.size} rows": lambda: kern._sum_rows(
+                 p._rows, buckets, None, buckets.size),
+             f"basis product {p.rank_}x{p.basis_.shape[1]} + clip": lambda: kern._finish(
+                 z, scale, p.basis_, p.mean_, p.num_layers, p.top_k)}
+    for name, fn in steps.items():
+        print(f"     compiled step alone, {name:<26}: {_percentiles(fn, calls)}")
 
 
 def simulate(trace, args) -> None:
