@@ -25,9 +25,6 @@ EXEMPT = ("routing", "commands")  # packages of src/eldr that may name policies
 # policy's name that is also a word of another vocabulary
 ALLOWED = {
     ("deploy/local.py", "eldr"): "the module of `python -m eldr` (the package)",
-    ("proxy/config.py", "eldr"): "a reserved key of kv_transfer_params (the payload)",
-    ("proxy/selection/routes.py", "eldr"): "the selection API's `eldr` field (the payload)",
-    ("proxy/orchestrator.py", "eldr"): "the `eldr` field of a selection query (the payload)",
     ("integrations/ray/app.py", "eldr"): "the `eldr` section of the Ray app's arguments",
     ("fit/locality.py", "domain"): "the routing input `domain` (the trace's labels)",
     ("traces/importers.py", "domain"): "the `domain` field of an imported request record",

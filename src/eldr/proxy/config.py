@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from eldr.capture.payload import LAYERS_KEY, PAYLOAD_KEY
+
 __all__ = ["DECODER_NAME", "ServeConfig", "check_url", "parse_decode_spec",
            "read_decoders_file"]
 
@@ -219,8 +221,8 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
                 raise ValueError(f"--decode-kv-params {name}: not valid JSON") from None
             if not isinstance(doc, dict) or not doc:
                 raise ValueError(f"--decode-kv-params {name}: must be a non-empty JSON object")
-            reserved = sorted(set(doc) & {"do_remote_decode", "do_remote_prefill", "eldr",
-                                          "eldr_layers"})
+            reserved = sorted(set(doc) & {"do_remote_decode", "do_remote_prefill", PAYLOAD_KEY,
+                                          LAYERS_KEY})
             if reserved:
                 raise ValueError(f"--decode-kv-params {name}: the router sets {reserved} "
                                  f"itself")

@@ -264,6 +264,7 @@ class Orchestrator:
     async def _serve(self, request, body: dict, rid: str, held: dict):
         """(the client's response, outcome) of one completion; the reservation, once made,
         goes into ``held``."""
+        from eldr.capture.payload import PAYLOAD_KEY
         from eldr.proxy.request import split_kv_params
         from eldr.proxy.request.prefill import PREFILL_KV_PARAMS, prefill_body
 
@@ -281,7 +282,7 @@ class Orchestrator:
         if "reservation" not in held:
             ask: dict = {"request_id": rid}
             if payload is not None:
-                ask["eldr"] = payload
+                ask[PAYLOAD_KEY] = payload
             usage = doc.get("usage")
             pt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             if isinstance(pt, int) and not isinstance(pt, bool) and pt >= 0:

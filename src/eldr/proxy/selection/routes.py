@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from eldr.capture.payload import PAYLOAD_KEY
 from eldr.proxy.errors import ProxyError
 from eldr.proxy.request import method_not_allowed
 from eldr.proxy.selection.service import Query, Selection
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["PREFIX", "SelectionApi"]
 
 PREFIX = "/v1/eldr"
-_SELECT_FIELDS = ("token_ids", "prompt", "messages", "eldr", "kv_transfer_params",
+_SELECT_FIELDS = ("token_ids", "prompt", "messages", PAYLOAD_KEY, "kv_transfer_params",
                   "prompt_tokens", "candidates")
 _RESERVE_FIELDS = (*_SELECT_FIELDS, "request_id", "ttl")
 _MAX_TOKEN_IDS = 1 << 20  # ids in one prompt (a body is capped by --max-body-bytes anyway)
@@ -231,17 +232,17 @@ def parse_query(body: dict, *, reserve: bool) -> Query:
                 all(isinstance(m, dict) for m in messages)):
             raise _bad("messages", "must be a non-empty list of chat messages (objects)")
         text = {"messages": messages}
-    payload = body.get("eldr")
+    payload = body.get(PAYLOAD_KEY)
     kvp = body.get("kv_transfer_params")
     if kvp is not None:
         if not isinstance(kvp, dict):
             raise _bad("kv_transfer_params", "must be an object (the prefill answer's "
                                              "kv_transfer_params)")
-        if payload is not None and "eldr" in kvp:
-            raise _bad("eldr", "is given twice: alone and in kv_transfer_params")
-        payload = kvp.get("eldr", payload)
+        if payload is not None and PAYLOAD_KEY in kvp:
+            raise _bad(PAYLOAD_KEY, "is given twice: alone and in kv_transfer_params")
+        payload = kvp.get(PAYLOAD_KEY, payload)
     if payload is not None and not isinstance(payload, dict):
-        raise _bad("eldr", "must be an object: the capture plugin's eldr payload")
+        raise _bad(PAYLOAD_KEY, "must be an object: the capture plugin's eldr payload")
     prompt_tokens = body.get("prompt_tokens")
     if prompt_tokens is not None and not (_is_int(prompt_tokens) and prompt_tokens >= 0):
         raise _bad("prompt_tokens", f"must be an integer >= 0, got {prompt_tokens!r}")
