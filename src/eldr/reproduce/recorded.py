@@ -201,10 +201,6 @@ def _domain_shares(calib: Trace) -> np.ndarray | None:
     return (shares + 1e-6) / (shares + 1e-6).sum() if (shares == 0).any() else shares
 
 
-def _unit_rows(profiles: np.ndarray) -> np.ndarray:
-    return decode_patterns(profiles)  # (R, L·E) float32 unit rows (the oracle's transform)
-
-
 def _prompt_predictor(fit: Trace, seed: int, vocab: int):
     """A prompt → decode profile predictor fitted on ``fit``
     (:func:`eldr.fit.prompt_decode.fit_decode_predictor`, options :data:`PROMPT_OPTIONS`),
@@ -257,11 +253,11 @@ def _prompt_setup(calib: Trace, ev: Trace, name: str, seed: int) -> PromptSetup:
         held = np.flatnonzero(halves == h)
         calib_profiles[held] = _predict(_prompt_predictor(part, seed, vocab),
                                         calib.subset(held))
-    cal = _RowsCalibration(calib, _unit_rows(calib_profiles), calib_profiles,
+    cal = _RowsCalibration(calib, decode_patterns(calib_profiles), calib_profiles,
                            FitSettings(random_state=seed), predictor=pred,
                            encoder_seconds=time.perf_counter() - t0)
     return PromptSetup(workload=name, calib=calib, eval=ev, calibration=cal,
-                       signatures=_unit_rows(eval_profiles),
+                       signatures=decode_patterns(eval_profiles),
                        domain_shares=_domain_shares(calib),
                        tokens=TokenBank(ev, seed=seed), seed=seed,
                        eval_profiles=eval_profiles, admitted=np.asarray(admitted, bool),
