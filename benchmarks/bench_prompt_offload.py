@@ -131,6 +131,40 @@ def _near_arrivals(starts: list[float], lat: list[float], sent: list[float],
     return int(slow.size), float(np.mean(gap <= 1e-3))
 
 
+def _long_prompt_steps(repeat: int = 300) -> dict[str, float]:
+    """Median µs of what the router does, holding the GIL, with a prompt of 2,048 token ids
+    (the control stream's), each step alone in this process: on the loop at its arrival
+    (parse, digest, the prefill request), then on a prompt thread (the id check and the
+    array the prediction reads). The id check is timed both ways: the generator the router
+    used before ``ints_only`` and ``ints_only``."""
+    from eldr.proxy.bodies import ints_only, parse_body
+    from eldr.proxy.request.containment import body_digest
+    from eldr.proxy.request.prefill import PREFILL_KV_PARAMS, prefill_body
+
+    raw = json.dumps({"model": "m", "prompt": list(range(200, 2248)),
+                      "max_tokens": 4}).encode()
+    body = parse_body(raw, "completions")
+    ids = body["prompt"]
+    steps = {
+        "parse the body": lambda: parse_body(raw, "completions"),
+        "digest": lambda: body_digest(raw),
+        "prefill request": lambda: prefill_body(body, "completions", PREFILL_KV_PARAMS),
+        "id check, generator (before)": lambda: all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids),
+        "id check, ints_only": lambda: ints_only(ids),
+        "ids to an array": lambda: np.asarray(ids, dtype=np.int64),
+    }
+    out = {}
+    for name, fn in steps.items():
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = 1e6 * float(np.median(times))
+    return out
+
+
 def _tokenize_ms(repeat: int = 20) -> float:
     """Median ms to tokenize the stream's text prompt once, here, alone."""
     from eldr.capture import tiny_moe_dir
@@ -206,9 +240,11 @@ async def _run(args) -> None:
         near_s = "" if not sent else f"{100 * near:.0f}%"
         print(f"{name:<36}{p50:>8.3f}{p99:>8.3f}{p99 - quiet_p99:>+9.3f}{len(sent):>6}"
               f"{slow if sent else '':>6}{near_s:>14}  {told}")
-    print(f"slow: token-id requests over the no-stream p99 + 1 ms (the target); near arrival: the share of them "
-          f"that started within 1 ms of a stream request's send. Tokenizing the text prompt "
-          f"alone, here: {_tokenize_ms():.1f} ms.")
+    print(f"slow: token-id requests over the no-stream p99 + 1 ms (the target); near "
+          f"arrival: the share of them that started within 1 ms of a stream request's send. "
+          f"Tokenizing the text prompt alone, here: {_tokenize_ms():.1f} ms.")
+    print("a 2,048-id prompt's steps that hold the GIL, each alone here (median us): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in _long_prompt_steps().items()))
 
 
 def main() -> None:

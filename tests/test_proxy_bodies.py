@@ -10,6 +10,7 @@ from eldr.proxy.bodies import (
     SSEUsage,
     decode_body,
     fix_usage,
+    ints_only,
     json_object,
     parse_body,
     prompt_token_bound,
@@ -188,3 +189,18 @@ def test_prompt_token_bound_stops_counting_at_its_cap():
     assert prompt_token_bound({"prompt": list(range(100))}, "completions", cap=32) == 32
     chat = {"messages": [{"role": "user", "content": "x" * 20}] * 3}
     assert prompt_token_bound(chat, "chat", cap=32) == 32
+
+
+class _Int(int):
+    """An int subclass: an int to isinstance, not to type()."""
+
+
+@pytest.mark.parametrize("values", [
+    [], [0], [1, 2, 3], list(range(5000)), [1, True], [True], [1, 2.0], [1, "2"],
+    [1, None], [1, [2]], [_Int(3), 4], [_Int(3)], [False, 0], [1 << 70, -5],
+])
+def test_ints_only_answers_as_the_isinstance_generator(values):
+    expected = all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+    assert ints_only(values) is expected
+    parsed = json.loads(json.dumps(values))  # as a body gives them: plain ints and bools
+    assert ints_only(parsed) is all(type(t) is int for t in parsed)

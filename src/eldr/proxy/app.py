@@ -31,7 +31,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from eldr.proxy.bodies import parse_body
+from eldr.proxy.bodies import ints_only, parse_body
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.control import (
     AdminToken,
@@ -309,8 +309,7 @@ class Router:
                                   f"Please request fewer output tokens. (parameter={key}, "
                                   f"value={value})", param=key, code="context_exceeded")
         prompt = body.get("prompt") if kind == "completions" else None
-        if isinstance(prompt, list) and len(prompt) > limit and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and len(prompt) > limit and ints_only(prompt):
             n = len(prompt)
             raise ProxyError(400, f"This model's maximum context length is {limit} tokens. "
                                   f"However, your prompt contains {n} input tokens, which "

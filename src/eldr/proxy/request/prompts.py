@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr.proxy.bodies import ints_only
+
 __all__ = ["PREDICTION_RESULTS", "PromptRouting", "PromptTokenizer", "RequestPrompt",
            "Untokenizable", "prompt_token_ids", "tokenizer_dir_for"]
 
@@ -183,8 +185,7 @@ def _compile(source: str):
 
 
 def _is_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and bool(value) and ints_only(value)
 
 
 def _flat_messages(messages: object) -> list[dict]:
