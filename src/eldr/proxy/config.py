@@ -8,8 +8,6 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from eldr.capture.payload import LAYERS_KEY, PAYLOAD_KEY
-
 __all__ = ["DECODER_NAME", "ServeConfig", "check_url", "parse_decode_spec",
            "read_decoders_file"]
 
@@ -213,6 +211,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
 
     def decoder_kv_params(self) -> dict[str, dict]:
         """{decoder name: the kv_transfer_params its prefill requests get} (decode-first)."""
+        # here, not at the top: eldr.capture imports numpy, which a config need not load
+        from eldr.capture.payload import LAYERS_KEY, PAYLOAD_KEY
+
         out = {}
         for name, text in self.decode_kv_params:
             try:
