@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from eldr.capture.payload import PAYLOAD_KEY
+from eldr.proxy.bodies import ints_only
 from eldr.proxy.errors import ProxyError
 from eldr.proxy.request import method_not_allowed
 from eldr.proxy.selection.service import Query, Selection
@@ -212,7 +213,7 @@ def parse_query(body: dict, *, reserve: bool) -> Query:
             raise _bad("token_ids", "must be a non-empty list of token ids (integers >= 0)")
         if len(token_ids) > _MAX_TOKEN_IDS:
             raise _bad("token_ids", f"has more than {_MAX_TOKEN_IDS} ids")
-        if not all(_is_int(t) and t >= 0 for t in token_ids):
+        if not (ints_only(token_ids) and min(token_ids) >= 0):
             bad = next(t for t in token_ids if not (_is_int(t) and t >= 0))
             raise _bad("token_ids", f"must hold integers >= 0, found {bad!r}")
         token_ids = np.asarray(token_ids, dtype=np.int64)
