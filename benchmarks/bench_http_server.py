@@ -32,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serve as bs  # the client, /proc CPU time, free ports
@@ -41,14 +40,6 @@ ANSWER = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
                      "choices": [{"index": 0, "text": " hello" * 20, "finish_reason": "length"}],
                      "usage": {"prompt_tokens": 40, "completion_tokens": 20,
                                "total_tokens": 60}}).encode()
-
-
-def _run(loop_main) -> None:
-    try:
-        import uvloop
-        uvloop.run(loop_main())
-    except ModuleNotFoundError:  # eldr serve's loop when installed, else asyncio's
-        asyncio.run(loop_main())
 
 
 def _serve_aiohttp(port: int) -> None:
@@ -73,7 +64,7 @@ def _serve_aiohttp(port: int) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
-    _run(main)
+    bs.run_loop(main())
 
 
 def _serve_raw(port: int) -> None:
@@ -109,28 +100,15 @@ def _serve_raw(port: int) -> None:
         await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port)
         await asyncio.Event().wait()
 
-    _run(main)
+    bs.run_loop(main())
 
 
 async def _load(port: int, pid: int, concurrency: int, seconds: float) -> tuple[float, float]:
-    """(server CPU seconds per request, requests per second) over ``seconds``."""
-    body = bs._bodies()[0]
-    conns = [await bs._Conn(port).open() for _ in range(concurrency)]
-    done = 0
-    stop = time.perf_counter() + seconds
-
-    async def worker(conn) -> None:
-        nonlocal done
-        while time.perf_counter() < stop:
-            await conn.post("/v1/completions", body)
-            done += 1
-
-    cpu0, t0 = bs._cpu_seconds(pid), time.perf_counter()
-    await asyncio.gather(*(worker(c) for c in conns))
-    cpu, secs = bs._cpu_seconds(pid) - cpu0, time.perf_counter() - t0
-    for c in conns:
-        c.close()
-    return cpu / max(done, 1), done / secs
+    """(server CPU seconds per request, requests per second) over ``seconds``: bench_serve's
+    load, each request with its own prompt."""
+    cpu0 = bs._cpu_seconds(pid)
+    done, secs = await bs._throughput(port, concurrency, seconds, False)
+    return (bs._cpu_seconds(pid) - cpu0) / max(done, 1), done / secs
 
 
 async def _main(args) -> dict[str, list[tuple[float, float]]]:

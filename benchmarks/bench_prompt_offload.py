@@ -71,12 +71,7 @@ def _child(ports: list[int], port: int, processes: int) -> None:
                          policy="eldr_cost", port=port, models=("m",), health_interval=5.0,
                          prompt_processes=processes)
     router = Router(config, state=state)
-    try:  # the event loop eldr serve runs (commands.serve): uvloop when installed
-        import uvloop
-        run = uvloop.run
-    except ModuleNotFoundError:
-        run = asyncio.run
-    run(serve(router))
+    bs.run_loop(serve(router))
 
 
 def _prediction_results(port: int) -> dict[str, float]:

@@ -310,12 +310,18 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
         run_workers(config, lambda *_: Router(config, state=make_state()), serve)
         return
     router = Router(config, state=make_state())
+    run_loop(serve(router))
+
+
+def run_loop(main) -> None:
+    """Run the coroutine ``main`` on the event loop eldr serve runs (commands.serve):
+    uvloop when installed, else asyncio's."""
     try:
         import uvloop
-        runner = uvloop.run
     except ModuleNotFoundError:
-        runner = asyncio.run
-    runner(serve(router))
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 class _Router:
