@@ -583,6 +583,11 @@ def test_a_flapping_decoder_is_held_off_by_its_breaker_then_probed():
     async def go():
         async with cluster(breaker_failures=3, breaker_backoff=0.5,
                            breaker_max_backoff=4.0) as (router, client, _, decoders):
+            # The breaker reads an injected clock, moved by hand: on a loaded machine the
+            # eight requests below can outlast a wall-clock back-off, and a probe would
+            # then go out inside the loop (seen once in CI: 4 tries instead of 3).
+            now = [0.0]
+            router.pool.decode[0].breaker.clock = lambda: now[0]
             decoders[0].mode = "500"  # /health stays 200: health checks re-admit it
             statuses = []
             for _ in range(8):
@@ -591,12 +596,13 @@ def test_a_flapping_decoder_is_held_off_by_its_breaker_then_probed():
                 await asyncio.sleep(0.06)  # a health round re-admits it each time
             tried_while_open = len(decoders[0].requests)
             state = router.pool.decode[0].breaker.state
-            await asyncio.sleep(0.6)  # back-off over: one probe, which fails
+            now[0] += 0.6  # back-off over: one probe, which fails
             r = await client.post("/v1/completions", json=CODE)
             statuses.append(r.status)
             after_probe = (len(decoders[0].requests), router.pool.decode[0].breaker.backoff)
             decoders[0].mode = "ok"
-            await asyncio.sleep(1.1)
+            now[0] += 1.1
+            await asyncio.sleep(0.06)  # a health round re-admits it
             r = await client.post("/v1/completions", json=CODE)  # the probe succeeds
             statuses.append(r.status)
             return router, statuses, tried_while_open, state, after_probe, \
