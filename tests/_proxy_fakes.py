@@ -360,6 +360,18 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def until(predicate, what: str, timeout: float = 20.0, step: float = 0.01) -> None:
+    """Wait until ``predicate()`` holds (a health round re-admitted a decoder, a job
+    started...), for up to ``timeout`` s; AssertionError naming ``what`` if it never does.
+    A test that waits a fixed time for such a thing fails on a loaded machine."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        await asyncio.sleep(step)
+
+
 def spy_events(policy) -> list:
     """Record (event, request id, worker or outcome) of ``policy``'s dispatches and
     releases (wrapping its methods); the list fills as requests run."""

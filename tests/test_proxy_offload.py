@@ -4,26 +4,45 @@ never refused), and text is tokenized in a worker process as in the router."""
 
 import asyncio
 import dataclasses
+import functools
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from _proxy_fakes import cluster, domain_counts, fake_encoder, run
+from _proxy_fakes import cluster, domain_counts, fake_encoder, run, until
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.request.prompts import PromptRouting, PromptTokenizer, tokenizer_dir_for
 
-SLOW = 0.8  # seconds a slow tokenization or prediction takes
 CODE_IDS = [11, 12, 13]  # the fake predictor's "code" prompt
 LAW_IDS = [21, 22, 23]
+HOLD_LIMIT = 20.0  # the longest a Held job waits for its release (then the test fails)
 
 
-def _predict(ids):
+class Held:
+    """A slow tokenization or prediction: a blocking call that holds its thread until the
+    test releases it, so that the test knows the job is still running when it checks
+    another request, however slow the machine (a job that takes a fixed time, 0.8 s as
+    these tests had, may end first on a loaded one)."""
+
+    def __init__(self) -> None:
+        self.started, self.released = threading.Event(), threading.Event()
+        self.done = threading.Event()  # the job went on (released, or HOLD_LIMIT passed)
+
+    def __call__(self) -> None:
+        self.started.set()
+        self.released.wait(HOLD_LIMIT)
+        self.done.set()
+
+
+def _predict(ids, slow=None):
     """The fake model's inputs (prompts holding 11 look like code); a prompt holding 99 is
-    slow to predict (a blocking call, as a prediction on the loop would be)."""
+    slow to predict when ``slow`` is given (a blocking call, as a prediction on the loop
+    would be)."""
     ids = np.asarray(ids).tolist()
-    if 99 in ids:
-        time.sleep(SLOW)
+    if 99 in ids and slow is not None:
+        slow()
     counts = domain_counts("code" if 11 in ids else "law")
     signature = fake_encoder().transform(counts).reshape(-1).astype(np.float32)
     profile = (counts / counts.sum(axis=1, keepdims=True) * 4).astype(np.float32)
@@ -31,16 +50,26 @@ def _predict(ids):
 
 
 class SlowTokenizer:
-    """Encodes any text as the code prompt, blocking for ``SLOW`` seconds."""
+    """Encodes any text as the code prompt, blocking in ``slow``."""
+
+    def __init__(self, slow) -> None:
+        self.slow = slow
 
     def encode(self, text, *, add_special_tokens=True):
-        time.sleep(SLOW)
+        self.slow()
         return list(CODE_IDS)
 
 
-def _with_prompt(router, tokenizer=None) -> None:
+def _with_prompt(router, tokenizer=None, predict=_predict) -> None:
     router.swap(dataclasses.replace(router.state, prompt=PromptRouting(
-        predict=_predict, tokenizer=tokenizer, fingerprint="")))
+        predict=predict, tokenizer=tokenizer, fingerprint="")))
+
+
+def _held(router, held: Held, tokenizer: bool = False) -> None:
+    """Prompt routing whose slow work (a text's tokenization, a prediction of ids holding
+    99) is ``held``."""
+    _with_prompt(router, SlowTokenizer(held) if tokenizer else None,
+                 functools.partial(_predict, slow=held))
 
 
 def _m(router, name, **labels):
@@ -57,38 +86,53 @@ async def _timed(client, body):
 @pytest.mark.parametrize("slow_body", [{"prompt": "some text"}, {"prompt": [99, 11]}],
                          ids=["tokenization", "prediction"])
 def test_a_slow_prompt_does_not_hold_up_another_requests_relay(slow_body):
-    """The slow request's job blocks a prompt thread for SLOW s; a request sent just after
-    it, routed on its own (quick) prediction, is relayed meanwhile."""
+    """The slow request's job blocks a prompt thread until the test releases it; a
+    request sent once it has started, routed on its own (quick) prediction, is relayed
+    meanwhile. (Held, not for a fixed time: on a loaded machine the quick request could
+    take longer than that and be called "behind" the slow one.)"""
+    held = Held()
+
     async def go():
         async with cluster(engine_kw={"payload": "none"}, prompt_processes=0,
-                           prompt_timeout=2 * SLOW + 1) as (router, client, _, _d):
-            _with_prompt(router, SlowTokenizer())
+                           prompt_timeout=HOLD_LIMIT + 10) as (router, client, _, _d):
+            _held(router, held, tokenizer=True)
             slow = asyncio.ensure_future(_timed(client, slow_body))
-            await asyncio.sleep(0.1)  # the slow job has started
-            quick = await _timed(client, {"prompt": LAW_IDS})
-            return router, await slow, quick
+            await until(held.started.is_set, "the slow job started")
+            try:
+                quick = await _timed(client, {"prompt": LAW_IDS})
+                # answered while the slow job was still held: not behind it
+                meanwhile = (not held.done.is_set(), not slow.done())
+            finally:
+                held.released.set()
+            return router, await slow, quick, meanwhile
 
-    router, slow, quick = run(go())
-    assert slow[:2] == (200, "w-code") and slow[2] >= SLOW  # routed on its prediction
+    router, slow, quick, meanwhile = run(go())
+    assert slow[:2] == (200, "w-code")  # routed on its prediction, made once released
     assert quick[:2] == (200, "w-other")
-    assert quick[2] < SLOW / 2  # not behind the slow one
+    assert meanwhile == (True, True)  # not behind the slow one
     assert _m(router, "predictions", result="ok") == 2
     assert router.metrics.prompt_work.count() == 2
 
 
 def test_a_full_queue_routes_by_load_and_never_refuses():
+    held = Held()  # the slow job, holding the queue's one place until released
+
     async def go():
         async with cluster(engine_kw={"payload": "none"}, prompt_threads=1, prompt_queue=1,
-                           prompt_timeout=2 * SLOW + 1) as (router, client, _, _d):
-            _with_prompt(router)
+                           prompt_timeout=HOLD_LIMIT + 10) as (router, client, _, _d):
+            _held(router, held)
             slow = asyncio.ensure_future(_timed(client, {"prompt": [99, 11]}))
-            await asyncio.sleep(0.1)
-            busy = await _timed(client, {"prompt": CODE_IDS})
-            return router, await slow, busy
+            await until(held.started.is_set, "the slow job started")
+            try:
+                busy = await _timed(client, {"prompt": CODE_IDS})
+                meanwhile = not held.done.is_set()  # answered with the queue still full
+            finally:
+                held.released.set()
+            return router, await slow, busy, meanwhile
 
-    router, slow, busy = run(go())
+    router, slow, busy, meanwhile = run(go())
     assert slow[0] == busy[0] == 200
-    assert busy[2] < SLOW / 2
+    assert meanwhile  # not behind the slow job
     assert _m(router, "predictions", result="busy") == 1
     assert _m(router, "predictions", result="ok") == 1
     assert _m(router, "fallbacks", reason="missing") == 1  # routed by load, counted
@@ -96,21 +140,28 @@ def test_a_full_queue_routes_by_load_and_never_refuses():
 
 
 def test_a_late_prediction_routes_by_load_and_its_retry_does_not_wait_again():
-    async def go():
-        async with cluster(engine_kw={"payload": "none"}, prompt_timeout=0.1) as (
-                router, client, _, _d):
-            _with_prompt(router)
-            late = await _timed(client, {"prompt": [99, 11]})
-            ok = await _timed(client, {"prompt": CODE_IDS})
-            await asyncio.sleep(SLOW)  # the late job ends: its place in the queue is free
-            return router, late, ok, router.flow.prompts.in_flight
+    # The late job is held until released (it outlasts any timeout); the timeout is the
+    # time the other job has for its prediction: 1 s, room for a loaded machine.
+    held = Held()
 
-    router, late, ok, in_flight = run(go())
-    assert late[0] == 200 and late[2] < SLOW
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}, prompt_timeout=1.0) as (
+                router, client, _, _d):
+            _held(router, held)
+            try:
+                late = await _timed(client, {"prompt": [99, 11]})
+                meanwhile = not held.done.is_set()  # routed by load, its job still held
+                ok = await _timed(client, {"prompt": CODE_IDS})
+            finally:
+                held.released.set()  # the late job ends: its place in the queue is free
+            await until(lambda: router.flow.prompts.in_flight == 0, "the late job ended")
+            return router, late, ok, meanwhile
+
+    router, late, ok, meanwhile = run(go())
+    assert late[0] == 200 and meanwhile
     assert ok[:2] == (200, "w-code")
     assert _m(router, "predictions", result="timeout") == 1
     assert _m(router, "predictions", result="ok") == 1
-    assert in_flight == 0
     assert router.metrics.prompt_queue.count() == 2  # both jobs started on a thread
 
 
