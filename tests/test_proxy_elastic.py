@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from _proxy_fakes import FakeEngine, cluster, run
+from _proxy_fakes import FakeEngine, cluster, run, until
 from eldr.proxy.config import read_decoders_file
 from eldr.proxy.control import admin as admin_mod
 from eldr.proxy.request.decision import WorkerMismatch
@@ -169,7 +169,7 @@ def test_remove_while_waiting_answers_once_removed():
 
 def test_a_new_decoder_that_is_down_gets_no_request_until_healthy():
     async def go():
-        async with cluster(policy="round_robin", admin_token=TOKEN) as (_router, client, _p,
+        async with cluster(policy="round_robin", admin_token=TOKEN) as (router, client, _p,
                                                                          _decoders):
             extra = await FakeEngine("d2").start()
             extra.healthy = False
@@ -179,7 +179,8 @@ def test_a_new_decoder_that_is_down_gets_no_request_until_healthy():
                 "model": "tiny", "prompt": f"p{i}"})).status for i in range(6)]
             before = len(extra.requests)
             extra.healthy = True
-            await asyncio.sleep(0.3)  # a health round (every 0.05 s here) takes it in
+            await until(lambda: router.pool.decode[-1].healthy,
+                        "a health round (every 0.05 s here) takes it in")
             for i in range(6):
                 await client.post("/v1/completions", json={"model": "tiny", "prompt": f"q{i}"})
             after = len(extra.requests)

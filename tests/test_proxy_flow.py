@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from _proxy_fakes import cluster, make_state, run, spy_events
+from _proxy_fakes import cluster, make_state, run, spy_events, until
 
 CODE = {"model": "tiny", "prompt": "write code now"}
 LAW = {"model": "tiny", "prompt": "a legal text"}
@@ -593,7 +593,8 @@ def test_a_flapping_decoder_is_held_off_by_its_breaker_then_probed():
             for _ in range(8):
                 r = await client.post("/v1/completions", json=CODE)
                 statuses.append(r.status)
-                await asyncio.sleep(0.06)  # a health round re-admits it each time
+                await until(lambda: router.pool.decode[0].healthy,
+                            "a health round re-admits it each time")
             tried_while_open = len(decoders[0].requests)
             state = router.pool.decode[0].breaker.state
             now[0] += 0.6  # back-off over: one probe, which fails
@@ -602,7 +603,7 @@ def test_a_flapping_decoder_is_held_off_by_its_breaker_then_probed():
             after_probe = (len(decoders[0].requests), router.pool.decode[0].breaker.backoff)
             decoders[0].mode = "ok"
             now[0] += 1.1
-            await asyncio.sleep(0.06)  # a health round re-admits it
+            await until(lambda: router.pool.decode[0].healthy, "a health round re-admits it")
             r = await client.post("/v1/completions", json=CODE)  # the probe succeeds
             statuses.append(r.status)
             return router, statuses, tried_while_open, state, after_probe, \
@@ -625,7 +626,8 @@ def test_transient_failures_do_not_open_the_breaker():
                 r = await client.post("/v1/completions", json=CODE)
                 statuses.append(r.status)
                 decoders_used.append(r.headers["X-Eldr-Decoder"])
-                await asyncio.sleep(0.06)  # the health check re-admits after a failure
+                await until(lambda: router.pool.decode[0].healthy,
+                            "the health check re-admits after a failure")
             return router, statuses, decoders_used
 
     router, statuses, used = run(go())
