@@ -10,13 +10,13 @@
    of one decode step of each decoder's batch, against round robin (random balanced
    splits) (:mod:`eldr.fit.prompt_eval`). R² of the predicted prefill profile.
 2. Size: the ``prompt.npz`` an artifact fitted on the whole trace gains, and the largest a
-   48 × 128 predictor may be (the fit's 48 MB budget).
+   48 × 128 predictor may be (the fit's 24 MiB budget; the table and basis are half floats).
 3. Prediction cost: ``PromptPredictor.predict`` for a 48 × 128 top-8 model and a
    2,048-token prompt (ids from a 151,936-token vocabulary, Qwen3's), p50 / p99 over
    ``--calls`` calls after warm-up, at (bits, rank) = (16, 32), (18, 32) and the largest
-   within budget (18, 46), for the tf/token path (one gather of the n-grams' rows) and the
-   tfidf path (which aggregates repeated n-grams first), each by the numpy kernel and the
-   compiled one (numba, when installed; :mod:`eldr.fit.prompt_kernel`); and
+   rank within budget at 2**18 buckets (44), for the tf/token path (one gather of the
+   n-grams' rows) and the tfidf path (which aggregates repeated n-grams first), each by
+   the numpy kernel and the compiled one (numba, when installed; :mod:`eldr.fit.prompt_kernel`); and
    ``route_inputs_from_prompt`` (prediction + signature + cost-policy profile) at (16, 32);
    then the three steps over memory that bound a prediction, each alone (hashing, the
    gather and sum of the n-grams' rows, the basis product) of the numpy kernel. Wall clock
@@ -88,11 +88,21 @@ def size(trace, args) -> None:
         added = os.path.getsize(out / "prompt.npz")
         rest = os.path.getsize(out / "arrays.npz") + os.path.getsize(out / "artifact.json")
     p = art.prompt_predictor
-    largest = 4 * ((1 << 18) * (1 + 46) + 47 * 48 * 128)
+    rank = _largest_rank(18, 48 * 128)
+    largest = PromptPredictor()._size(18, rank, 48 * 128)
     print(f"\n2. artifact size: the whole-trace fit chose 2**{p.bits_} buckets, rank "
           f"{p.rank_}: prompt.npz adds {added / 2**20:.2f} MiB to {rest / 2**20:.3f} MiB; a "
-          f"48x128 predictor is at most {largest / 2**20:.1f} MiB (2**18 x rank 46, the "
-          f"fit's 48 MB budget)")
+          f"48x128 predictor is at most {largest / 2**20:.1f} MiB (2**18 x rank {rank}, the "
+          f"fit's {PromptPredictor().max_bytes / 2**20:.0f} MiB budget)")
+
+
+def _largest_rank(bits: int, num_targets: int) -> int:
+    """The largest rank whose predictor fits the fit's default byte budget."""
+    p = PromptPredictor()
+    rank = 1
+    while p._size(bits, rank + 1, num_targets) <= p.max_bytes:
+        rank += 1
+    return rank
 
 
 def _random_predictor(bits: int, rank: int, L: int, E: int, k: int, vocab: int,
@@ -139,7 +149,7 @@ def cost(args) -> None:
     kernels = ["numpy"] + (["compiled"] if compiled_kernels() is not None else [])
     if len(kernels) == 1:
         print("   (numba is not installed: the numpy kernel only)")
-    for bits, rank in ((16, 32), (18, 32), (18, 46)):
+    for bits, rank in ((16, 32), (18, 32), (18, _largest_rank(18, L * E))):
         p = _random_predictor(bits, rank, L, E, k, vocab, rng)
         for weighting in ("token", "tfidf"):  # tf predicts exactly as token does
             p.weighting_ = weighting
@@ -184,17 +194,23 @@ def cost(args) -> None:
 def _floor(p: PromptPredictor, ids: np.ndarray, calls: int) -> None:
     """What bounds a prediction (2**16 x 32, the 2,048-token prompt): its three steps
     over memory, each timed alone: hashing the 2P - 1 n-grams into buckets, gathering and
-    summing one weight row per n-gram (np.take + a BLAS dot), and the basis product
-    (rank x L·E); the rest of predict is the id check and the clip (a few numpy calls)."""
+    summing one weight row per n-gram (np.take + a BLAS dot, from the float32 rows the
+    numpy path widens once), and the basis product (rank x L·E, the basis widened once at
+    load); the rest of predict is the id check and the clip (a few numpy calls)."""
     from eldr.fit.prompt import ngram_hashes
 
     shift = np.uint64(64 - p.bits_)
     rows = (ngram_hashes(ids) >> shift).astype(np.int64)
     ones = np.ones(rows.size, dtype=np.float32)
-    z = ones @ np.take(p.weights_, rows, axis=0)
+    table = p._numpy_rows()
+
+    def gather():
+        return ones @ np.take(table, rows, axis=0)
+
+    z = gather()
     steps = {f"hash {rows.size} n-grams": lambda: ngram_hashes(ids) >> shift,
-             f"gather+sum {rows.size} rows": lambda: ones @ np.take(p.weights_, rows, axis=0),
-             f"basis product {p.rank_}x{p.basis_.shape[1]}": lambda: z @ p.basis_}
+             f"gather+sum {rows.size} rows": gather,
+             f"basis product {p.rank_}x{p.basis_.shape[1]}": lambda: z @ p._basis32}
     for name, fn in steps.items():
         print(f"     step alone, {name:<26}: {_percentiles(fn, calls)}")
     from eldr.fit.prompt import compiled_kernels
@@ -208,13 +224,13 @@ def _floor(p: PromptPredictor, ids: np.ndarray, calls: int) -> None:
     ids64 = np.ascontiguousarray(ids, dtype=np.int64)
     shift, vocab = 64 - p.bits_, p.id_limit
     buckets, _ = kern._buckets(ids64, shift, vocab)
-    z = kern._sum_rows(p._rows, buckets, None, buckets.size)
-    scale = np.float32(1.0 / ids64.size)
+    z = kern._sum_rows(p._row_bits, buckets, None, buckets.size)
+    scale = np.float32(p.weights_scale_) * np.float32(1.0 / ids64.size)
     steps = {f"hash {buckets.size} n-grams": lambda: kern._buckets(ids64, shift, vocab),
              f"gather+sum {buckets.size} rows": lambda: kern._sum_rows(
-                 p._rows, buckets, None, buckets.size),
+                 p._row_bits, buckets, None, buckets.size),
              f"basis product {p.rank_}x{p.basis_.shape[1]} + clip": lambda: kern._finish(
-                 z, scale, p.basis_, p.mean_, p.num_layers, p.top_k)}
+                 z, scale, p._basis_bits, p.mean_, p.num_layers, p.top_k)}
     for name, fn in steps.items():
         print(f"     compiled step alone, {name:<26}: {_percentiles(fn, calls)}")
 

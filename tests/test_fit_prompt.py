@@ -60,7 +60,23 @@ def test_rows_sum_to_top_k_before_clipping(fitted):
     """The basis spans centred profiles (layer rows summing to 0), so the linear
     prediction keeps each layer's sum at top_k; clipping only rescales."""
     np.testing.assert_allclose(fitted.mean_.reshape(L, E).sum(1), K_TOP, rtol=1e-4)
-    np.testing.assert_allclose(fitted.basis_.reshape(-1, L, E).sum(2), 0, atol=1e-5)
+    basis = fitted.basis_.astype(np.float64).reshape(-1, L, E)
+    # stored as half floats: each entry moved by at most 2**-11 of itself
+    bound = np.abs(basis).sum(2) * 2.0 ** -11 + 1e-6
+    assert (np.abs(basis.sum(2)) <= bound).all()
+
+
+def test_the_table_and_basis_are_stored_as_half_floats(fitted):
+    """Half the bytes a prediction reads; the table's power-of-two scale puts its largest
+    entry in [2**13, 2**14), and weights_ gives back exactly scale x the stored values."""
+    assert fitted.basis_.dtype == np.float16 and fitted._half_weights.dtype == np.float16
+    top = np.abs(fitted._half_weights.astype(np.float32)).max()
+    assert 2.0 ** 13 <= top < 2.0 ** 14
+    assert np.frexp(fitted.weights_scale_)[0] == 0.5
+    np.testing.assert_array_equal(
+        fitted.weights_, fitted._half_weights.astype(np.float64) * fitted.weights_scale_)
+    assert fitted.nbytes == fitted.idf_.nbytes + fitted.mean_.nbytes + 2 * (
+        fitted._half_weights.size + fitted.basis_.size)
 
 
 @pytest.mark.parametrize("weighting", ["tf", "tfidf"])
@@ -126,10 +142,16 @@ def test_predict_is_the_model_written_out(weighting, rank):
         y = p.predict(ids)
         np.testing.assert_allclose(y, _predict_written_out(p, ids), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(y[0], k / experts, rtol=1e-6)
-    # the table is stored as given, gathered from an aligned copy
-    saved = p.state()[1]["weights"]
-    assert saved.flags.c_contiguous and np.array_equal(saved, arrays["weights"])
+    # a float32 table (an older eldr's artifact) is kept as half floats over a power of
+    # two, gathered from an aligned copy; stored and read back, it predicts the same
+    doc2, saved = p.state()
+    scale = doc2["weights_scale"]
+    assert saved["weights"].flags.c_contiguous and saved["weights"].dtype == np.float16
+    np.testing.assert_array_equal(
+        saved["weights"], (arrays["weights"] / np.float32(scale)).astype(np.float16))
     assert p._rows.ctypes.data % 64 == 0
+    back = PromptPredictor.from_state(doc2, saved)
+    np.testing.assert_array_equal(back.predict(long), p.predict(long))
 
 @pytest.mark.parametrize("ids, match", [
     ([], "empty prompt"),
@@ -182,6 +204,11 @@ def test_state_round_trip_predicts_the_same_bits(fitted, trace):
     (lambda d, a: a["mean"].__setitem__(0, np.nan), "NaN or Inf"),
     (lambda d, a: a["idf"].__setitem__(0, -1), "idf must be non-negative"),
     (lambda d, a: a.pop("idf"), "array idf"),
+    (lambda d, a: d.update(weights_scale=3.0), "weights_scale must be a positive power"),
+    (lambda d, a: d.update(weights_scale=0), "weights_scale must be a positive power"),
+    (lambda d, a: d.update(weights_scale=True), "weights_scale must be a positive power"),
+    # half floats without their scale: read as an older eldr's float32 arrays, refused
+    (lambda d, a: d.pop("weights_scale"), "array weights"),
 ])
 def test_damaged_states_are_refused(fitted, edit, match):
     doc, arrays = fitted.state()
@@ -194,7 +221,8 @@ def test_damaged_states_are_refused(fitted, edit, match):
 
 def test_candidates_over_the_size_budget_are_skipped(trace):
     small = trace.subset(np.arange(60))
-    size = lambda bits, rank: 4 * ((1 << bits) * (1 + rank) + (rank + 1) * L * E)  # noqa: E731
+    # float32 idf and mean, half-float table and basis
+    size = lambda bits, rank: (4 + 2 * rank) * ((1 << bits) + L * E)  # noqa: E731
     budget = size(10, 8)
     p = PromptPredictor(bits=(10, 12), ranks=(4, 8), alphas=(0.1,),
                         max_bytes=budget).fit(small)

@@ -57,9 +57,13 @@ def test_one_compiled_version_serves_every_caller(weighting):
         assert np.abs(got - want).max() <= 1e-6 and got.flags.writeable
     for fn in (kernels.predict_bag, kernels.predict_tfidf):
         assert len(fn.signatures) == 1
+    scale = np.float32(p.weights_scale_)
     with pytest.raises(TypeError):  # another type is refused, not compiled
-        kernels.predict_bag(ids.astype(np.float64), p._rows, 54, 1000, False, p.basis_,
-                            p.mean_, 6, 2)
+        kernels.predict_bag(ids.astype(np.float64), p._row_bits, scale, 54, 1000, False,
+                            p._basis_bits, p.mean_, 6, 2)
+    with pytest.raises(TypeError):  # so is a float32 table: it reads half floats' bits
+        kernels.predict_bag(ids, p._rows.astype(np.float32), scale, 54, 1000, False,
+                            p._basis_bits, p.mean_, 6, 2)
     assert len(kernels.predict_bag.signatures) == 1
 
 

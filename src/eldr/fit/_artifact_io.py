@@ -66,7 +66,7 @@ def _get(doc: dict, path: str, kind):
 
 MAX_JSON_BYTES = 16 << 20  # artifact.json larger than this is refused unread
 MAX_ARRAYS_BYTES = 1 << 30  # arrays.npz: the file, and what its arrays declare in all
-MAX_PROMPT_BYTES = 256 << 20  # prompt.npz (the fit keeps the predictor under 48 MB)
+MAX_PROMPT_BYTES = 256 << 20  # prompt.npz (the fit keeps the predictor under 24 MiB)
 
 
 def read_arrays(path: Path, shapes: dict[str, tuple[tuple[int, ...], np.dtype]], *,

@@ -12,8 +12,10 @@ An artifact is a directory with two files (format in ``docs/fit-and-routing.md``
   JSON), and ``decoder_profiles`` (K, L, E) float32, each cluster's mean ``log(1 − p)``
   (:func:`eldr.fit.predictor.decoder_profiles`). Version 1 artifacts (no cost parts) load;
 - ``prompt.npz`` (optional, with a ``prompt_predictor`` section in the JSON): the prompt
-  predictor (:mod:`eldr.fit.prompt`), ``idf`` (2**bits,), ``weights`` (2**bits, rank),
-  ``basis`` (rank, L·E) and ``mean`` (L·E,), all float32. A separate file, so an artifact
+  predictor (:mod:`eldr.fit.prompt`), ``idf`` (2**bits,) and ``mean`` (L·E,) float32,
+  ``weights`` (2**bits, rank) and ``basis`` (rank, L·E) float16, the table over the power
+  of two ``weights_scale`` in the JSON section (an older eldr wrote them float32, without
+  ``weights_scale``: they load, rounded to float16). A separate file, so an artifact
   without it is exactly a version 2 artifact, and an older eldr reads one with it
   (ignoring the predictor): no version bump.
 

@@ -20,7 +20,13 @@ ids + prefill counts):
 - output: ``mean_ + (x @ weights_) @ basis_``, negative entries clipped to 0 and each
   layer's row rescaled to sum to ``top_k``, as a real profile's rows do. Before clipping
   the rows already sum to ``top_k``: every basis row lies in the span of centred
-  profiles, whose layer rows sum to 0.
+  profiles, whose layer rows sum to 0 (up to the half-float rounding below).
+- storage: the table and the basis are kept as IEEE half floats (the table times a power
+  of two, ``weights_scale_``, that puts its largest entry in [2**13, 2**14)), the fit and
+  every sum in float32 or float64. A prediction is bound by the bytes it reads (one table
+  row per n-gram, at random, and the whole basis): half floats halve them and the
+  artifact, and move a profile entry by ~1e-4 at most (relative rounding 2**-11 of each
+  stored value; docs/fit-and-routing.md, "what bounds a prediction").
 
 This module is the estimator: the search (``bits``, the model, ``rank`` and ``alpha``
 chosen by k-fold cross-validated R² of the profile on the calibration requests, the kernel
@@ -107,11 +113,13 @@ def _load_compiled():
         return None
     try:  # compile every kernel now, not on a request
         ids = np.arange(3, dtype=np.int64)
-        rows, basis = np.zeros((1 << 8, 16), dtype=np.float32), np.ones((5, 8), np.float32)
-        mean = np.ones(8, dtype=np.float32)
+        rows = np.zeros((1 << 8, 16), dtype=np.uint16)  # half floats' bits
+        basis = np.full((5, 8), 0x3C00, dtype=np.uint16)  # 1.0
+        mean, one = np.ones(8, dtype=np.float32), np.float32(1.0)
         for per_token in (False, True):
-            prompt_kernel.predict_bag(ids, rows, 56, 1 << 20, per_token, basis, mean, 2, 1)
-        prompt_kernel.predict_tfidf(ids, rows, np.ones(1 << 8, dtype=np.float32), 56,
+            prompt_kernel.predict_bag(ids, rows, one, 56, 1 << 20, per_token, basis, mean,
+                                      2, 1)
+        prompt_kernel.predict_tfidf(ids, rows, one, np.ones(1 << 8, dtype=np.float32), 56,
                                     1 << 20, basis, mean, 2, 1)
     except Exception as exc:  # numba's own error types: the numpy path is always there
         _log.warning("the compiled prompt-prediction kernel failed to build (%s: %s): "
@@ -136,12 +144,24 @@ def _ones(n: int) -> np.ndarray:
 
 
 _LINE = 64  # bytes of a cache line
+_HALF = np.dtype("<f2")  # the stored table and basis (module docstring, "storage")
+_HALF_TOP = 13  # the stored table's largest |entry| is in [2**13, 2**14) (float16 max 65504)
+
+
+def _half_scale(table: np.ndarray) -> float:
+    """The power of two s that puts max|table| / s in [2**13, 2**14) (1.0 for an all-zero
+    or empty table): exact to divide by, far from float16's overflow, and as far from its
+    subnormals (below 2**-14, where relative precision falls) as the range allows."""
+    top = float(np.max(np.abs(table))) if table.size else 0.0
+    if not np.isfinite(top):
+        raise ValueError("prompt predictor weights contain NaN or Inf")
+    return 1.0 if top == 0.0 else float(2.0 ** (np.floor(np.log2(top)) - _HALF_TOP))
 
 
 def _aligned_rows(weights: np.ndarray) -> np.ndarray:
-    """(N, r') float32 copy of the (N, r) table ``weights``, 64-byte aligned, its rows
-    zero-padded to whole cache lines (r' = r rounded up to a multiple of 16) when that adds
-    at most a quarter to them, else r' = r.
+    """(N, r') copy of the (N, r) table ``weights`` (its dtype kept), 64-byte aligned, its
+    rows zero-padded to whole cache lines (r' = r rounded up to a line's worth of entries:
+    32 half floats) when that adds at most a quarter to them, else r' = r.
 
     A prediction gathers one row per n-gram of the prompt, and the gather's cost is the
     cache lines it touches: numpy's allocator puts a large array 16 bytes past a line, so
@@ -149,12 +169,13 @@ def _aligned_rows(weights: np.ndarray) -> np.ndarray:
     46) touches about 3.8 instead of 3 (the gather timed both ways: docs/fit-and-routing.md,
     "Layout choices, each alone")."""
     n, r = weights.shape
-    per_line = _LINE // 4
+    size = weights.dtype.itemsize
+    per_line = _LINE // size
     padded = -(-r // per_line) * per_line
     width = padded if padded - r <= r // 4 else r
-    buf = np.zeros(n * width * 4 + _LINE, dtype=np.uint8)
+    buf = np.zeros(n * width * size + _LINE, dtype=np.uint8)
     start = (-buf.ctypes.data) % _LINE
-    out = buf[start:start + n * width * 4].view(np.float32).reshape(n, width)
+    out = buf[start:start + n * width * size].view(weights.dtype).reshape(n, width)
     out[:, :r] = weights
     return out
 
@@ -215,7 +236,9 @@ class PromptPredictor:
     weightings: candidate feature weightings, ``tfidf`` and/or ``tf`` (:data:`WEIGHTINGS`).
     folds: cross-validation folds for the choice (≥ 2).
     max_bytes: candidates whose stored arrays exceed this are skipped (the artifact's
-        budget for the predictor).
+        budget for the predictor: 24 MiB of half floats; with the float32 tables it
+        replaced the budget was 48 MiB, and for a 48 × 128 model both admit the same
+        default candidates).
     tolerance: the cheapest candidate (fewest buckets, then lowest rank, then largest α)
         whose cross-validated R² is within this of the best is chosen.
     random_state: seed of the fold assignment.
@@ -223,9 +246,10 @@ class PromptPredictor:
     Fitted: ``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``, ``vocab_source``
     (:data:`VOCAB_SOURCES`), ``tokenizer_fingerprint`` (the interface names), ``bits_``,
     ``weighting_``, ``rank_``, ``alpha_``,
-    ``idf_`` (2**bits,) float32, ``weights_`` (2**bits, rank) float32, ``basis_`` (rank,
-    L·E) float32, ``mean_`` (L·E,) float32, ``cv_r2_`` (the chosen candidate's
-    cross-validated R²), ``grid_`` [{bits, rank, alpha, r2}], ``num_requests_``,
+    ``idf_`` (2**bits,) float32, ``weights_`` (2**bits, rank) float32 (made on each read from
+    the stored half floats and ``weights_scale_``), ``basis_`` (rank, L·E) float16,
+    ``mean_`` (L·E,) float32, ``cv_r2_`` (the chosen candidate's cross-validated R², before
+    the half-float rounding), ``grid_`` [{bits, rank, alpha, r2}], ``num_requests_``,
     ``fit_seconds_``.
     """
 
@@ -233,7 +257,7 @@ class PromptPredictor:
                  ranks: Sequence[int] = (8, 16, 32, 64),
                  alphas: Sequence[float] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
                  weightings: Sequence[str] = WEIGHTINGS, folds: int = 3,
-                 max_bytes: int = 48 << 20, tolerance: float = 0.002,
+                 max_bytes: int = 24 << 20, tolerance: float = 0.002,
                  random_state: int | None = 0) -> None:
         self.bits = tuple(int(b) for b in bits)
         self.ranks = tuple(int(r) for r in ranks)
@@ -266,21 +290,54 @@ class PromptPredictor:
 
     @property
     def weights_(self) -> np.ndarray:
-        """(2**bits, rank) float32 fitted table: a view of the aligned, padded rows
-        prediction gathers (:func:`_aligned_rows`); assigning one stores such a copy."""
-        return self._weights  # AttributeError before the fit: _check_fitted reads it
+        """(2**bits, rank) float32 fitted table as predictions use it: ``weights_scale_``
+        times the stored half floats (exact in float32), a new array on each read."""
+        self._check_fitted()
+        return self._half_weights.astype(np.float32) * np.float32(self.weights_scale_)
 
-    @weights_.setter
-    def weights_(self, value: np.ndarray) -> None:
-        value = np.asarray(value, dtype=np.float32)
-        self._rows = _aligned_rows(value)
-        self._weights = self._rows[:, :value.shape[1]]
+    def _store(self, weights: np.ndarray, basis: np.ndarray) -> None:
+        """Keep a fitted (2**bits, rank) table and (rank, L·E) basis as half floats (module
+        docstring, "storage"): the table over its power-of-two scale (:func:`_half_scale`)."""
+        w = np.asarray(weights, dtype=np.float32)
+        scale = _half_scale(w)
+        b = np.asarray(basis, dtype=np.float32)
+        if not np.isfinite(b).all() or (b.size and np.abs(b).max() >= 2.0 ** 15):
+            raise ValueError("prompt predictor basis must be finite, |entries| < 2**15 "
+                             "(half floats)")
+        self._store_half((w / np.float32(scale)).astype(_HALF), scale, b.astype(_HALF))
+
+    def _store_half(self, weights: np.ndarray, scale: float, basis: np.ndarray) -> None:
+        """Keep the half-float table (2**bits, rank) and basis (rank, L·E) as stored: the
+        table's rows aligned for the gather (:func:`_aligned_rows`), both also as their
+        uint16 bits (what the compiled kernel reads), the basis widened to float32 for the
+        numpy path."""
+        self._rows = _aligned_rows(weights)
+        self._rows32 = None  # the numpy path's float32 rows, made when first needed
+        self._half_weights = self._rows[:, :weights.shape[1]]
+        self._row_bits = self._rows.view(np.uint16)
+        self.weights_scale_ = float(scale)
+        self.basis_ = np.ascontiguousarray(basis, dtype=_HALF)
+        self._basis_bits = self.basis_.view(np.uint16)
+        self._basis32 = self.basis_.astype(np.float32)
+
+    def _numpy_rows(self) -> np.ndarray:
+        """(2**bits, r') float32: the stored rows times ``weights_scale_`` (exact), aligned
+        like them; made at the numpy path's first prediction and kept. numpy casts half
+        floats element by element: widening each prediction's gathered rows cost 5× the
+        rest of the prediction. Only a predictor used without the compiled kernel pays
+        the 4 bytes per entry."""
+        rows = self._rows32
+        if rows is None:  # two threads may both make it: the same array, either kept
+            rows = _aligned_rows(self._rows.astype(np.float32)
+                                 * np.float32(self.weights_scale_))
+            self._rows32 = rows
+        return rows
 
     @property
     def nbytes(self) -> int:
         """Bytes of the fitted arrays (what the artifact stores)."""
         self._check_fitted()
-        return int(self.idf_.nbytes + self.weights_.nbytes + self.basis_.nbytes
+        return int(self.idf_.nbytes + self._half_weights.nbytes + self.basis_.nbytes
                    + self.mean_.nbytes)
 
     @property
@@ -299,11 +356,12 @@ class PromptPredictor:
             getattr(self, "vocab_source", "calibration"), "the feature hash's range")
 
     def _check_fitted(self) -> None:
-        if not hasattr(self, "weights_"):
+        if not hasattr(self, "_half_weights"):
             raise ValueError("PromptPredictor is not fitted: call fit(trace) first")
 
     def _size(self, bits: int, rank: int, num_targets: int) -> int:
-        return 4 * ((1 << bits) * (1 + rank) + (rank + 1) * num_targets)
+        """Stored bytes: float32 idf and mean, half-float table and basis."""
+        return 4 * ((1 << bits) + num_targets) + 2 * rank * ((1 << bits) + num_targets)
 
     # -- fit ----------------------------------------------------------------------------------
     def fit(self, trace: Trace, *, vocab_size: int | None = None,
@@ -430,8 +488,7 @@ class PromptPredictor:
         self.bits_, self.rank_, self.alpha_ = best["bits"], int(basis.shape[0]), best["alpha"]
         self.weighting_ = best["weighting"]
         self.idf_ = idf.astype(np.float32)
-        self.weights_ = weights.astype(np.float32)
-        self.basis_ = np.ascontiguousarray(basis, dtype=np.float32)
+        self._store(weights, basis)
         self.mean_ = intercept.astype(np.float32)
         self.cv_r2_ = float(best["r2"])
         self.grid_ = grid
@@ -564,17 +621,18 @@ class PromptPredictor:
                                  "(numba missing or failing: see the log)")
         ids = check_token_ids(token_ids, self.id_limit, self._id_limit_named())
         hashes = ngram_hashes(ids)
+        table = self._numpy_rows()
         if self.weighting_ == "tfidf":  # repeated n-grams aggregated first (a sort)
             rows, w = feature_row(hashes, self.bits_, self.idf_, self.weighting_)
-            z = w @ np.take(self._rows, rows, axis=0)
+            z = w @ np.take(table, rows, axis=0)
         else:  # tf, token: Σ_b (count_b / n) W[b] = (Σ W[b]) / n over the n-grams (tf) or
             # the P tokens (token): no aggregation. np.take and a BLAS dot, not fancy
             # indexing and .sum(0) (docs/fit-and-routing.md, "Layout choices, each alone")
             hashes >>= np.uint64(64 - self.bits_)  # buckets < 2**24: exact as int64
             rows = hashes.view(np.int64)
-            z = _ones(rows.size) @ np.take(self._rows, rows, axis=0, mode="clip")
+            z = _ones(rows.size) @ np.take(table, rows, axis=0, mode="clip")
             z *= np.float32(1.0 / (rows.size if self.weighting_ == "tf" else ids.size))
-        y = z[:self.rank_] @ self.basis_  # (rank,) of the padded row's (rank') sums
+        y = z[:self.rank_] @ self._basis32  # (rank,) of the padded row's (rank') sums
         y += self.mean_
         return _finish(y.reshape(self.num_layers, self.num_experts), self.top_k)
 
@@ -590,13 +648,14 @@ class PromptPredictor:
             ids = np.ascontiguousarray(ids, dtype=np.int64)
         shift = 64 - self.bits_
         vocab = self.id_limit
+        scale = np.float32(self.weights_scale_)
         if self.weighting_ == "tfidf":
-            y, ok = compiled.predict_tfidf(ids, self._rows, self.idf_, shift, vocab,
-                                           self.basis_, self.mean_, self.num_layers,
-                                           self.top_k)
+            y, ok = compiled.predict_tfidf(ids, self._row_bits, scale, self.idf_, shift,
+                                           vocab, self._basis_bits, self.mean_,
+                                           self.num_layers, self.top_k)
         else:
-            y, ok = compiled.predict_bag(ids, self._rows, shift, vocab,
-                                         self.weighting_ == "token", self.basis_,
+            y, ok = compiled.predict_bag(ids, self._row_bits, scale, shift, vocab,
+                                         self.weighting_ == "token", self._basis_bits,
                                          self.mean_, self.num_layers, self.top_k)
         if not ok:
             return None
@@ -635,18 +694,21 @@ class PromptPredictor:
                "vocab_size": self.vocab_size, "vocab_source": self.vocab_source,
                "tokenizer_fingerprint": self.tokenizer_fingerprint,
                "bits": self.bits_, "weighting": self.weighting_, "rank": self.rank_,
-               "alpha": self.alpha_,
+               "alpha": self.alpha_, "weights_scale": self.weights_scale_,
                "fit": {k: v for k, v in self.summary().items() if k != "grid"}}
-        arrays = {"idf": self.idf_, "weights": np.ascontiguousarray(self.weights_),
+        arrays = {"idf": self.idf_, "weights": np.ascontiguousarray(self._half_weights),
                   "basis": self.basis_, "mean": self.mean_}
         return doc, arrays
 
     @staticmethod
     def array_shapes(doc: dict) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """name -> (shape, dtype) the arrays of a validated :meth:`state` document have."""
+        """name -> (shape, dtype) the arrays of a validated :meth:`state` document have:
+        the table and the basis half floats, or float32 in a document without
+        ``weights_scale`` (written by an older eldr; rounded to half floats on load)."""
         b, r, n = 1 << doc["bits"], doc["rank"], doc["num_layers"] * doc["num_experts"]
         f4 = np.dtype("<f4")
-        return {"idf": ((b,), f4), "weights": ((b, r), f4), "basis": ((r, n), f4),
+        big = _HALF if "weights_scale" in doc else f4
+        return {"idf": ((b,), f4), "weights": ((b, r), big), "basis": ((r, n), big),
                 "mean": ((n,), f4)}
 
     @staticmethod
@@ -682,6 +744,12 @@ class PromptPredictor:
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not (
                 np.isfinite(a) and a > 0):
             raise ValueError(f"prompt_predictor.alpha must be a positive number, got {a!r}")
+        if "weights_scale" in doc:
+            s = doc["weights_scale"]
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not (
+                    np.isfinite(s) and s > 0 and np.frexp(s)[0] == 0.5):
+                raise ValueError(f"prompt_predictor.weights_scale must be a positive power "
+                                 f"of two, got {s!r}")
         return doc
 
     @classmethod
@@ -710,8 +778,11 @@ class PromptPredictor:
             "tokenizer" if p.tokenizer_fingerprint else "calibration")
         p.bits_, p.rank_, p.alpha_ = doc["bits"], doc["rank"], float(doc["alpha"])
         p.weighting_ = doc["weighting"]
-        p.idf_, p.weights_ = arrays["idf"], arrays["weights"]
-        p.basis_, p.mean_ = arrays["basis"], arrays["mean"]
+        p.idf_, p.mean_ = arrays["idf"], arrays["mean"]
+        if "weights_scale" in doc:
+            p._store_half(arrays["weights"], float(doc["weights_scale"]), arrays["basis"])
+        else:  # float32, from an older eldr
+            p._store(arrays["weights"], arrays["basis"])
         fit = doc.get("fit") if isinstance(doc.get("fit"), dict) else {}
         cv = fit.get("cv_r2")
         p.cv_r2_ = float(cv) if isinstance(cv, (int, float)) and not isinstance(cv, bool) \

@@ -9,6 +9,13 @@ nor the gathered rows, and the last is one loop over the output, so a prediction
 rows and the basis once and writes only its (L, E) answer. The kernels release the GIL
 (``nogil``): predictions on a thread pool run beside the event loop.
 
+The rows and the basis are IEEE half floats (the predictor stores them so:
+:class:`eldr.fit.prompt.PromptPredictor`), passed as their uint16 bits and widened to
+float32 as they are read (:func:`_f32`, one ``vcvtph2ps`` per eight values on an x86 CPU
+with F16C); every sum is float32. A prediction is bound by the bytes it reads (the gather
+touches one row per n-gram at random, the product streams the whole basis), and half
+floats halve them (docs/fit-and-routing.md, "what bounds a prediction").
+
 numba is an optional extra (``pip install -e '.[serve]'``); this module imports it, and
 :func:`eldr.fit.prompt.compiled_kernels` imports this one: without numba, or when the
 kernels fail to compile, predictions stay on numpy (said once in the log). Both paths
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
 __all__ = ["predict_bag", "predict_tfidf"]
 
@@ -41,7 +50,7 @@ def _ro(dtype, ndim: int):
     return numba.types.Array(dtype, ndim, "C", readonly=True)
 
 
-_i64, _f32 = numba.types.int64, numba.types.float32
+_i64, _f32, _u16 = numba.types.int64, numba.types.float32, numba.types.uint16
 # The entry points are compiled for exactly these argument types when this module is
 # imported (read from numba's on-disk cache after the first time) and never again: a call
 # with other types converts to them or is refused (TypeError), it never compiles on a
@@ -51,10 +60,22 @@ _i64, _f32 = numba.types.int64, numba.types.float32
 # version's entry naming the other's machine code (this module had several versions: one
 # read-only ids array compiled anew, seconds, on a router's first text prompt). With one
 # version every process writes the same file with the same code.
-_BAG = (_ro(_i64, 1), _ro(_f32, 2), _i64, _i64, numba.types.boolean, _ro(_f32, 2),
+_BAG = (_ro(_i64, 1), _ro(_u16, 2), _f32, _i64, _i64, numba.types.boolean, _ro(_u16, 2),
         _ro(_f32, 1), _i64, _i64)
-_TFIDF = (_ro(_i64, 1), _ro(_f32, 2), _ro(_f32, 1), _i64, _i64, _ro(_f32, 2),
+_TFIDF = (_ro(_i64, 1), _ro(_u16, 2), _f32, _ro(_f32, 1), _i64, _i64, _ro(_u16, 2),
           _ro(_f32, 1), _i64, _i64)
+
+
+@intrinsic
+def _f32(typingctx, bits):
+    """float32 value of the IEEE half float whose bits are ``bits`` (uint16): a bit cast
+    to LLVM's ``half`` and an exact widening (numba has no float16 type of its own)."""
+    sig = numba.types.float32(numba.types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
 
 
 @_jit
@@ -89,8 +110,8 @@ def _buckets(ids, shift, vocab):
 @_jit
 def _sum_rows(rows, buckets, weights, num):
     """(r',) float32 Σ_i weights[i] · rows[buckets[i]] over i < ``num`` (``weights`` None:
-    plain sum). Four rows per step: the accumulator's chain of dependent adds, not the
-    loads, bounds a one-row loop."""
+    plain sum); ``rows`` half floats' bits. Four rows per step: the accumulator's chain of
+    dependent adds, not the loads, bounds a one-row loop."""
     width = rows.shape[1]
     z = np.zeros(width, dtype=np.float32)
     i = 0
@@ -99,17 +120,18 @@ def _sum_rows(rows, buckets, weights, num):
         r2, r3 = rows[buckets[i + 2]], rows[buckets[i + 3]]
         if weights is None:
             for j in range(width):
-                z[j] += (r0[j] + r1[j]) + (r2[j] + r3[j])
+                z[j] += (_f32(r0[j]) + _f32(r1[j])) + (_f32(r2[j]) + _f32(r3[j]))
         else:
             w0, w1, w2, w3 = weights[i], weights[i + 1], weights[i + 2], weights[i + 3]
             for j in range(width):
-                z[j] += (w0 * r0[j] + w1 * r1[j]) + (w2 * r2[j] + w3 * r3[j])
+                z[j] += (w0 * _f32(r0[j]) + w1 * _f32(r1[j])) \
+                    + (w2 * _f32(r2[j]) + w3 * _f32(r3[j]))
         i += 4
     while i < num:
         r0 = rows[buckets[i]]
         w0 = np.float32(1.0) if weights is None else weights[i]
         for j in range(width):
-            z[j] += w0 * r0[j]
+            z[j] += w0 * _f32(r0[j])
         i += 1
     return z
 
@@ -118,8 +140,8 @@ def _sum_rows(rows, buckets, weights, num):
 def _finish(z, scale, basis, mean, num_layers, top_k):
     """(L·E,) float32 ``mean + scale · z[:rank] @ basis``, clipped at 0, each of the
     ``num_layers`` rows rescaled to sum to ``top_k`` (an all-zero row uniform); ``basis``
-    (rank, L·E). Four basis rows per pass over y: one row per pass made y's loads and
-    stores, not the basis stream, the bound."""
+    (rank, L·E) half floats' bits. Four basis rows per pass over y: one row per pass made
+    y's loads and stores, not the basis stream, the bound."""
     rank, n = basis.shape
     y = mean.copy()
     r = 0
@@ -127,12 +149,13 @@ def _finish(z, scale, basis, mean, num_layers, top_k):
         z0, z1, z2, z3 = scale * z[r], scale * z[r + 1], scale * z[r + 2], scale * z[r + 3]
         b0, b1, b2, b3 = basis[r], basis[r + 1], basis[r + 2], basis[r + 3]
         for j in range(n):
-            y[j] += (z0 * b0[j] + z1 * b1[j]) + (z2 * b2[j] + z3 * b3[j])
+            y[j] += (z0 * _f32(b0[j]) + z1 * _f32(b1[j])) \
+                + (z2 * _f32(b2[j]) + z3 * _f32(b3[j]))
         r += 4
     while r < rank:
         z0, b0 = scale * z[r], basis[r]
         for j in range(n):
-            y[j] += z0 * b0[j]
+            y[j] += z0 * _f32(b0[j])
         r += 1
     E = n // num_layers
     k = np.float32(top_k)
@@ -154,23 +177,26 @@ def _finish(z, scale, basis, mean, num_layers, top_k):
 
 
 @numba.njit([_BAG], nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def predict_bag(ids, rows, shift, vocab, per_token, basis, mean, num_layers, top_k):
-    """(L·E,) float32 profile of the ``tf`` / ``token`` models: the mean of ``rows``
-    (2**bits, r') over the buckets of the prompt's P unigrams and P − 1 bigrams (divided by
-    P when ``per_token``, the token model, else by 2P − 1), through :func:`_finish`; and
+def predict_bag(ids, rows, row_scale, shift, vocab, per_token, basis, mean, num_layers,
+                top_k):
+    """(L·E,) float32 profile of the ``tf`` / ``token`` models: the mean of ``row_scale``
+    · ``rows`` (2**bits, r') over the buckets of the prompt's P unigrams and P − 1 bigrams
+    (divided by P when ``per_token``, the token model, else by 2P − 1), through
+    :func:`_finish`; and
     False when an id of ``ids`` (P,) int64 is outside [0, ``vocab``) (the profile is then
     meaningless: the caller refuses the prompt)."""
     b, ok = _buckets(ids, shift, vocab)
     if not ok:
         return mean.copy(), False  # the same (writable) type as a profile
     z = _sum_rows(rows, b, None, b.size)
-    scale = np.float32(1.0 / (ids.size if per_token else b.size))
+    scale = row_scale * np.float32(1.0 / (ids.size if per_token else b.size))
     return _finish(z, scale, basis, mean, num_layers, top_k), True
 
 
 @numba.njit([_TFIDF], nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def predict_tfidf(ids, rows, idf, shift, vocab, basis, mean, num_layers, top_k):
-    """(L·E,) float32 profile of the ``tfidf`` model: Σ_b w_b · rows[b] over the distinct
+def predict_tfidf(ids, rows, row_scale, idf, shift, vocab, basis, mean, num_layers, top_k):
+    """(L·E,) float32 profile of the ``tfidf`` model: Σ_b w_b · ``row_scale`` · rows[b]
+    over the distinct
     buckets b of the prompt's n-grams, w_b = log1p(count_b) · idf[b] / ||w||, through
     :func:`_finish`; False for a bad id. Repeated buckets are counted in an
     open-addressing table of 2-4 slots per n-gram (no sort, no 2**bits scratch array)."""
@@ -209,4 +235,4 @@ def predict_tfidf(ids, rows, idf, shift, vocab, basis, mean, num_layers, top_k):
         for u in range(used):
             w[u] /= norm
     z = _sum_rows(rows, b, w, used)
-    return _finish(z, np.float32(1.0), basis, mean, num_layers, top_k), True
+    return _finish(z, row_scale, basis, mean, num_layers, top_k), True
