@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import re
@@ -477,7 +478,7 @@ def _stage_state(policy: str):
 
 
 def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
-            repeat: int = 2000) -> dict[str, float]:
+            repeat: int = 2000, in_flight: int = 32) -> dict[str, float]:
     """Median microseconds of each in-process stage of one request's path, by ``policy``,
     on the benchmark's bodies: what the router does besides HTTP (the sum's rest of the
     measured CPU per request is the HTTP server and client, the event loop and the relay
@@ -508,13 +509,24 @@ def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
         metrics = None
     ids = iter(range(1 << 30))
 
+    held: collections.deque = collections.deque()  # (request id, decoder) in flight
+
     def decide_release():
+        """One decision as under the load run: ``in_flight`` requests held, the oldest
+        released as a new one is dispatched (a decision then finds both decoders' rows
+        changed since the last one, as the router does under load; releasing each
+        request at once left them empty, and their rows cost nothing to refresh)."""
         rid = f"r{next(ids)}"
         route = RouteRequest(rid, signature=reading.signature, profile=reading.profile,
                              context_tokens=reading.context_tokens)
         k = state.policy.decide(route, loads, None).worker
         state.policy.on_dispatch(route, k)
-        state.policy.on_release(rid, "completed")
+        loads[k] += 1
+        held.append((rid, k))
+        if len(held) > in_flight:
+            old, d = held.popleft()
+            state.policy.on_release(old, "completed")
+            loads[d] -= 1
 
     def count():
         metrics.requests.inc(endpoint="/v1/completions", status="200")
@@ -623,7 +635,8 @@ async def _main(args) -> dict:
             "payload_version": args.payload, "payload_bytes": {
                 "all layers": len(prefill), "layer mask": len(masked)},
             "signature_path_us": _signature_path(prefill, masked),
-            "stages_us": {p: _stages(p, masked, decode) for p in args.policies.split(",")}}
+            "stages_us": {p: _stages(p, masked, decode, in_flight=args.concurrency)
+                          for p in args.policies.split(",")}}
 
 
 def _print(res: dict) -> None:
