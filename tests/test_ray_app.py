@@ -72,6 +72,9 @@ def test_args_shaped_like_ray_pd_builder_become_engine_specs(tmp_path):
     assert argv[-2:] == ["--max-num-batched-tokens", "4096"]
     stand_in = EngineSpec(role="decode", model="x", command=("serve", "--port", "{port}"))
     assert engine_argv(stand_in, 9) == ["serve", "--port", "9"]
+    assert conf.relay.stream_write_timeout == 60.0
+    args["eldr"]["stream_write_timeout"] = 5
+    assert parse_args(args).relay.stream_write_timeout == 5.0
 
 
 @pytest.mark.parametrize("change, message", [
@@ -86,6 +89,7 @@ def test_args_shaped_like_ray_pd_builder_become_engine_specs(tmp_path):
     (lambda a: a["decode_config"]["model_loading_config"].update(model_id="other"),
      "different model ids"),
     (lambda a: a["eldr"].update(artifact="/nonexistent/artifact"), "not a directory"),
+    (lambda a: a["eldr"].update(stream_write_timeout=0), "stream_write_timeout must be > 0"),
     (lambda a: a["decode_config"]["model_loading_config"].update(model_source="/nonexistent"),
      "no config.json"),
 ])

@@ -46,7 +46,8 @@ class Setup:
         return self.decoders[self.table.names.index(name)]
 
 
-async def _setup(*, payload: str = "counts", max_attempts: int = 3, policy: str = "eldr"):
+async def _setup(*, payload: str = "counts", max_attempts: int = 3, policy: str = "eldr",
+                 stream_write_timeout: float = 60.0):
     prefill = await FakeEngine("p0", payload=payload).start()
     decoders = [await FakeEngine(f"d{k}").start() for k in range(2)]
     serve = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
@@ -57,7 +58,8 @@ async def _setup(*, payload: str = "counts", max_attempts: int = 3, policy: str 
     for k, d in enumerate(decoders):
         assert table.register("decode", f"rd{k}", d.url)["slot"] == ("w-code", "w-other")[k]
     relay = PDRelay(LocalTable(table), RelayConfig(max_attempts=max_attempts,
-                                                 prefill_refresh=0.0))
+                                                 prefill_refresh=0.0,
+                                                 stream_write_timeout=stream_write_timeout))
     return Setup(prefill, decoders, table, relay)
 
 
@@ -192,6 +194,33 @@ def test_a_client_that_leaves_mid_stream_releases_its_decoder_as_cancelled():
         snap = await _settled(s)
         assert snap["counters"].get("reservations:cancelled") == 1
         assert snap["held"] == 0 and snap["decoders"][0]["load"] == 0.0
+    _run(test)
+
+
+def test_a_stream_left_unread_releases_its_decoder_after_the_write_timeout():
+    """A consumer that neither reads nor is cancelled (a client gone whose cancellation
+    never arrived): the decoder is released as cancelled once the stream has waited
+    stream_write_timeout for its next read, exactly once, and the stream then ends."""
+    async def test(s: Setup):
+        s.decoder("w-code").mode = "slow"
+        s.decoder("w-code").tokens = [f"t{i}" for i in range(50)]
+        path, raw = _completion("code for a reader that stalls", stream=True)
+        answer = await s.relay.handle("POST", path, raw)
+        assert b"t0" in await answer.stream.__anext__()
+        assert s.table.snapshot()["decoders"][0]["load"] == 1.0
+        for _ in range(200):  # nothing pulls the stream meanwhile
+            if s.table.snapshot()["counters"].get("reservations:cancelled"):
+                break
+            await asyncio.sleep(0.05)
+        snap = await _settled(s)
+        assert snap["counters"].get("reservations:cancelled") == 1
+        assert snap["held"] == 0 and snap["decoders"][0]["load"] == 0.0
+        with pytest.raises(StopAsyncIteration):  # taken up again: it has ended
+            await answer.stream.__anext__()
+        snap = await _settled(s)
+        assert snap["counters"].get("reservations:cancelled") == 1
+        assert not snap["counters"].get("reservations:completed")
+    test.setup_kw = {"stream_write_timeout": 0.3}
     _run(test)
 
 

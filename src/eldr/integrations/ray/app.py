@@ -187,7 +187,8 @@ def parse_args(args: dict) -> PDAppConfig:
                          f"decode_config, ingress_deployment_config, eldr)")
     eldr = dict(args.get("eldr") or {})
     known = {"artifact", "policy", "tau", "load_slack", "kv_store", "max_attempts",
-             "allow_untested_ray", "reservation_ttl", "heartbeat_timeout"}
+             "allow_untested_ray", "reservation_ttl", "heartbeat_timeout",
+             "stream_write_timeout"}
     if set(eldr) - known:
         raise ValueError(f"unknown eldr settings {sorted(set(eldr) - known)}; known: "
                          f"{sorted(known)}")
@@ -217,7 +218,9 @@ def parse_args(args: dict) -> PDAppConfig:
     return PDAppConfig(prefill=prefill, decode=decode,
                        prefill_deployment=_options(args["prefill_config"], "prefill_config"),
                        decode_deployment=decode_opts, ingress_deployment=ingress, table=table,
-                       relay=RelayConfig(max_attempts=int(eldr.get("max_attempts", 3))))
+                       relay=RelayConfig(max_attempts=int(eldr.get("max_attempts", 3)),
+                                         **{k: float(eldr[k]) for k in
+                                            ("stream_write_timeout",) if k in eldr}))
 
 
 def build_eldr_pd_app(args: dict):

@@ -14,8 +14,9 @@ Per request (``/v1/completions`` and ``/v1/chat/completions``, JSON or SSE), as
    payload) to that decoder's engine; its bytes are relayed as they come (vLLM's own
    JSON, SSE, usage and errors; usage made to count the whole prompt as ``eldr serve``
    does);
-4. **release** with ``completed``, ``failed`` or ``cancelled`` (the client left), exactly
-   once, whatever happens.
+4. **release** with ``completed``, ``failed`` or ``cancelled`` (the client left, or left
+   a streamed answer unread for ``stream_write_timeout``), exactly once, whatever
+   happens.
 
 A decoder that cannot be reached, answers 5xx, or breaks before its first byte is marked
 failed in the table and the request starts over on another decoder with a new prefill (a
@@ -56,6 +57,12 @@ class RelayConfig:
     connect_timeout: float = 3.0  # seconds to open a connection to an engine
     prefill_timeout: float = 120.0  # seconds for a whole prefill answer
     decode_read_timeout: float = 120.0  # seconds without a byte from a decoder
+    # seconds a streamed answer may wait for its client to take the next chunk; then its
+    # decoder is released as cancelled and the decoder's stream closed (eldr serve drops
+    # such a client after its write_timeout): a stream whose consumer neither reads nor
+    # is cancelled (a left client whose cancellation Serve never delivered) would
+    # otherwise hold its decoder for good
+    stream_write_timeout: float = 60.0
     # seconds the table's list of live prefill engines is reused (one table call fewer
     # per request; a failed prefill refreshes it at once)
     prefill_refresh: float = 1.0
@@ -65,7 +72,8 @@ class RelayConfig:
                 or not 1 <= self.max_attempts <= 10:
             raise ValueError(f"max_attempts must be an integer in [1, 10], got "
                              f"{self.max_attempts!r}")
-        for name in ("connect_timeout", "prefill_timeout", "decode_read_timeout"):
+        for name in ("connect_timeout", "prefill_timeout", "decode_read_timeout",
+                     "stream_write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not self.prefill_refresh >= 0:
@@ -360,26 +368,58 @@ class PDRelay:
 
         usage = SSEUsage(prompt_tokens)
         outcome = "failed"
+        loop = asyncio.get_running_loop()
+        abandoned = False
+
+        def abandon() -> None:
+            """The client took no chunk for ``stream_write_timeout``: release its decoder
+            now (the generator may never run again) and close the decoder's stream."""
+            nonlocal abandoned
+            abandoned = True
+            _log.warning("the client of %s left its stream unread for %.1f s: its decoder "
+                         "is released", rid, self.config.stream_write_timeout)
+            with contextlib.suppress(Exception):
+                resp.close()
+            self._spawn(self.table.release(rid, "cancelled"))
+
         try:
-            yield usage.feed(first)
-            async for chunk in resp.content.iter_any():
-                out = usage.feed(chunk)
-                if out:
-                    yield out
-            tail = usage.flush()
-            if tail:
-                yield tail
+            async with contextlib.aclosing(_sse_pieces(resp, first, usage)) as pieces:
+                async for out in pieces:
+                    timer = loop.call_later(self.config.stream_write_timeout, abandon)
+                    try:
+                        yield out
+                    finally:
+                        timer.cancel()
+                    if abandoned:  # taken up again after its decoder was released
+                        return
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, BadEvent) as exc:
+            if abandoned:  # the decoder's stream was closed by abandon()
+                return
             _log.warning("decode stream %s broke after its first byte: %r", rid, exc)
             yield b"data: " + error_body(502, f"the decoder's stream broke: {exc!r}") + b"\n\n"
         finally:
             with contextlib.suppress(Exception):
                 resp.release()
-            self._spawn(self.table.release(rid, outcome))
+            if not abandoned:
+                self._spawn(self.table.release(rid, outcome))
+
+
+async def _sse_pieces(resp, first: bytes, usage) -> AsyncIterator[bytes]:
+    """The decoder's SSE bytes to relay: ``first`` (already read), the rest as they come
+    and what ``usage`` (:class:`eldr.proxy.bodies.SSEUsage`) holds back at the end, each
+    through ``usage`` (which fixes the usage event's prompt tokens)."""
+    yield usage.feed(first)
+    async for chunk in resp.content.iter_any():
+        out = usage.feed(chunk)
+        if out:
+            yield out
+    tail = usage.flush()
+    if tail:
+        yield tail
 
 
 def _fixed_json(raw: bytes, prompt_tokens: int | None) -> bytes:
