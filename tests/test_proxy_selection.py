@@ -6,12 +6,13 @@ around the proxy's requests, /health and /metrics show both), the workers of
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
 
 from _prompt_data import two_domain_trace
-from _proxy_fakes import FakeEngine, cluster, domain_counts, run
+from _proxy_fakes import FakeEngine, cluster, domain_counts, run, until
 from eldr.capture.payload import encode_counts
 from eldr.proxy.selection import SelectionTable
 from eldr.proxy.selection import service as selection_service
@@ -152,13 +153,19 @@ def test_a_failed_request_is_released_to_the_policy_as_failed():
 
 def test_an_abandoned_reservation_expires_and_is_counted():
     async def go():
-        async with cluster(policy="jsq", admin_token=TOKEN) as (_r, client, _p, _d):
+        async with cluster(policy="jsq", admin_token=TOKEN) as (router, client, _p, _d):
+            # the deadlines' clock is moved by hand: on a loaded machine 0.05 s can pass
+            # between the second reserve and its prefill_complete, and it expired first
+            sel = router.selection.selection
+            now = [time.monotonic()]
+            sel.clock = lambda: now[0]
             _, short = await _post(client, "/v1/eldr/reserve", {"ttl": 0.05})
             _, long = await _post(client, "/v1/eldr/reserve", {"ttl": 0.05})
             lid = long["reservation"]["id"]
             extended = await _post(client, f"/v1/eldr/reservations/{lid}/prefill_complete",
                                    {"ttl": 60})
-            await asyncio.sleep(0.4)  # several sweeps
+            now[0] += 1.0  # past the short one's deadline, not the extended one's
+            await until(lambda: len(sel._held) == 1, "a sweep expired the short one")
             sid = short["reservation"]["id"]
             state = await _get(client, f"/v1/eldr/reservations/{sid}")
             late = await _post(client, f"/v1/eldr/reservations/{sid}/release")
@@ -251,7 +258,9 @@ def test_workers_of_several_processes_share_reservations_and_loads():
             seen["release1"] = await _post(c1, f"/v1/eldr/reservations/{rid}/release",
                                            {"outcome": "cancelled"})
             seen["again0"] = await _post(c0, f"/v1/eldr/reservations/{rid}/release")
-            await asyncio.sleep(0.3)  # worker 0's sweeps
+            # worker 0's sweep applies worker 1's release (waited for, not a fixed time: a
+            # loaded machine may not sweep within one)
+            await until(lambda: not r0.selection.selection._held, "worker 0's sweep")
             seen["after0"], seen["after1"] = await _loads(c0), await _loads(c1)
             seen["cancelled0"] = await _metrics(
                 c0, 'eldr_selection_reservations_total{event="cancelled"}')
@@ -523,8 +532,12 @@ def test_eldr_serve_workers_2_count_each_reservation_once_wherever_it_is_release
                 status, doc = await asyncio.to_thread(
                     call, base, "POST", f"/v1/eldr/reservations/{rid}/release")
                 assert status == 200, doc
-            await asyncio.sleep(0.5)  # the owners' sweeps
-            after = await asyncio.to_thread(views, base)
+            # the owners' sweeps apply the releases: waited for (up to 20 s), not a fixed
+            # time a loaded machine may not sweep within
+            deadline = time.monotonic() + 20
+            while (after := await asyncio.to_thread(views, base)) != {((0.0, 0), (0.0, 0))} \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
             return rids, held, after
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -105,12 +106,15 @@ class Selection:
     ``live``/``pool``/``metrics``: the router's routing snapshot, engines and metrics.
     ``table``/``row``: the reservation table and this process's row of it (default: a
     table of its own); :meth:`share` switches to one shared by ``--workers N`` before the
-    app starts.
+    app starts. ``clock``: the monotonic time reservations' deadlines are kept in (the
+    same in every process of a shared table; tests move one by hand).
     """
 
     def __init__(self, live: LiveRouting, pool: UpstreamPool, metrics: RouterMetrics, *,
-                 config: SelectionConfig | None = None) -> None:
+                 config: SelectionConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.live, self.pool, self.metrics = live, pool, metrics
+        self.clock = clock
         self.config = config if config is not None else SelectionConfig()
         self.table = SelectionTable(1, self.config.capacity)
         self.row = 0
@@ -194,7 +198,7 @@ class Selection:
         """Apply the releases other workers wrote for our reservations and expire those
         past their deadline; returns how many ended."""
         t, row = self.table, self.row
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         gen = t.gen[row]
         active = t.state[row] == ACTIVE
         released = active & (t.release_gen[row] == gen)
@@ -342,7 +346,7 @@ class Selection:
         state = self.live.state
         choice = self.choose(query, rid, state)
         inst = self.pool.decode[choice.worker]
-        now = time.monotonic()
+        now = self.clock()
         t.gen[row, index] = gen
         t.key[row, index] = self._key_of(inst)
         t.created[row, index], t.deadline[row, index] = now, now + ttl
@@ -368,7 +372,7 @@ class Selection:
                              code="reservation_not_found")
         row, index, _gen = where
         if row == self.row and t.state[row, index] == ACTIVE and \
-                t.effective_deadline(row, index) < time.monotonic():
+                t.effective_deadline(row, index) < self.clock():
             self.sweep()
         return where
 
@@ -393,7 +397,7 @@ class Selection:
         if self.table.prefill_gen[row, index] == gen:
             raise ProxyError(409, f"reservation {rid} was already marked prefill-complete",
                              code="already_prefilled")
-        self.table.request_prefill(row, index, gen, time.monotonic() + ttl)
+        self.table.request_prefill(row, index, gen, self.clock() + ttl)
         self.m_events.inc(event="prefill_complete")
         return {"reservation": self.describe(rid)}
 
@@ -421,7 +425,7 @@ class Selection:
         held = self._held.pop(index, None)
         if t.state[row, index] == ACTIVE:
             t.outcome[row, index] = OUTCOME_CODES[outcome]
-            t.ended[row, index] = time.monotonic() if now is None else now
+            t.ended[row, index] = self.clock() if now is None else now
             t.state[row, index] = ENDED
         if held is None:
             return
@@ -440,7 +444,7 @@ class Selection:
         inst = self._instance_of_key(int(t.key[row, index]))
         state = int(t.state[row, index])
         released = state == ACTIVE and t.release_gen[row, index] == gen
-        mono, wall = time.monotonic(), time.time()
+        mono, wall = self.clock(), time.time()
         doc = {"id": rid, "worker": inst.name if inst is not None else None,
                "url": inst.url if inst is not None else None,
                "state": "ended" if state == ENDED or released else "active",
