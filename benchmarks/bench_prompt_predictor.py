@@ -202,7 +202,7 @@ def _floor(p: PromptPredictor, ids: np.ndarray, calls: int) -> None:
     shift = np.uint64(64 - p.bits_)
     rows = (ngram_hashes(ids) >> shift).astype(np.int64)
     ones = np.ones(rows.size, dtype=np.float32)
-    table = p._numpy_rows()
+    table, basis = p._numpy_arrays()
 
     def gather():
         return ones @ np.take(table, rows, axis=0)
@@ -210,7 +210,7 @@ def _floor(p: PromptPredictor, ids: np.ndarray, calls: int) -> None:
     z = gather()
     steps = {f"hash {rows.size} n-grams": lambda: ngram_hashes(ids) >> shift,
              f"gather+sum {rows.size} rows": gather,
-             f"basis product {p.rank_}x{p.basis_.shape[1]}": lambda: z @ p._basis32}
+             f"basis product {p.rank_}x{p.basis_.shape[1]}": lambda: z @ basis}
     for name, fn in steps.items():
         print(f"     step alone, {name:<26}: {_percentiles(fn, calls)}")
     from eldr.fit.prompt import compiled_kernels

@@ -309,29 +309,28 @@ class PromptPredictor:
     def _store_half(self, weights: np.ndarray, scale: float, basis: np.ndarray) -> None:
         """Keep the half-float table (2**bits, rank) and basis (rank, L·E) as stored: the
         table's rows aligned for the gather (:func:`_aligned_rows`), both also as their
-        uint16 bits (what the compiled kernel reads), the basis widened to float32 for the
-        numpy path."""
+        uint16 bits (what the compiled kernel reads)."""
         self._rows = _aligned_rows(weights)
-        self._rows32 = None  # the numpy path's float32 rows, made when first needed
+        self._numpy = None  # the numpy path's float32 copies, made when first needed
         self._half_weights = self._rows[:, :weights.shape[1]]
         self._row_bits = self._rows.view(np.uint16)
         self.weights_scale_ = float(scale)
         self.basis_ = np.ascontiguousarray(basis, dtype=_HALF)
         self._basis_bits = self.basis_.view(np.uint16)
-        self._basis32 = self.basis_.astype(np.float32)
 
-    def _numpy_rows(self) -> np.ndarray:
-        """(2**bits, r') float32: the stored rows times ``weights_scale_`` (exact), aligned
-        like them; made at the numpy path's first prediction and kept. numpy casts half
-        floats element by element: widening each prediction's gathered rows cost 5× the
-        rest of the prediction. Only a predictor used without the compiled kernel pays
-        the 4 bytes per entry."""
-        rows = self._rows32
-        if rows is None:  # two threads may both make it: the same array, either kept
-            rows = _aligned_rows(self._rows.astype(np.float32)
-                                 * np.float32(self.weights_scale_))
-            self._rows32 = rows
-        return rows
+    def _numpy_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """((2**bits, r') rows times ``weights_scale_``, aligned like the stored ones;
+        (rank, L·E) basis), float32 (exact), made at the numpy path's first prediction and
+        kept. numpy casts half floats element by element: widening each prediction's
+        gathered rows cost 5× the rest of the prediction. Only a predictor used without
+        the compiled kernel pays the 4 bytes per entry."""
+        arrays = self._numpy
+        if arrays is None:  # two threads may both make them: the same arrays, either kept
+            arrays = (_aligned_rows(self._rows.astype(np.float32)
+                                    * np.float32(self.weights_scale_)),
+                      self.basis_.astype(np.float32))
+            self._numpy = arrays
+        return arrays
 
     @property
     def nbytes(self) -> int:
@@ -621,7 +620,7 @@ class PromptPredictor:
                                  "(numba missing or failing: see the log)")
         ids = check_token_ids(token_ids, self.id_limit, self._id_limit_named())
         hashes = ngram_hashes(ids)
-        table = self._numpy_rows()
+        table, basis = self._numpy_arrays()
         if self.weighting_ == "tfidf":  # repeated n-grams aggregated first (a sort)
             rows, w = feature_row(hashes, self.bits_, self.idf_, self.weighting_)
             z = w @ np.take(table, rows, axis=0)
@@ -632,7 +631,7 @@ class PromptPredictor:
             rows = hashes.view(np.int64)
             z = _ones(rows.size) @ np.take(table, rows, axis=0, mode="clip")
             z *= np.float32(1.0 / (rows.size if self.weighting_ == "tf" else ids.size))
-        y = z[:self.rank_] @ self._basis32  # (rank,) of the padded row's (rank') sums
+        y = z[:self.rank_] @ basis  # (rank,) of the padded row's (rank') sums
         y += self.mean_
         return _finish(y.reshape(self.num_layers, self.num_experts), self.top_k)
 

@@ -77,9 +77,9 @@ def _log1m(p: np.ndarray) -> np.ndarray:
     ``log`` of the rounded ``1 − p``: within 1e-7 absolute plus two float32 ulp of the
     exact value (the rounding of ``1 − p``, ≤ 2**-25, is what it adds to ``log1p``'s
     error; tests/test_routing_cost.py). What a row feeds, ``S_d = exp(Σ log(1 − p_r))`` in
-    float32, carries as much rounding of its own. numpy's
-    float32 ``log1p`` calls libm per element: 37 µs for a 48 × 128 profile, against 14 µs
-    here, at every dispatch of the router's request path."""
+    float32, carries as much rounding of its own. numpy's float32 ``log1p`` calls libm per
+    element: 37 µs for a 48 × 128 profile, against 14 µs here, at every dispatch of the
+    router's request path."""
     return np.log(_ONE - p)
 
 
@@ -154,7 +154,7 @@ class ExpertFootprint:
         self._typical_rows: list[dict[int, tuple[np.ndarray, float]]] = \
             [{} for _ in range(K)]
         self._scratch = np.empty(num_cells, dtype=np.float64)  # n · m_d, before its exp
-        self._scratch32 = np.empty(num_cells, dtype=np.float32)  # exp's argument; (1 − keep)·row
+        self._scratch32 = np.empty(num_cells, dtype=np.float32)  # (1 − keep) · row
         self.engine: EngineRows | None = None
         self._clock = clock
         # decoders whose rows an event changed: recomputed when next read (a decision reads
@@ -223,9 +223,9 @@ class ExpertFootprint:
                 self._distinct[d] = 0.0
                 return
             self._miss[d] = self.engine.miss[d]
-        else:  # float32 exp (vectorised; float64 exp is libm per element, 30 µs a row)
-            np.copyto(self._scratch32, self.log_miss[d], casting="same_kind")
-            np.exp(self._scratch32, out=self._miss[d])
+        else:  # float32 exp, in place (vectorised; float64 exp is libm per element)
+            np.copyto(self._miss[d], self.log_miss[d], casting="same_kind")
+            np.exp(self._miss[d], out=self._miss[d])
             if live:
                 np.minimum(self._miss[d], self.engine.miss[d], out=self._miss[d])
         self._distinct[d] = self.num_cells - float(self._miss[d].sum(dtype=np.float64))
@@ -242,8 +242,8 @@ class ExpertFootprint:
             self._typical_distinct[d] = kept[1]
             return
         np.multiply(self.typical[d], float(n), out=self._scratch)
-        np.copyto(self._scratch32, self._scratch, casting="same_kind")
-        np.exp(self._scratch32, out=self._typical_miss[d])
+        np.copyto(self._typical_miss[d], self._scratch, casting="same_kind")
+        np.exp(self._typical_miss[d], out=self._typical_miss[d])
         self._typical_distinct[d] = self.num_cells - float(
             self._typical_miss[d].sum(dtype=np.float64))
         if rows is not None:

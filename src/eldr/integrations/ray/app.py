@@ -215,12 +215,13 @@ def parse_args(args: dict) -> PDAppConfig:
     ingress = dict(args.get("ingress_deployment_config") or {})
     ingress.setdefault("num_replicas", 1)
     ingress.setdefault("max_ongoing_requests", 1000)
+    relay = RelayConfig(max_attempts=int(eldr.get("max_attempts", 3)),
+                        stream_write_timeout=float(eldr.get(
+                            "stream_write_timeout", RelayConfig.stream_write_timeout)))
     return PDAppConfig(prefill=prefill, decode=decode,
                        prefill_deployment=_options(args["prefill_config"], "prefill_config"),
                        decode_deployment=decode_opts, ingress_deployment=ingress, table=table,
-                       relay=RelayConfig(max_attempts=int(eldr.get("max_attempts", 3)),
-                                         **{k: float(eldr[k]) for k in
-                                            ("stream_write_timeout",) if k in eldr}))
+                       relay=relay)
 
 
 def build_eldr_pd_app(args: dict):
