@@ -10,7 +10,9 @@ own work. Every difference between the paths is the router. The routers, all sta
 once and all pinned to the same ONE core (the client and the backends run on the others):
 
 - ``eldr serve`` with the policies ``jsq`` (no signature work), ``eldr`` (signature band)
-  and ``eldr_cost`` (expert profile), each with its own process;
+  and ``eldr_cost`` (expert profile), each with its own process; ``eldr_cost`` with the
+  decoder profiles every artifact of ``eldr fit`` carries (``--cost-memory online``: the
+  online memory that stands in without them, as this benchmark ran before 2026-12-06);
 - ``eldr serve`` from another source tree (``--baseline-src DIR``, e.g. the main branch
   before a change), the same policies, for before/after in the same run;
 - ``vllm-router`` (PyPI ``vllm-router``, the vLLM project's Rust PD router,
@@ -35,6 +37,7 @@ vllm-router's; signature path <= 40 us.
 
     python benchmarks/bench_serve.py [--requests 2000] [--seconds 4] [--rounds 3]
         [--policies jsq,eldr,eldr_cost] [--baseline-src ../main/src] [--workers 2]
+        [--cost-memory fitted|online]
 """
 
 from __future__ import annotations
@@ -266,9 +269,29 @@ def _free_port() -> int:
 
 
 # -- the routers ---------------------------------------------------------------------------------
-def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None:
+def _decoder_profiles() -> np.ndarray:
+    """(2, L, E) float32 what a fitted artifact gives ``eldr_cost`` (``decoder_profiles``:
+    each decoder's cluster mean ``log(1 - p)``): here the mean over 16 prompts like the
+    benchmark's (256 tokens x top-8), drawn per decoder."""
+    rng = np.random.default_rng(2)
+    p = rng.multinomial(256 * 8, np.full(E, 1 / E), size=(2, 16, L)) / 256.0
+    return np.log1p(-np.minimum(p, 1 - 1e-6)).mean(axis=1).astype(np.float32)
+
+
+def _policy_options(policy: str, memory: str) -> dict:
+    """Options of ``make_policy`` beyond the artifact's centroids: ``eldr_cost`` as an
+    artifact from ``eldr fit`` serves it (its ``decoder_profiles``: ``memory`` "fitted"),
+    or with the online memory that stands in without them ("online": artifacts of
+    version 1, and this benchmark before 2026-12-06)."""
+    if policy == "eldr_cost" and memory == "fitted":
+        return {"decoder_profiles": _decoder_profiles()}
+    return {}
+
+
+def _serve_child(ports: list[int], policy: str, port: int, workers: int,
+                 memory: str = "online") -> None:
     """``eldr serve`` with an in-memory artifact (48 x 128, mask 16, two decoders), on the
-    source tree this interpreter imports (PYTHONPATH)."""
+    source tree this interpreter imports (PYTHONPATH); ``memory``: :func:`_policy_options`."""
     from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.app import Router
     from eldr.proxy.config import ServeConfig
@@ -299,7 +322,8 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int) -> None
         cent = rng.random((2, MASK * E)).astype(np.float32)
         cent /= np.linalg.norm(cent, axis=1, keepdims=True)
         return RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
-                                               num_layers=L, num_experts=E),
+                                               num_layers=L, num_experts=E,
+                                               **_policy_options(policy, memory)),
                             worker_names=("d0", "d1"), encoder=enc, num_layers=L,
                             num_experts=E, tau=0.1, artifact=None, loaded_at=time.time(),
                             top_k=8)
@@ -390,13 +414,13 @@ def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], l
         for policy in args.policies.split(","):
             port = _free_port()
             argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
-                    json.dumps([ports, policy, port, 1])]
+                    json.dumps([ports, policy, port, 1, args.cost_memory])]
             routers.append(_Router(f"{label} {policy}", argv, port, env, core))
     if args.workers > 1:
         port = _free_port()
         policy = args.policies.split(",")[-1]
         argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
-                json.dumps([ports, policy, port, args.workers])]
+                json.dumps([ports, policy, port, args.workers, args.cost_memory])]
         env = {**os.environ, "PYTHONPATH": trees[-1][1]}
         routers.append(_Router(f"eldr {policy} x{args.workers} (unpinned)", argv, port, env))
     argv = _vllm_router_argv(ports, port := _free_port())
@@ -458,7 +482,7 @@ def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2
             "whole (split + read + decide)": timed(decide)}
 
 
-def _stage_state(policy: str):
+def _stage_state(policy: str, memory: str = "fitted"):
     """The benchmark routers' routing state for ``policy`` (as :func:`_serve_child`)."""
     from eldr.fit.signature import SignatureEncoder
     from eldr.proxy.request import RoutingState
@@ -472,13 +496,15 @@ def _stage_state(policy: str):
     cent = rng.random((2, MASK * E)).astype(np.float32)
     cent /= np.linalg.norm(cent, axis=1, keepdims=True)
     return RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
-                                           num_layers=L, num_experts=E),
+                                           num_layers=L, num_experts=E,
+                                           **_policy_options(policy, memory)),
                         worker_names=("d0", "d1"), encoder=enc, num_layers=L,
                         num_experts=E, tau=0.1, artifact=None, loaded_at=0.0, top_k=8)
 
 
 def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
-            repeat: int = 2000, in_flight: int = 32) -> dict[str, float]:
+            repeat: int = 2000, in_flight: int = 32, memory: str = "fitted"
+            ) -> dict[str, float]:
     """Median microseconds of each in-process stage of one request's path, by ``policy``,
     on the benchmark's bodies: what the router does besides HTTP (the sum's rest of the
     measured CPU per request is the HTTP server and client, the event loop and the relay
@@ -491,7 +517,7 @@ def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
     from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body, prompt_key
     from eldr.routing import RouteRequest
 
-    state = _stage_state(policy)
+    state = _stage_state(policy, memory)
     raw = _bodies()[0]
     body = parse_body(raw, "completions")
     doc = json_object(masked_answer)
@@ -635,7 +661,9 @@ async def _main(args) -> dict:
             "payload_version": args.payload, "payload_bytes": {
                 "all layers": len(prefill), "layer mask": len(masked)},
             "signature_path_us": _signature_path(prefill, masked),
-            "stages_us": {p: _stages(p, masked, decode, in_flight=args.concurrency)
+            "cost_memory": args.cost_memory,
+            "stages_us": {p: _stages(p, masked, decode, in_flight=args.concurrency,
+                                     memory=args.cost_memory)
                           for p in args.policies.split(",")}}
 
 
@@ -643,7 +671,7 @@ def _print(res: dict) -> None:
     print(f"router overhead, side by side (routers pinned to core {res['router_core']} of "
           f"{res['cpus']}; {res['rounds']} rounds x {res['requests']} sequential requests; "
           f"load at concurrency {res['concurrency']}; unique prompts; 1 prefill + 2 "
-          f"decoders; 48x128 payloads)")
+          f"decoders; 48x128 payloads; eldr_cost's memory: {res.get('cost_memory', 'online')})")
     print(f"direct PD pair: p50 {res['direct_p50_ms']:.3f} ms, p99 {res['direct_p99_ms']:.3f} "
           f"ms, {res['direct_rps']:,.0f} req/s")
     ref = next((r for r in res["rows"] if r["router"].startswith("vllm-router")), None)
@@ -703,6 +731,10 @@ def main() -> None:
     p.add_argument("--payload", type=int, choices=(1, 2), default=2,
                    help="payload version the prefill stub sends (2: the plugin's compact "
                         "one; 1: the dense zlib + base64 one before it)")
+    p.add_argument("--cost-memory", choices=("fitted", "online"), default="fitted",
+                   help="eldr_cost's future term: the decoder profiles a fitted artifact "
+                        "carries (as eldr serve runs it), or the online memory that stands "
+                        "in without them (this benchmark's setting before 2026-12-06)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     res = asyncio.run(_main(args))
