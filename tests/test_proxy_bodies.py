@@ -204,3 +204,20 @@ def test_ints_only_answers_as_the_isinstance_generator(values):
     assert ints_only(values) is expected
     parsed = json.loads(json.dumps(values))  # as a body gives them: plain ints and bools
     assert ints_only(parsed) is all(type(t) is int for t in parsed)
+
+
+def test_byte_budget_try_acquire_takes_only_what_fits_with_nobody_waiting():
+    async def go():
+        b = ByteBudget(10)
+        took = [b.try_acquire(6), b.try_acquire(6)]  # the second does not fit
+        waiter = asyncio.ensure_future(b.acquire(3))  # 6 + 3 fits: granted at once
+        await asyncio.sleep(0)
+        took.append(waiter.done())
+        late = asyncio.ensure_future(b.acquire(4))  # does not fit: waits
+        await asyncio.sleep(0)
+        took.append(b.try_acquire(1))  # fits, but someone waits first (FIFO)
+        b.release(6)
+        await late
+        return took, b.used
+
+    assert run(go()) == ([True, False, True, False], 7)

@@ -63,9 +63,16 @@ class ByteBudget:
         self.used = 0
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
-    async def acquire(self, n: int) -> None:
+    def try_acquire(self, n: int) -> bool:
+        """Take ``n`` bytes now if they fit and nobody waits (True), else nothing (False).
+        The common case, without the coroutine and timer an awaited :meth:`acquire` costs."""
         if not self._waiters and self.used + n <= self.total:
             self.used += n
+            return True
+        return False
+
+    async def acquire(self, n: int) -> None:
+        if self.try_acquire(n):
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((n, fut))

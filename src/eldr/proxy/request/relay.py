@@ -198,7 +198,8 @@ class DecodeRelay:
             raise self._too_large(attempt.decoder, limit)
         need = limit if size is None else size
         try:
-            await within(self.budget.acquire(need), self.config.decode_read_timeout)
+            if not self.budget.try_acquire(need):  # else wait, bounded
+                await within(self.budget.acquire(need), self.config.decode_read_timeout)
         except asyncio.TimeoutError:
             raise ProxyError(503, "the router's answer buffer stayed full; retry later",
                              code="router_busy") from None
