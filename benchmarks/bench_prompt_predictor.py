@@ -249,8 +249,11 @@ def simulate(trace, args) -> None:
         setup = fit_setup(trace, "task", calib_requests=min(1000, trace.num_requests // 2),
                           seed=seed, selection_max_pairs=20_000, max_pairs=50_000)
         cal = setup.calibration
-        pred = PromptPredictor(random_state=seed).fit(setup.calib)
-        pred.vocab_size = max(pred.vocab_size, int(setup.eval.prompt_token_ids.max()) + 1)
+        # held-out ids the calibration never saw are hashed (source ``calibration``)
+        vocab = int(max(setup.calib.prompt_token_ids.max(),
+                        setup.eval.prompt_token_ids.max())) + 1
+        pred = PromptPredictor(random_state=seed).fit(setup.calib, vocab_size=vocab,
+                                                      vocab_source="calibration")
         sigs, profs = prompt_inputs(setup.eval, setup.encoder, pred,
                                     profile_alpha=cal.profile_alpha,
                                     profile_mean=cal.profile_mean)

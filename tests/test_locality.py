@@ -113,3 +113,22 @@ def test_an_artifact_does_not_ship_a_prompt_predictor_below_the_gate():
     assert "refused" in art.fit_stats["prompt_predictor"]
     forced = fit_artifact(bad, worker_ids=["a", "b"], prompt_predictor=True)
     assert forced.prompt_predictor is not None  # --prompt-predictor keeps it
+
+
+def test_fit_decode_predictor_records_the_vocabulary_it_is_given():
+    from eldr.fit.prompt_decode import fit_decode_predictor
+
+    t = _two_domain_trace()
+    small = {"bits": (10,), "ranks": (4,), "alphas": (0.1,)}
+    seen = int(t.prompt_token_ids.max()) + 1
+    default = fit_decode_predictor(t, **small)
+    assert (default.vocab_size, default.vocab_source) == (seen, "calibration")
+    # a held-out split's ids beyond the fit's: recorded, and a larger one still hashed
+    wide = fit_decode_predictor(t, vocab_size=seen + 50, vocab_source="calibration", **small)
+    assert (wide.vocab_size, wide.vocab_source) == (seen + 50, "calibration")
+    beyond = np.array([1, seen + 70, 2])
+    assert np.isfinite(wide.predict(beyond)).all()
+    assert wide.predict(np.arange(5)).tobytes() == default.predict(np.arange(5)).tobytes()
+    config = fit_decode_predictor(t, vocab_size=seen + 50, vocab_source="config", **small)
+    with pytest.raises(ValueError):
+        config.predict(beyond)  # a real vocabulary refuses ids outside it

@@ -69,3 +69,30 @@ def test_markdown_names_the_trace_and_every_figure(figures):
     row = figures["tpot"][0]
     assert f"| 100 | {row['jsq']:.2f} | {row['eldr_cost']:.2f} | " \
            f"{row['eldr_cost@prompt']:.2f} | {row['prompt_gap_pct']:+.1f}% |" in text
+
+
+def test_the_predictor_hashes_held_out_ids_the_calibration_never_saw(small_trace,
+                                                                     monkeypatch):
+    import eldr.reproduce.before_prefill as bp
+
+    ids = small_trace.prompt_token_ids.copy()
+    ends = np.cumsum(small_trace.prompt_lens) - 1
+    ids[ends] = 5000 + np.arange(small_trace.num_requests)  # each request's last id its own
+    trace = replace(small_trace, prompt_token_ids=ids, _cache={})
+    seen, real = {}, bp.prompt_inputs
+
+    class Done(Exception):
+        pass
+
+    def spy(ev, encoder, pred, **kw):  # predicts every held-out prompt, then stops
+        seen["out"], seen["ev"], seen["pred"] = real(ev, encoder, pred, **kw), ev, pred
+        raise Done
+
+    monkeypatch.setattr(bp, "prompt_inputs", spy)
+    with pytest.raises(Done):
+        bp._tpot_rows(SMALL, trace)
+    pred, ev = seen["pred"], seen["ev"]
+    assert (pred.vocab_size, pred.vocab_source) == (int(ids.max()) + 1, "calibration")
+    assert pred.vocab_size >= int(ev.prompt_token_ids.max()) + 1
+    assert np.isfinite(seen["out"][1]).all()
+    assert np.isfinite(pred.predict(np.array([3, pred.vocab_size + 7]))).all()

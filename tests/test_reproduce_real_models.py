@@ -168,3 +168,18 @@ def test_eldr_simulate_takes_a_decode_only_trace(tmp_path, capsys, prompt_ids):
     else:
         assert "not simulated: the trace is decode-only without prompt token ids" in err
     assert ("eldr_cost" in out) == prompt_ids and "domain" in out
+
+
+def test_the_prompt_predictor_hashes_held_out_ids_the_calibration_never_saw():
+    t = recorded_trace()
+    ids = t.prompt_token_ids.copy()
+    ends = np.cumsum(t.prompt_lens) - 1
+    ids[ends] = 1000 + np.arange(t.num_requests)  # each request's last id its own
+    t = replace(t, prompt_token_ids=ids, _cache={})
+    st = fit_recorded(t, seed=0)
+    pred = st.calibration.predictor
+    assert st.eval.prompt_token_ids.max() > st.calib.prompt_token_ids.max()
+    # the vocabulary both splits use, from the calibration (never refused), not patched
+    assert (pred.vocab_size, pred.vocab_source) == (int(ids.max()) + 1, "calibration")
+    assert np.isfinite(st.eval_profiles).all()
+    assert np.isfinite(pred.predict(np.array([3, pred.vocab_size + 7]))).all()

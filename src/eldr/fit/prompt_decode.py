@@ -54,11 +54,19 @@ def decode_profiles(trace: Trace) -> np.ndarray:
 
 
 def fit_decode_predictor(trace: Trace, *, random_state: int | None = 0,
+                         vocab_size: int | None = None, vocab_source: str | None = None,
                          **options) -> PromptPredictor:
     """A :class:`PromptPredictor` fitted on ``trace``'s prompt token ids with the decode
     profiles as targets (requests with a prompt and a decode step). ``options``: the
     predictor's settings (bits, ranks, alphas, weightings, folds ...; ``token`` needs
-    prefill experts and is dropped)."""
+    prefill experts and is dropped). ``vocab_size``, ``vocab_source``: passed on to
+    :meth:`PromptPredictor.fit_prompts`, the vocabulary the predictor records (default 1 +
+    the largest id of ``trace``'s prompts; never below the fitted prompts' ids) and where
+    it comes from (default ``calibration``, no tokenizer being known here: a later id
+    beyond ``vocab_size`` is hashed like any other; with ``tokenizer`` or ``config`` one
+    outside ``[0, vocab_size)`` is refused). A caller that predicts on prompts the fit
+    never saw (a held-out split) may give 1 + the largest id of both, so that the
+    predictor records the ids it is used on."""
     if trace.prompt_token_ids is None:
         raise ValueError(f"trace ({trace.meta.source}) has no prompt_token_ids: a prompt "
                          "predictor needs the prompts")
@@ -68,7 +76,9 @@ def fit_decode_predictor(trace: Trace, *, random_state: int | None = 0,
                            **options)
     prompts = [trace.prompt_tokens(int(r)) for r in keep]
     return pred.fit_prompts(prompts, decode_profiles(trace)[keep], top_k=trace.meta.top_k,
-                            vocab_size=int(trace.prompt_token_ids.max()) + 1)
+                            vocab_size=int(trace.prompt_token_ids.max()) + 1
+                            if vocab_size is None else vocab_size,
+                            vocab_source=vocab_source)
 
 
 def _buckets(prompt: np.ndarray, bits: int) -> np.ndarray:

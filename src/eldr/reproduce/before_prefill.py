@@ -95,9 +95,11 @@ def _tpot_rows(plan: Plan, trace: Trace) -> list[dict]:
     ``plan.prompt_rates``."""
     setup = fit_setup(trace, "tiny_moe", calib_requests=trace.num_requests // 3,
                       seed=plan.seed, selection_max_pairs=None, max_pairs=None)
-    pred = PromptPredictor(random_state=plan.seed, **PREDICTOR_OPTIONS).fit(setup.calib)
-    # held-out prompts may hold ids the calibration split never saw: hash them, not refuse
-    pred.vocab_size = max(pred.vocab_size, int(setup.eval.prompt_token_ids.max()) + 1)
+    # the vocabulary the predictor is used on: the held-out prompts may hold ids the
+    # calibration split never saw; its source ``calibration`` hashes them, not refuses them
+    vocab = int(max(setup.calib.prompt_token_ids.max(), setup.eval.prompt_token_ids.max())) + 1
+    pred = PromptPredictor(random_state=plan.seed, **PREDICTOR_OPTIONS).fit(
+        setup.calib, vocab_size=vocab, vocab_source="calibration")
     cal = setup.calibration
     signatures, profiles = prompt_inputs(setup.eval, setup.encoder, pred,
                                          profile_alpha=cal.profile_alpha,

@@ -204,16 +204,17 @@ def _domain_shares(calib: Trace) -> np.ndarray | None:
 def _prompt_predictor(fit: Trace, seed: int, vocab: int):
     """A prompt → decode profile predictor fitted on ``fit``
     (:func:`eldr.fit.prompt_decode.fit_decode_predictor`, options :data:`PROMPT_OPTIONS`),
-    taking token ids below ``vocab``."""
+    recording ``vocab`` (1 + the largest id of the calibration and held-out splits) as its
+    vocabulary. Its source is ``calibration`` (the ids' tokenizer is unknown here): the
+    held-out prompts' ids the fit never saw are hashed like any other, not refused."""
     from eldr.fit.prompt_decode import fit_decode_predictor
 
     keep = np.flatnonzero((fit.decode_lens > 0) & (fit.prompt_lens > 0))
     if keep.size < 2 * PROMPT_OPTIONS["folds"]:
         raise ValueError(f"{keep.size} calibration requests with decode tokens: too few to "
                          "fit a prompt predictor")
-    pred = fit_decode_predictor(fit, random_state=seed, **PROMPT_OPTIONS)
-    pred.vocab_size = max(pred.vocab_size, vocab)
-    return pred
+    return fit_decode_predictor(fit, random_state=seed, vocab_size=vocab,
+                                vocab_source="calibration", **PROMPT_OPTIONS)
 
 
 class _GatedProfiles:
