@@ -241,3 +241,109 @@ def test_health_says_warming_until_the_prompt_machinery_is_loaded(monkeypatch):
 
     assert run(go()) == (None, "warming", "ready", "ready")
     assert offload.WARM_UP_LIMIT_S > 0
+
+
+def _offload(**config_kw):
+    from types import SimpleNamespace
+
+    from eldr.proxy.metrics import RouterMetrics
+    from eldr.proxy.request.offload import PromptOffload
+
+    config = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",),
+                         **config_kw)
+    return PromptOffload(config, RouterMetrics(SimpleNamespace(prefill=[], decode=[])))
+
+
+def test_aclose_waits_for_the_tokenizer_processes_and_their_manager_thread():
+    """A pool shut down without waiting leaves its manager thread running, which on
+    CPython 3.11 can print an EBADF traceback at interpreter exit: after ``aclose`` the
+    workers and that thread are gone, and no new processes start."""
+    pytest.importorskip("tokenizers")
+    tok = PromptTokenizer(tokenizer_dir_for("tiny_moe"))
+
+    async def go():
+        prompts = _offload(prompt_processes=2)
+        await asyncio.gather(*map(asyncio.wrap_future, prompts.prepare(tok)))
+        pool = prompts._processes.pool
+        workers = list(pool._processes.values())
+        manager = pool._executor_manager_thread
+        await prompts.aclose()
+        return workers, manager, prompts
+
+    workers, manager, prompts = run(go())
+    assert len(workers) == 2
+    assert [w.is_alive() for w in workers] == [False, False]
+    assert not manager.is_alive()
+    assert prompts._tokenizer_processes(tok) is None and prompts._processes is None
+
+
+class _StuckPool:
+    """A process pool whose shutdown blocks until the test releases it (a tokenization
+    that never ends)."""
+
+    def __init__(self) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        self.process = _FakeProcess()
+        self._processes = {1: self.process}
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        self.entered.set()
+        if wait:
+            self.released.wait(HOLD_LIMIT)
+
+
+class _FakeProcess:
+    def __init__(self) -> None:
+        self.terminated = False
+
+    def is_alive(self) -> bool:
+        return not self.terminated
+
+    def terminate(self) -> None:
+        self.terminated = True
+
+
+def test_a_stuck_tokenizer_shutdown_times_out_with_one_warning(caplog):
+    """aclose gives up after its timeout: one warning, the workers killed, and the
+    router's shutdown goes on (not held until the shutdown ends)."""
+    from eldr.proxy.request import offload
+
+    pool = _StuckPool()
+
+    async def go():
+        prompts = _offload(prompt_processes=1)
+        procs = object.__new__(offload._TokenizerProcesses)
+        procs.tokenizer, procs.pool = None, pool
+        prompts._processes = procs
+        try:
+            await prompts.aclose(timeout=0.2)
+            return pool.entered.is_set(), not pool.released.is_set()
+        finally:
+            pool.released.set()
+
+    with caplog.at_level("WARNING", logger="eldr.serve"):
+        entered, still_stuck = run(go())
+    assert entered and still_stuck  # returned while the shutdown was still blocked
+    assert pool.process.terminated
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "did not stop" in warnings[0].getMessage()
+
+
+def test_the_routers_stop_waits_for_the_tokenizer_processes():
+    """RequestFlow.stop (the app's cleanup) shuts the tokenizer processes down with
+    aclose: once the router has stopped, none is left running."""
+    pytest.importorskip("tokenizers")
+    tok = PromptTokenizer(tokenizer_dir_for("tiny_moe"))
+
+    async def go():
+        async with cluster(engine_kw={"payload": "none"}, prompt_processes=1) as (
+                router, _c, _p, _d):
+            _with_prompt(router, tok)
+            await asyncio.gather(*map(asyncio.wrap_future, router.flow.prompts.prepare(tok)))
+            pool = router.flow.prompts._processes.pool
+            workers, manager = list(pool._processes.values()), pool._executor_manager_thread
+        return workers, manager
+
+    workers, manager = run(go())
+    assert workers and not any(w.is_alive() for w in workers)
+    assert not manager.is_alive()

@@ -368,8 +368,10 @@ class RequestFlow:
 
     async def stop(self) -> None:
         """Cancel background work (KV releases, streams read to their end) when the
-        router stops."""
-        self.prompts.close()
+        router stops; the tokenizer processes are waited for, off the loop and bounded
+        (:meth:`~eldr.proxy.request.offload.PromptOffload.aclose`: a pool left running
+        can print an EBADF traceback at exit on CPython 3.11)."""
+        await self.prompts.aclose()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

@@ -121,10 +121,29 @@ class _TokenizerProcesses:
         return (None if raw is None else np.frombuffer(raw, dtype=np.int64)), reason
 
     def close(self) -> None:
+        """Shut down without waiting (a replaced or failed pool, mid-run: its manager
+        thread and workers end on their own)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def join(self) -> None:
+        """Shut down and wait until the pool's manager thread and worker processes are
+        gone (blocking: :meth:`PromptOffload.aclose` runs it on a thread of its own)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def terminate(self) -> None:
+        """Kill the worker processes still running (a shutdown that did not finish: a
+        stuck tokenization), so that the manager thread, which the interpreter joins at
+        exit, ends too."""
+        for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+            try:
+                if process.is_alive():
+                    process.terminate()
+            except (OSError, ValueError):  # already gone, or closed
+                pass
 
 
 WARM_UP_LIMIT_S = 120.0  # the longest /health reports the prompt machinery as warming up
+CLOSE_TIMEOUT_S = 5.0  # the longest aclose() waits for the tokenizer processes to stop
 
 
 class PromptOffload:
@@ -218,6 +237,8 @@ class PromptOffload:
                 or not prompt.needs_tokenizer():
             return prompt.token_ids(tokenizer)
         procs = self._tokenizer_processes(tokenizer)
+        if procs is None:  # closed: no new processes (nothing would shut them down)
+            return None, "busy"
         try:
             ids, reason = procs.token_ids(prompt, self.config.prompt_timeout * 4 + 1.0)
         except concurrent.futures.TimeoutError:
@@ -225,6 +246,8 @@ class PromptOffload:
         except Untokenizable as exc:
             return None, exc.reason
         except Exception as exc:  # a worker died (BrokenProcessPool) or failed: start anew
+            if self._closed:  # cancelled by the shutdown: nothing failed, nothing to restart
+                return None, "busy"
             log.warning("the prompt tokenizer process failed (%r): restarting it", exc)
             with self._lock:
                 if self._processes is procs:
@@ -249,7 +272,8 @@ class PromptOffload:
                              name="eldr-prompt-kernel").start()
         ready = [self._kernel]
         if tokenizer is not None and self.config.prompt_processes > 0:
-            ready += self._tokenizer_processes(tokenizer).ready
+            procs = self._tokenizer_processes(tokenizer)
+            ready += procs.ready if procs is not None else []
         self._warming, self._warm_until = ready, time.monotonic() + WARM_UP_LIMIT_S
         return ready
 
@@ -260,8 +284,12 @@ class PromptOffload:
         tokenizer process that hangs must not hold the router unready for ever."""
         return time.monotonic() < self._warm_until and not all(f.done() for f in self._warming)
 
-    def _tokenizer_processes(self, tokenizer: PromptTokenizer) -> _TokenizerProcesses:
+    def _tokenizer_processes(self, tokenizer: PromptTokenizer
+                             ) -> _TokenizerProcesses | None:
+        """The processes of ``tokenizer``, started if need be; None once closed."""
         with self._lock:
+            if self._closed:
+                return None
             procs = self._processes
             if procs is None or procs.tokenizer is not tokenizer:
                 if procs is not None:
@@ -271,10 +299,64 @@ class PromptOffload:
             return procs
 
     def close(self) -> None:
-        """Stop taking jobs; running ones are left to finish (threads cannot be stopped)."""
+        """Stop taking jobs; running ones are left to finish (threads cannot be stopped).
+        Does not wait for the tokenizer processes: from async code, prefer :meth:`aclose`."""
+        procs = self._stop()
+        if procs is not None:
+            procs.close()
+
+    async def aclose(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """:meth:`close`, and wait (at most ``timeout`` s, off the event loop) until the
+        tokenizer processes and their pool's manager thread are gone.
+
+        Why: a process pool shut down with ``wait=False`` leaves its manager thread
+        running; on CPython 3.11 it can then touch one of the pool's pipes after that
+        pipe's file descriptor was closed, and the interpreter prints an ``OSError:
+        [Errno 9] Bad file descriptor`` traceback at exit. Shutting down with
+        ``wait=True`` joins that thread and the workers first. That blocks, so it runs on
+        a daemon thread of its own (not the loop's default executor, which
+        ``asyncio.run`` joins without a limit on 3.11). A shutdown that does not finish
+        in ``timeout`` (a stuck tokenization) is logged once, its workers are killed,
+        and the router's shutdown goes on."""
+        procs = self._stop()
+        if procs is None:
+            return
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+
+        def report(exc: BaseException | None) -> None:
+            if finished.done():  # timed out meanwhile
+                return
+            if exc is None:
+                finished.set_result(None)
+            else:
+                finished.set_exception(exc)
+
+        def shut_down() -> None:
+            exc = None
+            try:
+                procs.join()
+            except Exception as e:  # reported on the loop
+                exc = e
+            try:
+                loop.call_soon_threadsafe(report, exc)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+
+        threading.Thread(target=shut_down, daemon=True, name="eldr-prompt-close").start()
+        try:
+            await asyncio.wait_for(finished, timeout)
+        except TimeoutError:
+            log.warning("the prompt tokenizer processes did not stop within %.1f s: "
+                        "killing them", timeout)
+            procs.terminate()
+        except Exception as exc:
+            log.warning("stopping the prompt tokenizer processes failed: %r", exc)
+
+    def _stop(self) -> _TokenizerProcesses | None:
+        """Stop taking jobs; the tokenizer processes, handed over to be shut down."""
         self._closed = True
         self._threads.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            if self._processes is not None:
-                self._processes.close()
-                self._processes = None
+        with self._lock:  # a job's thread starts no processes after this
+            procs, self._processes = self._processes, None
+        return procs
