@@ -240,12 +240,15 @@ if RequestHandler is not None:
 
         def data_received(self, data: bytes) -> None:
             timer = self._head_timer
+            begins = False  # a new request's first bytes on a kept-alive connection
             if timer is None and data and self._limits.header_timeout > 0 \
                     and not self._messages and not (self._force_close or self._close):
                 waiter = self._waiter
                 if waiter is not None and not waiter.done():  # idle: a new request begins
-                    timer = self._arm_head_timer()
-            if timer is not None and data:
+                    begins = True
+                    self._head_bytes = 0
+                    self._head_line = None
+            if (begins or timer is not None) and data:
                 if self._head_line is None:
                     end = data.find(b"\n")
                     if end >= 0:
@@ -256,6 +259,12 @@ if RequestHandler is not None:
                 timer.cancel()
                 if self._head_timer is timer:
                     self._head_timer = None
+            elif begins and not self._messages and self.transport is not None \
+                    and not (self._force_close or self._close):
+                # its head did not come whole in these bytes: it is due within the timeout
+                # from now (a head that did, nearly every one, never costs a timer)
+                self._head_timer = self._loop.call_later(self._limits.header_timeout,
+                                                         self._head_timed_out)
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
