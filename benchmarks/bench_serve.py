@@ -37,7 +37,7 @@ vllm-router's; signature path <= 40 us.
 
     python benchmarks/bench_serve.py [--requests 2000] [--seconds 4] [--rounds 3]
         [--policies jsq,eldr,eldr_cost] [--baseline-src ../main/src] [--workers 2]
-        [--cost-memory fitted|online]
+        [--cost-memory fitted|online] [--fresh-processes]
 """
 
 from __future__ import annotations
@@ -593,6 +593,22 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q))
 
 
+async def _restarted(routers: list[_Router], args, ports: list[int], core: int | None,
+                     results: dict[str, dict]) -> list[_Router]:
+    """The same routers as new processes (``--fresh-processes``), their results carried
+    over, each ready and warmed up by half a second of load. Why: a process keeps its
+    memory layout, and with it a speed of its own, for as long as it runs; the same tree
+    measured 782 and 933 µs per request in two runs of one process each (docs/serve.md)."""
+    for r in routers:
+        r.stop()
+    fresh, _ = _routers(args, ports, core)
+    for r in fresh:
+        r.result = results[r.name]
+        await r.wait_ready()
+        await _throughput(r.port, args.concurrency, 0.5, False)
+    return fresh
+
+
 async def _main(args) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     core = cores[0] if len(cores) > 1 else None
@@ -609,18 +625,23 @@ async def _main(args) -> dict:
                for _ in range(3)]  # prefill, decode 0, decode 1
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     routers, notes = _routers(args, ports, core)
+    results = {r.name: r.result for r in routers}
     direct = {"lat": [], "rps": []}
     try:
         for r in routers:
             await r.wait_ready()
         n = args.requests
-        for _ in range(args.rounds):  # interleaved: drifting load hits every router alike
+        for i in range(args.rounds):  # interleaved: drifting load hits every router alike
+            if i and args.fresh_processes:
+                routers = await _restarted(routers, args, ports, core, results)
             direct["lat"].append(await _latency(ports[0], n, True))
             for r in routers:
                 cpu0 = _cpu_seconds(r.proc.pid)
                 r.result["lat"].append(await _latency(r.port, n, False))
                 r.result["cpu_seq"].append((_cpu_seconds(r.proc.pid) - cpu0) / (n + n // 10))
         for _ in range(args.rounds):
+            if args.fresh_processes:
+                routers = await _restarted(routers, args, ports, core, results)
             done, secs = await _throughput(ports[0], args.concurrency, args.seconds, True)
             direct["rps"].append(done / secs)
             for r in routers:
@@ -661,7 +682,7 @@ async def _main(args) -> dict:
             "payload_version": args.payload, "payload_bytes": {
                 "all layers": len(prefill), "layer mask": len(masked)},
             "signature_path_us": _signature_path(prefill, masked),
-            "cost_memory": args.cost_memory,
+            "cost_memory": args.cost_memory, "fresh_processes": args.fresh_processes,
             "stages_us": {p: _stages(p, masked, decode, in_flight=args.concurrency,
                                      memory=args.cost_memory)
                           for p in args.policies.split(",")}}
@@ -671,7 +692,9 @@ def _print(res: dict) -> None:
     print(f"router overhead, side by side (routers pinned to core {res['router_core']} of "
           f"{res['cpus']}; {res['rounds']} rounds x {res['requests']} sequential requests; "
           f"load at concurrency {res['concurrency']}; unique prompts; 1 prefill + 2 "
-          f"decoders; 48x128 payloads; eldr_cost's memory: {res.get('cost_memory', 'online')})")
+          f"decoders; 48x128 payloads; eldr_cost's memory: {res.get('cost_memory', 'online')}"
+          + ("; new router processes every round" if res.get("fresh_processes") else "")
+          + ")")
     print(f"direct PD pair: p50 {res['direct_p50_ms']:.3f} ms, p99 {res['direct_p99_ms']:.3f} "
           f"ms, {res['direct_rps']:,.0f} req/s")
     ref = next((r for r in res["rows"] if r["router"].startswith("vllm-router")), None)
@@ -735,6 +758,9 @@ def main() -> None:
                    help="eldr_cost's future term: the decoder profiles a fitted artifact "
                         "carries (as eldr serve runs it), or the online memory that stands "
                         "in without them (this benchmark's setting before 2026-12-06)")
+    p.add_argument("--fresh-processes", action="store_true",
+                   help="start every router anew for each round (latency and load), so a "
+                        "router's figure is the median over as many processes as rounds")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     res = asyncio.run(_main(args))
