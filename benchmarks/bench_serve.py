@@ -289,7 +289,7 @@ def _policy_options(policy: str, memory: str) -> dict:
 
 
 def _serve_child(ports: list[int], policy: str, port: int, workers: int,
-                 memory: str = "online") -> None:
+                 memory: str = "fitted") -> None:
     """``eldr serve`` with an in-memory artifact (48 x 128, mask 16, two decoders), on the
     source tree this interpreter imports (PYTHONPATH); ``memory``: :func:`_policy_options`."""
     from eldr.fit.signature import SignatureEncoder

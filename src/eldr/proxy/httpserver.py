@@ -226,9 +226,11 @@ if RequestHandler is not None:
             self._head_line = None  # where its first line ended (None: not yet)
 
         # -- the request head's timer ------------------------------------------------------
-        def _arm_head_timer(self):
+        def _reset_head(self) -> None:
             self._head_bytes = 0
             self._head_line = None
+
+        def _arm_head_timer(self):
             self._head_timer = self._loop.call_later(self._limits.header_timeout,
                                                      self._head_timed_out)
             return self._head_timer
@@ -236,6 +238,7 @@ if RequestHandler is not None:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             if self.transport is not None and self._limits.header_timeout > 0:
+                self._reset_head()
                 self._arm_head_timer()  # the first request is due
 
         def data_received(self, data: bytes) -> None:
@@ -246,8 +249,7 @@ if RequestHandler is not None:
                 waiter = self._waiter
                 if waiter is not None and not waiter.done():  # idle: a new request begins
                     begins = True
-                    self._head_bytes = 0
-                    self._head_line = None
+                    self._reset_head()
             if (begins or timer is not None) and data:
                 if self._head_line is None:
                     end = data.find(b"\n")
@@ -263,8 +265,7 @@ if RequestHandler is not None:
                     and not (self._force_close or self._close):
                 # its head did not come whole in these bytes: it is due within the timeout
                 # from now (a head that did, nearly every one, never costs a timer)
-                self._head_timer = self._loop.call_later(self._limits.header_timeout,
-                                                         self._head_timed_out)
+                self._arm_head_timer()
 
         def _head_timed_out(self) -> None:
             self._head_timer = None

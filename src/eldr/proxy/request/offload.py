@@ -321,31 +321,23 @@ class PromptOffload:
         procs = self._stop()
         if procs is None:
             return
-        loop = asyncio.get_running_loop()
-        finished = loop.create_future()
-
-        def report(exc: BaseException | None) -> None:
-            if finished.done():  # timed out meanwhile
-                return
-            if exc is None:
-                finished.set_result(None)
-            else:
-                finished.set_exception(exc)
+        finished: concurrent.futures.Future = concurrent.futures.Future()
 
         def shut_down() -> None:
-            exc = None
+            # running: a timeout's cancel no longer takes, so the outcome can always be set
+            running = finished.set_running_or_notify_cancel()
             try:
                 procs.join()
-            except Exception as e:  # reported on the loop
-                exc = e
-            try:
-                loop.call_soon_threadsafe(report, exc)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-                pass
+            except Exception as exc:  # reported on the loop
+                if running:
+                    finished.set_exception(exc)
+            else:
+                if running:
+                    finished.set_result(None)
 
         threading.Thread(target=shut_down, daemon=True, name="eldr-prompt-close").start()
         try:
-            await asyncio.wait_for(finished, timeout)
+            await asyncio.wait_for(asyncio.wrap_future(finished), timeout)
         except TimeoutError:
             log.warning("the prompt tokenizer processes did not stop within %.1f s: "
                         "killing them", timeout)
