@@ -30,6 +30,13 @@
 Run: ``python benchmarks/bench_prompt_predictor.py [--trace T.npz] [--simulate]``; the
 default trace is the shipped tiny-MoE prompt trace (``tiny_moe_prompts.npz``, a capture that
 kept its prompt token ids, docs/capture.md); ``--skip-quality`` runs the cost section alone.
+
+``--baseline-kernel FILE``: another version of ``eldr/fit/prompt_kernel.py`` (e.g. ``git show
+HEAD~1:src/eldr/fit/prompt_kernel.py > /tmp/kernel.py``), loaded beside this tree's and timed
+against it on the tfidf path in ``--blocks`` alternating blocks of 300 calls (this thread's
+CPU time; one after the other, the machine's drift between the halves is larger than the
+effects measured here): p50 / p99 of each and the per-block ratio, for one prompt repeated
+and for 256 prompts in turn.
 """
 
 from __future__ import annotations
@@ -162,14 +169,15 @@ def cost(args) -> None:
     # the figures above repeat ONE prompt, so the rows it reads stay in the cache; a router
     # sees different prompts, whose rows come from memory: 256 prompts in turn
     prompts = [rng.integers(0, vocab, P) for _ in range(256)]
-    for bits in (16, 18):
+    for bits, weighting in ((16, "token"), (16, "tfidf"), (18, "token")):
         p = _random_predictor(bits, 32, L, E, k, vocab, rng)
-        p.weighting_ = "token"
+        p.weighting_ = weighting
         for kernel in kernels:
             turn = itertools.cycle(prompts)
             figs = _percentiles(lambda p=p, k=kernel, t=turn: p.predict(next(t), kernel=k),
                                 args.calls)
-            print(f"   predict, 2**{bits} x rank 32, tf/token, 256 prompts in turn, "
+            name = "tf/token" if weighting == "token" else weighting
+            print(f"   predict, 2**{bits} x rank 32, {name:<8}, 256 prompts in turn, "
                   f"{kernel:<8}: {figs}")
     p = _random_predictor(16, 32, L, E, k, vocab, rng)
     enc = SignatureEncoder.from_state({
@@ -289,6 +297,69 @@ def simulate(trace, args) -> None:
               + f" {'yes' if wins else 'no':>11} {gap:+16.2f}%")
 
 
+def _load_kernel(path: str):
+    """The module at ``path`` (another version of :mod:`eldr.fit.prompt_kernel`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_prompt_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def versus(args) -> None:
+    """This tree's compiled tfidf kernel against ``--baseline-kernel``'s, alternating."""
+    from eldr.fit import prompt as prompt_mod
+    from eldr.fit.prompt import compiled_kernels
+
+    ours = compiled_kernels()
+    if ours is None:
+        raise SystemExit("--baseline-kernel needs numba (pip install -e '.[serve]')")
+    base = _load_kernel(args.baseline_kernel)
+    L, E, k, vocab, P = 48, 128, 8, 151_936, 2048
+    rng = np.random.default_rng(args.seed)
+    p = _random_predictor(16, 32, L, E, k, vocab, rng)
+    one = rng.integers(0, vocab, P)
+    turn = [rng.integers(0, vocab, P) for _ in range(256)]
+    counts = prompt_mod._bucket_counts(p.bits_)
+
+    def call(kernel, ids, *extra):
+        return kernel.predict_tfidf(ids, p._row_bits, np.float32(p.weights_scale_), p.idf_,
+                                    64 - p.bits_, p.id_limit, p._basis_bits, p.mean_, L, k,
+                                    *extra)
+
+    try:  # an older kernel took no scratch
+        call(base, one, counts)
+        base_extra = (counts,)
+    except TypeError:
+        base_extra = ()
+    fns = {"baseline": lambda x: call(base, x, *base_extra), "this tree": lambda x: call(
+        ours, x, counts)}
+    gap = float(np.abs(fns["baseline"](one)[0] - fns["this tree"](one)[0]).max())
+    print(f"\n5. tfidf kernel, this tree against {args.baseline_kernel}, 2**16 x 32, "
+          f"{L}x{E}, a {P}-token prompt, {args.blocks} alternating blocks of 300 calls "
+          f"(CPU time); max |difference| of the two profiles {gap:.1e}")
+    for mode in ("one prompt repeated", "256 prompts in turn"):
+        med: dict[str, list] = {n: [] for n in fns}
+        every: dict[str, list] = {n: [] for n in fns}
+        for blk in range(args.blocks):
+            for name, fn in fns.items():
+                ts = np.empty(300)
+                for i in range(300):
+                    x = one if mode.startswith("one") else turn[(blk * 300 + i) % 256]
+                    c0 = time.thread_time_ns()
+                    fn(x)
+                    ts[i] = time.thread_time_ns() - c0
+                med[name].append(np.median(ts) / 1e3)
+                every[name].append(ts)
+        ratio = np.array(med["this tree"]) / np.array(med["baseline"])
+        figs = ", ".join(f"{n} p50 {np.percentile(np.concatenate(v), 50) / 1e3:.1f} / p99 "
+                         f"{np.percentile(np.concatenate(v), 99) / 1e3:.1f} us"
+                         for n, v in every.items())
+        print(f"   {mode}: {figs}; this tree / baseline per block: median "
+              f"{np.median(ratio):.3f} (range {ratio.min():.2f}-{ratio.max():.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", help="a captured trace with prompt_token_ids (default: the "
@@ -303,6 +374,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--baseline-kernel", metavar="FILE",
+                    help="another prompt_kernel.py: its tfidf kernel timed against this "
+                         "tree's, alternating (section 5)")
+    ap.add_argument("--blocks", type=int, default=30, help="alternating blocks (section 5)")
     args = ap.parse_args()
     if not args.skip_quality or args.simulate:
         from eldr.traces.trace import load
@@ -326,7 +401,10 @@ def main() -> None:
     if not args.skip_quality:
         quality(trace, args)
         size(trace, args)
-    cost(args)
+    if args.baseline_kernel:
+        versus(args)
+    else:
+        cost(args)
     if args.simulate:
         simulate(trace, args)
 

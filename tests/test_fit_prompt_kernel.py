@@ -90,6 +90,51 @@ def test_both_kernels_agree_on_a_fitted_predictor(weighting):
         assert np.abs(p.predict(ids, kernel="numpy") - p.predict(ids)).max() <= 1e-6
 
 
+def test_the_tfidf_scratch_is_zero_again_after_every_prompt():
+    """The compiled tfidf kernel counts n-grams in its thread's scratch: a count left
+    behind would weigh that bucket in the next prompt of that thread."""
+    p = _random_predictor(12, 7, 6, 16, 2, 151_936, "tfidf")
+    prompts = [*_prompts(151_936, np.random.default_rng(3)), np.array([3, 151_936])]
+    for ids in prompts:
+        try:
+            p.predict(ids, kernel="compiled")
+        except ValueError:  # the bad id: refused before anything is counted
+            pass
+        assert not prompt_mod._bucket_counts(12).any()
+    first = [p.predict(ids, kernel="compiled") for ids in prompts[:-1]]
+    again = [p.predict(ids, kernel="compiled") for ids in prompts[:-1]]
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tfidf_predictions_on_concurrent_threads_each_count_in_their_own_scratch():
+    """The router predicts on a thread pool with the GIL released: prompts predicted on
+    four threads at once give the profiles they give one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = _random_predictor(12, 7, 6, 16, 2, 151_936, "tfidf")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 50 + 40 * i, 1500) for i in range(32)]  # many repeats
+    want = [p.predict(ids, kernel="compiled") for ids in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got = list(pool.map(lambda x: p.predict(x, kernel="compiled"), prompts))
+            for a, b in zip(want, got, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_a_count_past_the_uint16_scratch_is_counted_exactly():
+    """A prompt that repeats one id 70,000 times (its unigram's count is past the
+    scratch's 65,535) beside a few others: the same profile as numpy's exact counts."""
+    from eldr.fit.prompt_kernel import COUNT_MAX
+
+    p = _random_predictor(10, 4, 3, 8, 2, 100, "tfidf")
+    ids = np.concatenate([np.full(COUNT_MAX + 4465, 7), np.arange(20, 60)])
+    a, b = p.predict(ids, kernel="numpy"), p.predict(ids, kernel="compiled")
+    assert np.abs(a - b).max() <= 1e-6
+    assert not prompt_mod._bucket_counts(10).any()
+
+
 def test_a_layer_clipped_to_zero_becomes_uniform_in_both():
     p = _random_predictor(10, 4, 3, 8, 2, 100, "token")
     p.mean_ = np.full(24, -1.0, dtype=np.float32)  # every entry clipped away

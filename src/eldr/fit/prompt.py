@@ -120,12 +120,26 @@ def _load_compiled():
             prompt_kernel.predict_bag(ids, rows, one, 56, 1 << 20, per_token, basis, mean,
                                       2, 1)
         prompt_kernel.predict_tfidf(ids, rows, one, np.ones(1 << 8, dtype=np.float32), 56,
-                                    1 << 20, basis, mean, 2, 1)
+                                    1 << 20, basis, mean, 2, 1, _bucket_counts(8))
     except Exception as exc:  # numba's own error types: the numpy path is always there
         _log.warning("the compiled prompt-prediction kernel failed to build (%s: %s): "
                      "predictions use the numpy path", type(exc).__name__, exc)
         return None
     return prompt_kernel
+
+
+_COUNTS = threading.local()  # per thread: the compiled tfidf kernel's bucket counts
+
+
+def _bucket_counts(bits: int) -> np.ndarray:
+    """(≥ 2**bits,) uint16 zeros: this thread's scratch for the compiled tfidf kernel, which
+    counts each n-gram at its bucket's index and leaves the array zero again. One per
+    thread (predictions run on a pool, concurrently), grown to the largest table it served:
+    2 bytes per bucket, 1/rank of the table's own half floats (128 KiB for 2**16)."""
+    counts = getattr(_COUNTS, "array", None)
+    if counts is None or counts.size < 1 << bits:
+        counts = _COUNTS.array = np.zeros(1 << bits, dtype=np.uint16)
+    return counts
 
 
 _ONES = np.ones(1 << 12, dtype=np.float32)  # read-only, grown by _ones for longer prompts
@@ -651,7 +665,8 @@ class PromptPredictor:
         if self.weighting_ == "tfidf":
             y, ok = compiled.predict_tfidf(ids, self._row_bits, scale, self.idf_, shift,
                                            vocab, self._basis_bits, self.mean_,
-                                           self.num_layers, self.top_k)
+                                           self.num_layers, self.top_k,
+                                           _bucket_counts(self.bits_))
         else:
             y, ok = compiled.predict_bag(ids, self._row_bits, scale, shift, vocab,
                                          self.weighting_ == "token", self._basis_bits,
