@@ -63,6 +63,17 @@ L, E, MASK = 48, 128, 16  # model fingerprint and layer-mask size of the benchma
 PROMPT = ("You are a careful assistant. Answer the question about the code below.\n" * 12
           + "def f(x):\n    return x * 2\n")
 _PREFILL_RE = re.compile(rb'"do_remote_decode"\s*:\s*true')
+_STREAM_RE = re.compile(rb'"stream"\s*:\s*true')
+# --stream-tokens N: decoders answer a request with "stream": true by N SSE events, one every
+# _STREAM["interval"] seconds, then [DONE], chunked as vLLM's server sends them
+_STREAM = {"tokens": 0, "interval": 0.002}
+_SSE_EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+              b'"choices":[{"index":0,"text":" tok","logprobs":null,"finish_reason":null,'
+              b'"stop_reason":null}]}\n\n')
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
 # -- minimal backend --------------------------------------------------------------------------
@@ -136,8 +147,29 @@ class _Backend(asyncio.Protocol):
             elif _PREFILL_RE.search(body):  # the router may ask for its layer mask only
                 self.transport.write(self.masked_reply if b'"eldr_layers"' in body
                                      else self.prefill_reply)
+            elif _STREAM["tokens"] and _STREAM_RE.search(body):
+                self._stream()
             else:
                 self.transport.write(self.decode_reply)
+
+    def _stream(self) -> None:
+        """The decode answer as ``_STREAM["tokens"]`` SSE events spaced in time (a router
+        relays each as it comes, as it does a real decoder's tokens), then [DONE]."""
+        transport, loop = self.transport, asyncio.get_running_loop()
+        transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n")
+        event, end = _chunk(_SSE_EVENT), _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+        def send(i: int) -> None:
+            if transport.is_closing():
+                return
+            if i < _STREAM["tokens"]:
+                transport.write(event)
+                loop.call_later(_STREAM["interval"], send, i + 1)
+            else:
+                transport.write(end)
+
+        loop.call_later(_STREAM["interval"], send, 0)
 
 
 # -- minimal client ---------------------------------------------------------------------------
@@ -163,6 +195,22 @@ class _Conn:
         n = int(low[i + 15: low.find(b"\r\n", i)])
         return await self.reader.readexactly(n)
 
+    async def post_stream(self, path: str, body: bytes) -> int:
+        """POST a streamed request; the SSE events of its chunked answer, read to the end."""
+        self.writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: b\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: "
+                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+            raise RuntimeError(f"bad stream answer: {head[:300]!r}")
+        events = 0
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return events
+            events += (await self.reader.readexactly(size + 2)).count(b"data: ")
+
     def close(self) -> None:
         self.writer.close()
 
@@ -177,6 +225,8 @@ def _bodies() -> tuple[bytes, bytes, bytes]:
     _counter += 1
     prompt = f"[{_counter}] {PROMPT}"
     body = {"model": "m", "prompt": prompt, "max_tokens": 4}
+    if _STREAM["tokens"]:
+        body.update(max_tokens=_STREAM["tokens"], stream=True)
     raw = json.dumps(body).encode()
     pre = json.dumps({**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
         "do_remote_decode": True}}).encode()
@@ -185,14 +235,17 @@ def _bodies() -> tuple[bytes, bytes, bytes]:
 
 async def _one(conn: _Conn, direct: bool) -> None:
     raw, pre, dec = _bodies()
-    if not direct:
-        await conn.post("/v1/completions", raw)
+    if direct:
+        doc = json.loads(await conn.post("/v1/completions", pre))  # the PD protocol, no router
+        kvp = dict(doc["kv_transfer_params"])
+        kvp.pop("eldr", None)
+        dec = dec[:-1] + b', "kv_transfer_params": ' + json.dumps(kvp).encode() + b"}"
+    if not _STREAM["tokens"]:
+        await conn.post("/v1/completions", dec if direct else raw)
         return
-    doc = json.loads(await conn.post("/v1/completions", pre))  # the PD protocol, no router
-    kvp = dict(doc["kv_transfer_params"])
-    kvp.pop("eldr", None)
-    await conn.post("/v1/completions", dec[:-1] + b', "kv_transfer_params": '
-                    + json.dumps(kvp).encode() + b"}")
+    events = await conn.post_stream("/v1/completions", dec if direct else raw)
+    if events != _STREAM["tokens"] + 1:  # every token and [DONE]
+        raise RuntimeError(f"a stream of {_STREAM['tokens']} tokens came with {events} events")
 
 
 async def _latency(port: int, n: int, direct: bool) -> list[float]:
@@ -373,7 +426,7 @@ class _Router:
             try:
                 conn = await _Conn(self.port).open()
                 try:
-                    await conn.post("/v1/completions", _bodies()[0])
+                    await _one(conn, False)
                     return
                 finally:
                     conn.close()
@@ -683,6 +736,7 @@ async def _main(args) -> dict:
                 "all layers": len(prefill), "layer mask": len(masked)},
             "signature_path_us": _signature_path(prefill, masked),
             "cost_memory": args.cost_memory, "fresh_processes": args.fresh_processes,
+            "stream_tokens": args.stream_tokens, "token_interval_ms": args.token_interval_ms,
             "stages_us": {p: _stages(p, masked, decode, in_flight=args.concurrency,
                                      memory=args.cost_memory)
                           for p in args.policies.split(",")}}
@@ -694,6 +748,8 @@ def _print(res: dict) -> None:
           f"load at concurrency {res['concurrency']}; unique prompts; 1 prefill + 2 "
           f"decoders; 48x128 payloads; eldr_cost's memory: {res.get('cost_memory', 'online')}"
           + ("; new router processes every round" if res.get("fresh_processes") else "")
+          + (f"; streamed answers of {res['stream_tokens']} tokens, one every "
+             f"{res['token_interval_ms']:g} ms" if res.get("stream_tokens") else "")
           + ")")
     print(f"direct PD pair: p50 {res['direct_p50_ms']:.3f} ms, p99 {res['direct_p99_ms']:.3f} "
           f"ms, {res['direct_rps']:,.0f} req/s")
@@ -761,8 +817,15 @@ def main() -> None:
     p.add_argument("--fresh-processes", action="store_true",
                    help="start every router anew for each round (latency and load), so a "
                         "router's figure is the median over as many processes as rounds")
+    p.add_argument("--stream-tokens", type=int, default=0, metavar="N",
+                   help="stream every answer: N SSE events from the decoder, one every "
+                        "--token-interval-ms (0: whole JSON answers)")
+    p.add_argument("--token-interval-ms", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.stream_tokens < 0 or args.token_interval_ms <= 0:
+        p.error("--stream-tokens must be >= 0 and --token-interval-ms > 0")
+    _STREAM.update(tokens=args.stream_tokens, interval=args.token_interval_ms / 1e3)
     res = asyncio.run(_main(args))
     if args.json:
         print(json.dumps(res, indent=1))
