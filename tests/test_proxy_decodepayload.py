@@ -60,6 +60,29 @@ def test_stripper_drops_the_event_across_any_chunking():
     assert s.feed(want) + s.flush() == want and s.payload is None
 
 
+def _partial_len_by_every_tail(data: bytes) -> int:
+    """The held tail as DecodeStripper first computed it: every tail length, longest first."""
+    event = b'data: {"eldr_decode":'
+    for n in range(min(len(event), len(data)), 0, -1):
+        if event.startswith(data[-n:]) and (n == len(data) or data[:-n].endswith(b"\n\n")):
+            return n
+    return 0
+
+
+def test_the_held_tail_is_the_one_every_tail_length_finds():
+    """The one-search tail of a chunk against the loop over every tail length, on chunks
+    cut anywhere from streams of events, blank lines and starts of the payload event."""
+    rng = np.random.default_rng(0)
+    parts = [b"data: ", b'data: {"eldr_decode":', b'{"choices":[]}', b"\n", b"\n\n",
+             b"\n\n\n", b"data: [DONE]", b'data: {"eldr', b"d", b": "]
+    assert DecodeStripper._partial_len(b"") == _partial_len_by_every_tail(b"") == 0
+    for _ in range(5000):
+        stream = b"".join(parts[i] for i in rng.integers(0, len(parts), rng.integers(1, 8)))
+        for cut in {len(stream), int(rng.integers(0, len(stream) + 1))}:
+            data = stream[:cut]
+            assert DecodeStripper._partial_len(data) == _partial_len_by_every_tail(data), data
+
+
 class _DecodeEngine(FakeEngine):
     """A fake decoder that appends a decode payload as the plugin does (or not)."""
 
