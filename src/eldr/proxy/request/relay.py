@@ -60,6 +60,7 @@ log = logging.getLogger("eldr.serve")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer kept for relay / logs
+_FRAMING = 64  # bytes a chunked write adds to its data (size line and CRLF), rounded up
 SSE_DONE = b"data: [DONE]"  # the last event of an OpenAI stream
 
 
@@ -256,7 +257,21 @@ class DecodeRelay:
         aborted, which frees what was buffered for it) and False is returned: without this,
         each such client pins a decoder slot, and its unsent answer, for as long as it
         keeps the connection open.
+
+        A write cannot wait when the socket took every byte written before it and the
+        chunk is below the transport's high-water mark: the transport is then not paused,
+        and aiohttp's writer returns without suspending. Such a write (nearly every chunk
+        of a stream: a client reads as fast as tokens come) goes without a deadline; the
+        timeout block it skips was the largest part of the router's own work per
+        streamed chunk. Once the client falls behind, its bytes wait in the transport and
+        every write is timed again.
         """
+        transport = request.transport
+        if data is not None and transport is not None \
+                and not transport.get_write_buffer_size() \
+                and len(data) + _FRAMING <= transport.get_write_buffer_limits()[1]:
+            await out.write(data)  # lands in an empty buffer, below its high-water mark
+            return True
         try:
             await within(out.write(data) if data is not None else out.write_eof(),
                           self.config.write_timeout)
