@@ -164,6 +164,57 @@ def test_a_silent_engine_times_out_on_the_read_timeout():
     asyncio.run(main())
 
 
+def test_the_read_timeout_counts_from_each_wait_not_from_the_first():
+    """A stream whose chunks come every 30 ms reads on past many read timeouts of 50 ms
+    (each wait moves the deadline of the connection's one timer); when the chunks stop, the
+    wait in progress times out about 50 ms after it began, not when the timer was armed."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        conn, transport, _ = _connection(loop)
+        conn.sock_read = 0.05
+        conn.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+        async def send(n):
+            for _ in range(n):
+                await asyncio.sleep(0.03)
+                conn.data_received(b"2\r\nhi\r\n")
+
+        sender = asyncio.ensure_future(send(10))
+        got = b""
+        while len(got) < 20:
+            await conn.wait()
+            got += conn.take()
+        await sender
+        assert got == b"hi" * 10 and not transport.aborted  # 0.3 s: six read timeouts
+        t0 = loop.time()
+        with pytest.raises(aiohttp.ServerTimeoutError):
+            await conn.wait()
+        assert 0.04 <= loop.time() - t0 < 0.2 and transport.aborted
+
+    asyncio.run(main())
+
+
+def test_a_finished_answer_leaves_no_read_timer_behind():
+    async def main():
+        loop = asyncio.get_running_loop()
+        conn, transport, pool = _connection(loop)
+        conn.sock_read = 0.05
+        waiting = asyncio.ensure_future(conn.wait())
+        await asyncio.sleep(0)
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await waiting
+        armed = conn._read_timer  # the wait's timer, not fired yet
+        resp = _response(conn)
+        assert await resp.read() == b"ok"
+        resp.release()
+        assert armed is not None and armed.cancelled()
+        assert conn._read_timer is None and conn in pool
+        await asyncio.sleep(0.1)  # past the old deadline: the pooled connection stays open
+        assert not transport.aborted and conn in pool
+
+    asyncio.run(main())
+
+
 def test_the_total_deadline_fails_a_waiter_with_a_timeout():
     async def main():
         conn, transport, _ = _connection(asyncio.get_running_loop())

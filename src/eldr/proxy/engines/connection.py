@@ -15,6 +15,8 @@ from multidict import CIMultiDict
 
 __all__ = ["UpstreamConnectError", "UpstreamProtocolError"]
 
+_CLOCK_SLACK = 0.001  # uvloop's loop.time() moves in milliseconds: a timer may fire that early
+
 
 class UpstreamConnectError(aiohttp.ClientConnectionError):
     """The connection to the engine could not be opened (refused, unreachable, timed out)."""
@@ -136,6 +138,8 @@ class _Connection(asyncio.Protocol):
         self.sock_read: float | None = None
         self.timer: asyncio.TimerHandle | None = None  # the total deadline
         self.received = False  # a byte of this request's answer came
+        self._read_due = 0.0  # loop time the wait in progress times out (sock_read)
+        self._read_timer: asyncio.TimerHandle | None = None  # armed for a _read_due or earlier
 
     # -- transport callbacks ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -194,20 +198,43 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def wait(self) -> None:
-        """Until more of the answer arrived (or it failed, or a timeout)."""
+        """Until more of the answer arrived (or it failed, or ``sock_read`` seconds passed
+        without a byte: ``ServerTimeoutError``).
+
+        One timer per connection, not one per wait: each wait moves the deadline, and the
+        timer, armed when none is, looks at it when it fires (:meth:`_check_read`). A
+        streamed answer waits once per chunk; arming and cancelling a timer each time was
+        a measurable part of the router's work per streamed token."""
         if self.error is not None:
             raise self.error
         waiter = self.waiter = self.loop.create_future()
-        handle = None if self.sock_read is None else self.loop.call_later(
-            self.sock_read, self._read_timeout)
+        if self.sock_read is not None:
+            self._read_due = self.loop.time() + self.sock_read
+            if self._read_timer is None:
+                self._read_timer = self.loop.call_at(self._read_due, self._check_read)
         try:
             await waiter
         finally:
             self.waiter = None
-            if handle is not None:
-                handle.cancel()
         if self.error is not None:
             raise self.error
+
+    def _check_read(self) -> None:
+        """The read timer fired: the wait in progress timed out if its deadline is here
+        (within the loop clock's millisecond), else the timer goes to that deadline; with
+        no wait in progress it stops, and the next wait arms it."""
+        self._read_timer = None
+        if self.waiter is None or self.waiter.done():
+            return
+        if self.loop.time() + _CLOCK_SLACK >= self._read_due:
+            self._read_timeout()
+        else:
+            self._read_timer = self.loop.call_at(self._read_due, self._check_read)
+
+    def _stop_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     def _read_timeout(self) -> None:
         self._fail(aiohttp.ServerTimeoutError("timeout reading the engine's answer"))
@@ -237,6 +264,7 @@ class _Connection(asyncio.Protocol):
         self.done = True
         if self.timer is not None:
             self.timer.cancel()
+        self._stop_read_timer()
         if self.complete and not self.closed and self.error is None:
             self._reset()
             self.idle_since = self.loop.time()
