@@ -128,6 +128,53 @@ def test_a_child_is_stopped_with_every_process_it_started(tmp_path, sig):
     child.stop()  # twice is fine
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_child_stops_when_its_parent_is_killed(tmp_path, sig):
+    """``eldr cluster`` (or a test run) killed outright cannot stop its children; each
+    child is in its own session, so nothing else reaches it: it stops on its own."""
+    script = ("import os, sys, time\n"
+              "from eldr.deploy import ChildProcess\n"
+              "c = ChildProcess('c', ['sleep', '60'], dict(os.environ), sys.argv[1])\n"
+              "c.start()\n"
+              "print(c.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "c.log")],
+                              stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(parent.stdout.readline())
+        assert _group_alive(pid)
+        parent.send_signal(sig)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _group_alive(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+        if pid is not None and _group_alive(pid):  # failed: not left behind by the test
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_the_parent_death_signal_is_asked_for_on_the_main_thread_only():
+    """The kernel signals the child when the THREAD that started it exits: a child started
+    from a worker thread would be killed with that thread, so none is asked for there."""
+    import threading
+
+    from eldr.deploy.processes import parent_death_signal
+
+    assert callable(parent_death_signal()) == sys.platform.startswith("linux")
+    got = []
+    t = threading.Thread(target=lambda: got.append(parent_death_signal()))
+    t.start()
+    t.join()
+    assert got == [None]
+
+
 def test_the_store_keeps_fresh_entries_and_prunes_old_ones(tmp_path):
     cluster = LocalCluster(_spec(store_ttl=60))
     cluster.workdir = tmp_path

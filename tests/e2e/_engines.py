@@ -229,9 +229,12 @@ class ClusterProcess:
 
         self.out = tmp / "cluster.out"
         self._log = open(self.out, "w")  # closed in stop()
+        from eldr.deploy.processes import parent_death_signal
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "eldr", "cluster", *args], stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=parent_death_signal(),  # a killed test run stops it (and its engines)
             env={**os.environ, "PYTHONPATH": pythonpath})
         self.url: str | None = None  # the router
         self.engines: dict[str, tuple[str, int]] = {}  # name -> (url, pid of the first start)

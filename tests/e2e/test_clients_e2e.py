@@ -39,6 +39,8 @@ from _engines import (
     _skip_reason,
 )
 
+from eldr.deploy.processes import parent_death_signal
+
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
@@ -111,6 +113,7 @@ def cluster(tmp_path_factory):
             [sys.executable, "-m", "eldr", "cluster", "--prefill", "1", "--decode", "1",
              "--port", "0", "--log-dir", str(tmp / "logs")],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=parent_death_signal(),  # a killed test run stops it (and its engines)
             env={**os.environ, "PYTHONPATH": pythonpath})
         deadline = time.monotonic() + READY_TIMEOUT_S
         reference.wait_ready(ref_url + "/health", deadline)

@@ -38,6 +38,7 @@ import pytest
 from _engines import _free_port, _model_dir, _plugin_pythonpath, _skip_reason
 
 from eldr.deploy.local import connector_config
+from eldr.deploy.processes import parent_death_signal
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +73,8 @@ class _Proc:
         self.name, self.log = name, log
         self._out = open(log, "w")  # closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=parent_death_signal())  # killed run: stops
 
     def wait_ready(self, url: str, deadline: float) -> None:
         while True:

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eldr.deploy.processes import parent_death_signal
+
 pytestmark = pytest.mark.e2e
 
 try:
@@ -84,7 +86,8 @@ def server(tmp_path_factory):
            "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)]
     log = open(tmp / "server.log", "w")  # closed in teardown
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=parent_death_signal())  # a killed run stops it
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

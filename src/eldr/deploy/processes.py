@@ -4,25 +4,63 @@ vLLM's API server forks an engine-core process (and, on CPU, a worker); killing 
 PID it was started with would leave those running. Each child therefore starts in its own
 session (``start_new_session``), so its process group id is its PID and
 ``os.killpg(pid, ...)`` reaches every process it started, and only those.
+
+Its own session also takes it out of its parent's reach when the parent dies without
+stopping it (SIGKILL, or a SIGTERM Python does not handle: ``eldr cluster`` killed, a test
+run killed by a timeout): the engines went on running, tens of GB of them, under init. So
+on Linux each child also asks the kernel for SIGTERM when the thread that started it exits
+(:func:`parent_death_signal`); it then stops as on ``stop()``'s first signal (vLLM's
+server stops its engine core on SIGTERM).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ChildProcess", "NotReady", "free_port", "http_status"]
+__all__ = ["ChildProcess", "NotReady", "free_port", "http_status", "parent_death_signal"]
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class NotReady(RuntimeError):
     """A child exited, or did not answer its readiness URL in time (the message says
     which, with the end of its log)."""
+
+
+def parent_death_signal(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process
+    dies (Linux ``prctl(PR_SET_PDEATHSIG)``), even from SIGKILL; None where that cannot be
+    had (not Linux, no libc), and when called off the main thread: the kernel sends the
+    signal when the THREAD that started the child exits, which for a worker thread is not
+    this process's death.
+
+    A parent that died between the fork and the ``prctl`` is caught by comparing the
+    child's parent with the one that started it: the child then signals itself."""
+    if not sys.platform.startswith("linux") \
+            or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent, number = os.getpid(), int(sig)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, number, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), number)
+
+    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,7 +102,8 @@ class ChildProcess:
         self._log = open(self.log_path, "ab")  # closed in stop()
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=parent_death_signal())
 
     @property
     def returncode(self) -> int | None:
