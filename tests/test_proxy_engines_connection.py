@@ -194,23 +194,52 @@ def test_the_read_timeout_counts_from_each_wait_not_from_the_first():
     asyncio.run(main())
 
 
-def test_a_finished_answer_leaves_no_read_timer_behind():
+def test_a_pooled_connection_outlives_the_deadlines_of_the_request_it_carried():
+    """The connection's timer is left armed when a request ends: when it fires with nothing
+    due it stops, and the idle connection stays pooled and open."""
     async def main():
         loop = asyncio.get_running_loop()
         conn, transport, pool = _connection(loop)
+        conn.set_deadline(loop.time() + 0.05)
         conn.sock_read = 0.05
         waiting = asyncio.ensure_future(conn.wait())
         await asyncio.sleep(0)
         conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await waiting
-        armed = conn._read_timer  # the wait's timer, not fired yet
         resp = _response(conn)
         assert await resp.read() == b"ok"
         resp.release()
-        assert armed is not None and armed.cancelled()
-        assert conn._read_timer is None and conn in pool
-        await asyncio.sleep(0.1)  # past the old deadline: the pooled connection stays open
-        assert not transport.aborted and conn in pool
+        assert conn in pool
+        await asyncio.sleep(0.15)  # past both old deadlines
+        assert not transport.aborted and conn in pool and conn._watch_handle is None
+
+    asyncio.run(main())
+
+
+def test_a_reused_connection_times_out_on_the_shorter_deadline_of_its_next_request():
+    """A health check (2 s) on a connection a decode (300 s) left its timer armed on: the
+    timer comes forward to the check's deadline, it does not wait for the decode's."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        conn, transport, pool = _connection(loop)
+        conn.set_deadline(loop.time() + 300)
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        resp = _response(conn)
+        assert await resp.read() == b"ok"
+        resp.release()
+        assert conn in pool and conn._watch_handle is not None
+        conn.set_deadline(loop.time() + 0.05)  # the next request, on the same connection
+        t0 = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(conn.wait(), 5)  # 5 s: a test that fails, not hangs
+        assert 0.04 <= loop.time() - t0 < 0.5 and transport.aborted
+        conn2, transport2, _ = _connection(loop)  # and a read timeout, the same way
+        conn2.set_deadline(loop.time() + 300)
+        conn2.sock_read = 0.05
+        t0 = loop.time()
+        with pytest.raises(aiohttp.ServerTimeoutError):
+            await asyncio.wait_for(conn2.wait(), 5)
+        assert 0.04 <= loop.time() - t0 < 0.5 and transport2.aborted
 
     asyncio.run(main())
 

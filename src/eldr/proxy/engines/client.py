@@ -151,7 +151,7 @@ class UpstreamSession:
                     raise fresh from None  # its first failure is the truth, not "connect"
                 raise
             if deadline is not None:
-                conn.timer = loop.call_at(deadline, conn._total_timeout)
+                conn.set_deadline(deadline)
             conn.sock_read = timeout.sock_read
             try:
                 conn.transport.write(payload)

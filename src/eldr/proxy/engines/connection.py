@@ -124,6 +124,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0  # loop time it went back to the pool
+        # the connection's one timer, for the deadlines of whichever request it carries
+        self._watch_handle: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -136,10 +138,9 @@ class _Connection(asyncio.Protocol):
         self.response: _Response | None = None
         self.done = False  # the caller finished with this request
         self.sock_read: float | None = None
-        self.timer: asyncio.TimerHandle | None = None  # the total deadline
         self.received = False  # a byte of this request's answer came
+        self._total_due: float | None = None  # loop time this request times out, if it does
         self._read_due = 0.0  # loop time the wait in progress times out (sock_read)
-        self._read_timer: asyncio.TimerHandle | None = None  # armed for a _read_due or earlier
 
     # -- transport callbacks ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -197,21 +198,21 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def set_deadline(self, due: float) -> None:
+        """This request fails with ``asyncio.TimeoutError`` at loop time ``due`` (its
+        ``total`` timeout), unless it was finished before."""
+        self._total_due = due
+        self._watch(due)
+
     async def wait(self) -> None:
         """Until more of the answer arrived (or it failed, or ``sock_read`` seconds passed
-        without a byte: ``ServerTimeoutError``).
-
-        One timer per connection, not one per wait: each wait moves the deadline, and the
-        timer, armed when none is, looks at it when it fires (:meth:`_check_read`). A
-        streamed answer waits once per chunk; arming and cancelling a timer each time was
-        a measurable part of the router's work per streamed token."""
+        without a byte: ``ServerTimeoutError``)."""
         if self.error is not None:
             raise self.error
         waiter = self.waiter = self.loop.create_future()
         if self.sock_read is not None:
             self._read_due = self.loop.time() + self.sock_read
-            if self._read_timer is None:
-                self._read_timer = self.loop.call_at(self._read_due, self._check_read)
+            self._watch(self._read_due)
         try:
             await waiter
         finally:
@@ -219,22 +220,39 @@ class _Connection(asyncio.Protocol):
         if self.error is not None:
             raise self.error
 
-    def _check_read(self) -> None:
-        """The read timer fired: the wait in progress timed out if its deadline is here
-        (within the loop clock's millisecond), else the timer goes to that deadline; with
-        no wait in progress it stops, and the next wait arms it."""
-        self._read_timer = None
-        if self.waiter is None or self.waiter.done():
-            return
-        if self.loop.time() + _CLOCK_SLACK >= self._read_due:
-            self._read_timeout()
-        else:
-            self._read_timer = self.loop.call_at(self._read_due, self._check_read)
+    # -- the connection's one timer --------------------------------------------------------
+    # A request's deadlines (its total timeout, each wait's read timeout) move with every
+    # request and every wait; arming and cancelling a timer for each was a measurable part
+    # of the router's work (three per whole request, one more per streamed chunk). Instead
+    # the connection keeps one timer, armed when none is or when a deadline comes before
+    # it, and left armed when a request ends: when it fires it times out what is due and
+    # otherwise moves itself to the next deadline, or stops when there is none (an idle
+    # connection), so a busy connection arms about one timer per deadline's length.
+    def _watch(self, due: float) -> None:
+        """Make sure the timer fires by ``due``."""
+        handle = self._watch_handle
+        if handle is None or due < handle.when():
+            if handle is not None:
+                handle.cancel()
+            self._watch_handle = self.loop.call_at(due, self._on_watch)
 
-    def _stop_read_timer(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
+    def _on_watch(self) -> None:
+        self._watch_handle = None
+        now = self.loop.time() + _CLOCK_SLACK  # uvloop's clock moves in milliseconds
+        total = self._total_due
+        if total is not None and now >= total:
+            self._total_timeout()
+            return
+        waiting = self.waiter is not None and not self.waiter.done() \
+            and self.sock_read is not None
+        if waiting and now >= self._read_due:
+            self._read_timeout()
+            return
+        due = self._read_due if waiting else None
+        if total is not None:
+            due = total if due is None else min(due, total)
+        if due is not None:
+            self._watch_handle = self.loop.call_at(due, self._on_watch)
 
     def _read_timeout(self) -> None:
         self._fail(aiohttp.ServerTimeoutError("timeout reading the engine's answer"))
@@ -262,9 +280,7 @@ class _Connection(asyncio.Protocol):
         if self.done:
             return
         self.done = True
-        if self.timer is not None:
-            self.timer.cancel()
-        self._stop_read_timer()
+        self._total_due = None  # the request is over: its deadlines with it
         if self.complete and not self.closed and self.error is None:
             self._reset()
             self.idle_since = self.loop.time()
