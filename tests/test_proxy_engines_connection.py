@@ -19,11 +19,18 @@ class _Transport:
     def __init__(self, protocol: _Connection) -> None:
         self.protocol = protocol
         self.aborted = False
+        self.paused = False  # reading, as pause_reading/resume_reading left it
 
     def abort(self) -> None:
         if not self.aborted:
             self.aborted = True
             self.protocol.loop.call_soon(self.protocol.connection_lost, None)
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
 
 
 def _connection(loop, maxlen: int = 4, on_idle=None) -> tuple[_Connection, _Transport, deque]:
@@ -38,6 +45,55 @@ def _response(conn: _Connection) -> _Response:
     """The answer object the session builds once the headers are in."""
     conn.response = _Response(conn, conn.parser.get_status_code(), conn.headers)
     return conn.response
+
+
+def test_a_reader_that_falls_behind_stops_the_engines_socket_until_it_takes():
+    """A stream the router's client does not read (it cannot write to its own client) is
+    not read from the engine either past READ_HIGH_WATER: the bytes wait in the engine's
+    socket, not in the router's memory."""
+    from eldr.proxy.engines.connection import READ_HIGH_WATER
+
+    async def main():
+        conn, transport, _ = _connection(asyncio.get_running_loop())
+        conn.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        event = b"x" * 65536
+        frame = f"{len(event):x}\r\n".encode() + event + b"\r\n"
+        fed = 0
+        while not transport.paused:
+            conn.data_received(frame)
+            fed += len(event)
+            assert fed <= READ_HIGH_WATER + len(event)
+        resp = _response(conn)
+        assert len(await resp.content.readany()) == fed and not transport.paused
+        conn.data_received(frame + b"0\r\n\r\n")
+        assert await resp.content.readany() == event and await resp.content.readany() == b""
+
+    asyncio.run(main())
+
+
+def test_a_whole_answer_larger_than_the_high_water_mark_is_read_in_full():
+    async def main():
+        loop = asyncio.get_running_loop()
+        conn, transport, pool = _connection(loop)
+        body = bytes(range(256)) * 4096  # 1 MiB
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        resp = _response(conn)
+
+        async def engine():  # sends while the connection reads, as a socket would
+            for i in range(0, len(body), 100_000):
+                while transport.paused:
+                    await asyncio.sleep(0.001)
+                conn.data_received(body[i:i + 100_000])
+                await asyncio.sleep(0)
+
+        sender = asyncio.ensure_future(engine())
+        got = await asyncio.wait_for(resp.read(), 5)
+        await sender
+        assert got == body and not transport.paused
+        resp.release()
+        assert conn in pool
+
+    asyncio.run(main())
 
 
 def test_a_sized_answer_in_pieces_is_read_whole_and_its_connection_pooled():

@@ -16,6 +16,12 @@ from multidict import CIMultiDict
 __all__ = ["UpstreamConnectError", "UpstreamProtocolError"]
 
 _CLOCK_SLACK = 0.001  # uvloop's loop.time() moves in milliseconds: a timer may fire that early
+READ_HIGH_WATER = 256 * 1024
+"""Bytes of an answer held unread before the connection stops reading the engine's socket
+(it reads again once they are taken). Without it an engine streaming to a client that does
+not read filled the router's memory as fast as loopback carries bytes: 100 such clients
+of endless 64 KiB events took the router to 12.5 GB in seconds
+(``benchmarks/bench_slow_clients.py --mode stream``)."""
 
 
 class UpstreamConnectError(aiohttp.ClientConnectionError):
@@ -88,10 +94,16 @@ class _Response:
             return None
 
     async def read(self) -> bytes:
+        """The whole body, taken as it comes (a connection holds at most
+        :data:`READ_HIGH_WATER` unread bytes, then waits until they are taken)."""
         conn = self._conn
+        parts = []
         while not conn.complete:
+            if conn.chunks:
+                parts.append(conn.take())
             await conn.wait()
-        return conn.take()
+        parts.append(conn.take())
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
         """Done with it: a finished answer's connection is reused, an unfinished one closed."""
@@ -132,6 +144,8 @@ class _Connection(asyncio.Protocol):
         self.headers: CIMultiDict | None = None
         self._header_list: list[tuple[str, str]] = []
         self.chunks: list[bytes] = []
+        self._held = 0  # bytes in chunks
+        self._reading_paused = False  # the transport's reading, paused at READ_HIGH_WATER
         self.complete = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
@@ -154,6 +168,9 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamProtocolError(f"invalid HTTP answer: {exc}"))
             self.transport.abort()
             return
+        if self._held > READ_HIGH_WATER and not self._reading_paused:
+            self._reading_paused = True  # the reader is behind: the engine's socket waits
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> None:
@@ -182,6 +199,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
+        self._held += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -273,7 +291,15 @@ class _Connection(asyncio.Protocol):
         if not chunks:
             return b""
         self.chunks = []
+        self._held = 0
+        if self._reading_paused:
+            self._resume_reading()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _resume_reading(self) -> None:
+        self._reading_paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def finish(self) -> None:
         """The caller is done: pool the connection if its answer ended cleanly, else abort."""
@@ -282,6 +308,8 @@ class _Connection(asyncio.Protocol):
         self.done = True
         self._total_due = None  # the request is over: its deadlines with it
         if self.complete and not self.closed and self.error is None:
+            if self._reading_paused:  # a body left unread: the connection reads again
+                self._resume_reading()
             self._reset()
             self.idle_since = self.loop.time()
             if self.on_idle is not None:
