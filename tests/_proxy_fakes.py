@@ -111,6 +111,7 @@ class FakeEngine:
         self.request_ids: list[str] = []
         self.headers: list[dict] = []  # headers of those requests
         self.aborted = 0  # decodes whose client (the router) went away mid-answer
+        self.flooded = 0  # bytes of "flood" streams the router took (write() returned)
         self.big_bytes = 1 << 20  # size of a "big" answer
         self.api_key: str | None = None  # like vllm --api-key: /v1/* needs this bearer key
         self.aux: list[tuple[str, str, bytes]] = []  # (method, path_qs, body) of aux calls
@@ -282,6 +283,7 @@ class FakeEngine:
         try:
             while True:
                 await resp.write(event)
+                self.flooded += len(event)
         except (asyncio.CancelledError, ConnectionResetError):
             self.aborted += 1
             raise

@@ -530,6 +530,27 @@ def test_a_client_that_never_reads_is_dropped_and_the_decode_aborted(stream):
     _assert_empty_footprint_if_any(router)
 
 
+def test_the_router_reads_a_stream_only_as_fast_as_its_client_reads():
+    """An engine streaming to a client that never reads: what the engine got written before
+    the client was dropped is bounded by socket buffers and the connection's 256 KiB, not
+    by the engine's speed times the write timeout (the router's own engine client once read
+    such streams into memory at loopback speed: gigabytes per second)."""
+    async def go():
+        async with cluster(write_timeout=1.0) as (router, client, _, decoders):
+            decoders[0].mode = "flood"
+            sock = await _open_and_never_read(client, {**CODE, "stream": True})
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if router.metrics.slow_clients.get() == 1:
+                    break
+            sock.close()
+            return router, decoders[0].flooded
+
+    router, flooded = run(go())
+    assert router.metrics.slow_clients.get() == 1
+    assert flooded < 48 << 20, f"{flooded / 2**20:.0f} MiB"
+
+
 def _assert_empty_footprint_if_any(router):
     fp = getattr(router.state.policy, "footprint", None)
     assert fp is None or len(fp) == 0
