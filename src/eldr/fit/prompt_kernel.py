@@ -201,29 +201,21 @@ def _count_buckets(b, counts):
     """Count the buckets ``b`` (n,) in ``counts`` (zero on entry) and write the distinct
     ones over the head of ``b``, in order of first use: (how many are distinct, whether a
     count stopped at :data:`COUNT_MAX`). ``b[used]`` is written only after ``b[i]`` was
-    read, with ``used <= i``. Fewer n-grams than COUNT_MAX cannot fill a count: their loop
-    has no bound to test (3 µs of a 2,048-token prompt)."""
+    read, with ``used <= i``. Fewer n-grams than COUNT_MAX cannot fill a count: the test
+    of the bound is loop-invariant then, and LLVM takes it out of the loop."""
     used = 0
     full = False
-    if b.size < COUNT_MAX:
-        for i in range(b.size):
-            bi = b[i]
-            c = counts[bi]
-            if c == 0:
-                b[used] = bi
-                used += 1
-            counts[bi] = c + 1
-        return used, full
+    bounded = b.size >= COUNT_MAX
     for i in range(b.size):
         bi = b[i]
         c = counts[bi]
         if c == 0:
             b[used] = bi
             used += 1
-        if c < COUNT_MAX:
-            counts[bi] = c + 1
-        else:
+        if bounded and c >= COUNT_MAX:
             full = True
+        else:
+            counts[bi] = c + 1
     return used, full
 
 
