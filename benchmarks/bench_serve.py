@@ -181,11 +181,15 @@ class _Conn:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         return self
 
-    async def post(self, path: str, body: bytes) -> bytes:
+    async def _send(self, path: str, body: bytes) -> bytes:
+        """POST ``body`` to ``path``; the answer's head."""
         self.writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: b\r\n"
                           b"Content-Type: application/json\r\nContent-Length: "
                           + str(len(body)).encode() + b"\r\n\r\n" + body)
-        head = await self.reader.readuntil(b"\r\n\r\n")
+        return await self.reader.readuntil(b"\r\n\r\n")
+
+    async def post(self, path: str, body: bytes) -> bytes:
+        head = await self._send(path, body)
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"bad answer: {head[:300]!r}")
         low = head.lower()
@@ -197,10 +201,7 @@ class _Conn:
 
     async def post_stream(self, path: str, body: bytes) -> int:
         """POST a streamed request; the SSE events of its chunked answer, read to the end."""
-        self.writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: b\r\n"
-                          b"Content-Type: application/json\r\nContent-Length: "
-                          + str(len(body)).encode() + b"\r\n\r\n" + body)
-        head = await self.reader.readuntil(b"\r\n\r\n")
+        head = await self._send(path, body)
         if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
             raise RuntimeError(f"bad stream answer: {head[:300]!r}")
         events = 0
