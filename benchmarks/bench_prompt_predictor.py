@@ -33,10 +33,10 @@ kept its prompt token ids, docs/capture.md); ``--skip-quality`` runs the cost se
 
 ``--baseline-kernel FILE``: another version of ``eldr/fit/prompt_kernel.py`` (e.g. ``git show
 HEAD~1:src/eldr/fit/prompt_kernel.py > /tmp/kernel.py``), loaded beside this tree's and timed
-against it on the tfidf path in ``--blocks`` alternating blocks of 300 calls (this thread's
-CPU time; one after the other, the machine's drift between the halves is larger than the
-effects measured here): p50 / p99 of each and the per-block ratio, for one prompt repeated
-and for 256 prompts in turn.
+against it on the tfidf and token paths in ``--blocks`` alternating blocks of 300 calls
+(this thread's CPU time; one after the other, the machine's drift between the halves is
+larger than the effects measured here): p50 / p99 of each and the per-block ratio, for one
+prompt repeated and for 256 prompts in turn.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import tempfile
 import time
 
@@ -303,6 +304,9 @@ def _load_kernel(path: str):
 
     spec = importlib.util.spec_from_file_location("baseline_prompt_kernel", path)
     module = importlib.util.module_from_spec(spec)
+    # registered first: numba's on-disk cache names the module its kernels were compiled
+    # in, and a module it cannot import again made the second run on one FILE fail
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -328,18 +332,28 @@ def versus(args) -> None:
                                     64 - p.bits_, p.id_limit, p._basis_bits, p.mean_, L, k,
                                     *extra)
 
+    def bag(kernel, ids):  # the tf / token models' kernel (token: per_token)
+        return kernel.predict_bag(ids, p._row_bits, np.float32(p.weights_scale_),
+                                  64 - p.bits_, p.id_limit, True, p._basis_bits, p.mean_, L,
+                                  k)
+
     try:  # an older kernel took no scratch
         call(base, one, counts)
         base_extra = (counts,)
     except TypeError:
         base_extra = ()
-    fns = {"baseline": lambda x: call(base, x, *base_extra), "this tree": lambda x: call(
-        ours, x, counts)}
-    gap = float(np.abs(fns["baseline"](one)[0] - fns["this tree"](one)[0]).max())
-    print(f"\n5. tfidf kernel, this tree against {args.baseline_kernel}, 2**16 x 32, "
-          f"{L}x{E}, a {P}-token prompt, {args.blocks} alternating blocks of 300 calls "
+    kernels = {"tfidf": {"baseline": lambda x: call(base, x, *base_extra),
+                         "this tree": lambda x: call(ours, x, counts)},
+               "token": {"baseline": lambda x: bag(base, x),
+                         "this tree": lambda x: bag(ours, x)}}
+    gap = max(float(np.abs(f["baseline"](one)[0] - f["this tree"](one)[0]).max())
+              for f in kernels.values())
+    print(f"\n5. tfidf and token kernels, this tree against {args.baseline_kernel}, 2**16 x "
+          f"32, {L}x{E}, a {P}-token prompt, {args.blocks} alternating blocks of 300 calls "
           f"(CPU time); max |difference| of the two profiles {gap:.1e}")
-    for mode in ("one prompt repeated", "256 prompts in turn"):
+    for model, mode in itertools.product(kernels, ("one prompt repeated",
+                                                   "256 prompts in turn")):
+        fns = kernels[model]
         med: dict[str, list] = {n: [] for n in fns}
         every: dict[str, list] = {n: [] for n in fns}
         for blk in range(args.blocks):
@@ -356,7 +370,7 @@ def versus(args) -> None:
         figs = ", ".join(f"{n} p50 {np.percentile(np.concatenate(v), 50) / 1e3:.1f} / p99 "
                          f"{np.percentile(np.concatenate(v), 99) / 1e3:.1f} us"
                          for n, v in every.items())
-        print(f"   {mode}: {figs}; this tree / baseline per block: median "
+        print(f"   {model}, {mode}: {figs}; this tree / baseline per block: median "
               f"{np.median(ratio):.3f} (range {ratio.min():.2f}-{ratio.max():.2f})")
 
 

@@ -27,9 +27,10 @@ def _random_predictor(bits, rank, L, E, k, vocab, weighting, seed=0):
 
 
 def _prompts(vocab, rng):
-    """Lengths 1 to 2,048, a prompt of few distinct ids (repeated n-grams: the tfidf counts),
-    one at both ends of the vocabulary."""
-    out = [rng.integers(0, vocab, n) for n in (1, 2, 3, 5, 17, 256, 2048)]
+    """Lengths 1 to 2,048 (8 to 11: 15 to 21 n-grams, around where the kernels stop
+    prefetching rows and counts ``_AHEAD`` = 16 n-grams ahead), a prompt of few distinct ids
+    (repeated n-grams: the tfidf counts), one at both ends of the vocabulary."""
+    out = [rng.integers(0, vocab, n) for n in (1, 2, 3, 5, 8, 9, 10, 11, 17, 256, 2048)]
     out.append(rng.integers(0, 6, 700))
     out.append(np.array([0, vocab - 1, 0, vocab - 1, 1]))
     return out
