@@ -159,17 +159,18 @@ class _Backend(asyncio.Protocol):
         transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                         b"Transfer-Encoding: chunked\r\n\r\n")
         event, end = _chunk(_SSE_EVENT), _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        start, every = loop.time(), _STREAM["interval"]
 
         def send(i: int) -> None:
             if transport.is_closing():
                 return
             if i < _STREAM["tokens"]:
                 transport.write(event)
-                loop.call_later(_STREAM["interval"], send, i + 1)
+                loop.call_at(start + (i + 2) * every, send, i + 1)
             else:
                 transport.write(end)
 
-        loop.call_later(_STREAM["interval"], send, 0)
+        loop.call_at(start + every, send, 0)
 
 
 # -- minimal client ---------------------------------------------------------------------------
