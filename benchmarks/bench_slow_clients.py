@@ -9,7 +9,13 @@ the write timeout dropped them, the engine's in-flight decodes then, and the rou
 ``eldr_slow_clients_total``.
 
     python benchmarks/bench_slow_clients.py [--clients 100] [--mode big|stream]
-                                            [--write-timeout 5]
+                                            [--write-timeout 5] [--max-peak-mb MB]
+
+``--max-peak-mb MB``: exit 1, saying why, when the router's peak RSS passed MB or not
+every client was dropped, the engine's decodes closed included (CI runs it so, with small
+sizes: an engine client without read backpressure once let a never-reading client's
+stream fill the router's memory at loopback speed, 12.5 GB at 100 clients, and nothing
+ran this benchmark for six days).
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ async def main() -> None:
     p.add_argument("--mode", choices=("big", "stream"), default="big")
     p.add_argument("--big-mb", type=int, default=20)
     p.add_argument("--write-timeout", type=float, default=5.0)
+    p.add_argument("--max-peak-mb", type=float, default=None,
+                   help="fail (exit 1) past this peak RSS or if a client was not dropped")
     args = p.parse_args()
     runner, url, state = await _engine(args.big_mb << 20)
     port = _free_port()
@@ -129,6 +137,7 @@ async def main() -> None:
         elapsed = time.monotonic() - t0
         await asyncio.sleep(1.0)
         rss1, hwm = _rss_kib(proc.pid)
+        still_open = state["open"]
         print(f"{args.clients} non-reading clients, mode {args.mode}"
               f"{f' ({args.big_mb} MB answers)' if args.mode == 'big' else ''}, "
               f"write timeout {args.write_timeout} s")
@@ -141,6 +150,13 @@ async def main() -> None:
         proc.terminate()
         proc.wait(10)
         await runner.cleanup()
+    failures = [] if args.max_peak_mb is None else [
+        *([f"peak RSS {hwm / 1024:.0f} MB over --max-peak-mb {args.max_peak_mb:g}"]
+          if hwm / 1024 > args.max_peak_mb else []),
+        *([f"{slow:.0f} of {args.clients} clients dropped"] if slow < args.clients else []),
+        *([f"{still_open} decodes still open at the engine"] if still_open else [])]
+    if failures:
+        raise SystemExit("bench_slow_clients: " + "; ".join(failures))
 
 
 if __name__ == "__main__":
