@@ -224,6 +224,30 @@ def test_a_stream_left_unread_releases_its_decoder_after_the_write_timeout():
     _run(test)
 
 
+def test_a_stream_left_unread_takes_from_its_decoder_only_what_the_buffers_hold():
+    """A decoder streaming as fast as it can to a consumer that stops pulling: the relay
+    reads the decoder's stream only as the consumer pulls (an async generator over
+    aiohttp's reader, which pauses the socket past its buffer), so what the decoder got
+    written before the stream was abandoned is socket buffers and aiohttp's, not the
+    decoder's speed times the write timeout (eldr serve's engine client once read such
+    streams into memory at gigabytes per second)."""
+    async def test(s: Setup):
+        s.decoder("w-code").mode = "flood"
+        path, raw = _completion("code for a reader that stalls on a flood", stream=True)
+        answer = await s.relay.handle("POST", path, raw)
+        await answer.stream.__anext__()
+        for _ in range(200):
+            if s.table.snapshot()["counters"].get("reservations:cancelled"):
+                break
+            await asyncio.sleep(0.05)
+        snap = await _settled(s)
+        assert snap["counters"].get("reservations:cancelled") == 1
+        flooded = s.decoder("w-code").flooded
+        assert 0 < flooded < 48 << 20, f"{flooded / 2**20:.0f} MiB"
+    test.setup_kw = {"stream_write_timeout": 1.0}
+    _run(test)
+
+
 def test_a_prefill_without_payload_is_routed_by_load_and_counted():
     async def test(s: Setup):
         names = []
