@@ -557,27 +557,34 @@ def _stage_state(policy: str, memory: str = "fitted"):
                         num_experts=E, tau=0.1, artifact=None, loaded_at=0.0, top_k=8)
 
 
-def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
+def _stages(policy: str, prefill_answer: bytes, masked_answer: bytes, decode_answer: bytes,
             repeat: int = 2000, in_flight: int = 32, memory: str = "fitted"
             ) -> dict[str, float]:
     """Median microseconds of each in-process stage of one request's path, by ``policy``,
     on the benchmark's bodies: what the router does besides HTTP (the sum's rest of the
     measured CPU per request is the HTTP server and client, the event loop and the relay
-    of bytes). Stages a policy skips (no signature for jsq) are 0."""
+    of bytes). Stages a policy skips (no signature for jsq) are 0. The prefill answer is
+    the one the policy's router gets: the layer mask's when it asks for one
+    (``payload_request``), else every layer's (until 2026-12-07 every policy's stages read
+    the masked one, which ``eldr_cost`` refuses: its rows timed its fallback by load)."""
     from eldr.proxy.bodies import decode_body, json_object, parse_body, prompt_token_bound
     from eldr.proxy.metrics import RouterMetrics
     from eldr.proxy.request import read_inputs, split_kv_params
     from eldr.proxy.request.containment import body_digest
     from eldr.proxy.request.decodepayload import strip_json
     from eldr.proxy.request.flow import PREFILL_KV_PARAMS, prefill_body, prompt_key
+    from eldr.proxy.request.prefill import payload_request
     from eldr.routing import RouteRequest
 
     state = _stage_state(policy, memory)
     raw = _bodies()[0]
     body = parse_body(raw, "completions")
-    doc = json_object(masked_answer)
+    answer = masked_answer if payload_request(state) else prefill_answer
+    doc = json_object(answer)
     kv, payload = split_kv_params(doc)
     reading = read_inputs(doc, payload, state, 256)
+    if (state.needs_signature or state.needs_profile) and reading.problem is not None:
+        raise RuntimeError(f"the {policy} stages would time a fallback: {reading.problem}")
     loads = np.zeros(2)
     reads = state.needs_signature or state.needs_profile
 
@@ -632,7 +639,7 @@ def _stages(policy: str, masked_answer: bytes, decode_answer: bytes,
                                                                          cap=16)),
         "affinity key": lambda: prompt_key(body, "completions"),
         "prefill body": lambda: prefill_body(body, "completions", PREFILL_KV_PARAMS),
-        "prefill answer parse": lambda: json_object(masked_answer),
+        "prefill answer parse": lambda: json_object(answer),
         "signature/profile": (lambda: read_inputs(doc, split_kv_params(doc)[1], state, 256))
         if reads else None,
         "decide + dispatch/release": decide_release,
@@ -739,7 +746,7 @@ async def _main(args) -> dict:
             "signature_path_us": _signature_path(prefill, masked),
             "cost_memory": args.cost_memory, "fresh_processes": args.fresh_processes,
             "stream_tokens": args.stream_tokens, "token_interval_ms": args.token_interval_ms,
-            "stages_us": {p: _stages(p, masked, decode, in_flight=args.concurrency,
+            "stages_us": {p: _stages(p, prefill, masked, decode, in_flight=args.concurrency,
                                      memory=args.cost_memory)
                           for p in args.policies.split(",")}}
 
