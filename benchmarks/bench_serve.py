@@ -565,7 +565,7 @@ def _stages(policy: str, prefill_answer: bytes, masked_answer: bytes, decode_ans
     measured CPU per request is the HTTP server and client, the event loop and the relay
     of bytes). Stages a policy skips (no signature for jsq) are 0. The prefill answer is
     the one the policy's router gets: the layer mask's when it asks for one
-    (``payload_request``), else every layer's (until 2026-12-07 every policy's stages read
+    (``payload_request``), else every layer's (until 2026-12-06 every policy's stages read
     the masked one, which ``eldr_cost`` refuses: its rows timed its fallback by load)."""
     from eldr.proxy.bodies import decode_body, json_object, parse_body, prompt_token_bound
     from eldr.proxy.metrics import RouterMetrics
