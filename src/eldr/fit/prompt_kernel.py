@@ -14,7 +14,9 @@ The rows and the basis are IEEE half floats (the predictor stores them so:
 float32 as they are read (:func:`_f32`, one ``vcvtph2ps`` per eight values on an x86 CPU
 with F16C); every sum is float32. A prediction is bound by the bytes it reads (the gather
 touches one row per n-gram at random, the product streams the whole basis), and half
-floats halve them (docs/fit-and-routing.md, "what bounds a prediction").
+floats halve them (docs/fit-and-routing.md, "what bounds a prediction"); the random reads
+are asked for :data:`_AHEAD` n-grams before their use (:func:`_prefetch`), since no
+hardware prefetcher can guess them.
 
 numba is an optional extra (``pip install -e '.[serve]'``); this module imports it, and
 :func:`eldr.fit.prompt.compiled_kernels` imports this one: without numba, or when the
