@@ -13,14 +13,6 @@ are real); its decision is a (K, L·E) × (L·E,) product. Target: p50 ≤ 50 µ
 Its dispatch/release events (one (L·E,) log1p and exp each) are timed too.
 
 Run: ``python benchmarks/bench_routing.py [--calls 20000]``.
-
-``--baseline-cost FILE``: another version of ``eldr/routing/cost.py`` (e.g. ``git show
-HEAD~1:src/eldr/routing/cost.py > /tmp/cost.py``), loaded beside this tree's and timed
-against it in ``--blocks`` alternating blocks of 200 steps, one step being what
-``bench_serve.py``'s ``decide + dispatch/release`` stage times (a decision on a 48 × 128
-profile with fitted decoder profiles, its dispatch, and the release of the request 32
-before it); and whether both made the same picks at the same costs, bit for bit. One
-after the other, the machine's drift between the halves is larger than such changes.
 """
 
 from __future__ import annotations
@@ -98,84 +90,10 @@ def measure_cost(K: int, calls: int, seed: int = 0, L: int = 48, E: int = 128
             float(np.percentile(ev, 50)) / 1e3)
 
 
-def _cost_steps(module, K: int, layers: int, in_flight: int = 32):
-    """(step, log): ``step()`` runs one decision of ``module.CostPolicy`` with its dispatch
-    and the release of the request ``in_flight`` before it; ``log`` collects (pick, cost)."""
-    import collections
-
-    from eldr.routing.cost import prefill_profile
-
-    L, E, k = layers, 128, 8
-    rng = np.random.default_rng(0)
-    profile = prefill_profile(rng.multinomial(256 * k, np.ones(E) / E, size=L), 256, k)
-    typical = np.log1p(-np.minimum(rng.dirichlet(np.ones(E), size=(K, L)) * k, 0.99))
-    pol = module.CostPolicy(K, num_layers=L, num_experts=E, capacity=256.0,
-                            context_weight=0.01, decoder_profiles=typical.astype(np.float32))
-    loads, held, log = np.zeros(K), collections.deque(), []
-
-    def step() -> None:
-        rid = f"r{len(log)}"
-        req = RouteRequest(rid, profile=profile * np.float32(1 + len(log) % 7 * 0.01),
-                           context_tokens=256)
-        d = pol.decide(req, loads, None)
-        pol.on_dispatch(req, d.worker)
-        loads[d.worker] += 1
-        held.append((rid, d.worker))
-        log.append((d.worker, d.cost))
-        if len(held) > in_flight:
-            old, w = held.popleft()
-            pol.on_release(old, "completed")
-            loads[w] -= 1
-
-    return step, log
-
-
-def versus_cost(path: str, blocks: int) -> None:
-    """This tree's cost policy against the one in ``path``, alternating blocks."""
-    import importlib.util
-    import sys
-
-    from eldr.routing import cost as ours
-
-    spec = importlib.util.spec_from_file_location("baseline_cost", path)
-    base = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = base
-    spec.loader.exec_module(base)
-    print(f"\neldr_cost decide + dispatch/release (32 in flight), this tree against {path}, "
-          f"{blocks} alternating blocks of 200 steps (µs, median of the blocks' medians)")
-    for K, layers in ((2, 48), (16, 48), (2, 8)):
-        runs = {"baseline": _cost_steps(base, K, layers), "this tree": _cost_steps(ours, K,
-                                                                                  layers)}
-        for step, _ in runs.values():
-            for _ in range(300):
-                step()
-        med: dict[str, list] = {name: [] for name in runs}
-        for _ in range(blocks):
-            for name, (step, _) in runs.items():
-                ts = np.empty(200)
-                for i in range(200):
-                    t0 = time.perf_counter_ns()
-                    step()
-                    ts[i] = time.perf_counter_ns() - t0
-                med[name].append(np.median(ts) / 1e3)
-        ratio = np.array(med["this tree"]) / np.array(med["baseline"])
-        same = runs["baseline"][1] == runs["this tree"][1]
-        print(f"   K = {K:>2}, {layers}x128: baseline {np.median(med['baseline']):6.1f}, this "
-              f"tree {np.median(med['this tree']):6.1f}; per block {np.median(ratio):.3f} "
-              f"(range {ratio.min():.2f}-{ratio.max():.2f}); the same picks and costs: "
-              f"{'yes' if same else 'NO'}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--baseline-cost", metavar="FILE",
-                    help="another eldr/routing/cost.py, timed against this tree's")
-    ap.add_argument("--blocks", type=int, default=20)
     args = ap.parse_args()
-    if args.baseline_cost:
-        versus_cost(args.baseline_cost, args.blocks)
-        return
     print(f"one routing decision, {args.calls} calls each (µs; health mask given)")
     print(f"{'policy':<8} {'K':>3} {'|S|xE':>8} {'d':>6} {'p50':>8} {'p99':>8}")
     for K in (8, 16, 24, 64):

@@ -448,39 +448,3 @@ def test_log1m_is_log1p_within_float32_rounding():
     assert (np.abs(got - exact) <= bound).all()
     assert (got[p == 0] == 0).all()
 
-
-
-def test_log1m_caps_p_as_capping_first_would_bit_for_bit():
-    """_log1m raises 1 − p to 1 − _P_MAX instead of capping p first: the same bits for
-    float32 and float64 profiles, p above the cap (up to 1), 0, tiny values and NaN."""
-    from eldr.routing.cost import _P_MAX, _log1m
-
-    rng = np.random.default_rng(3)
-    p = np.concatenate([rng.random(20_000), 10.0 ** rng.uniform(-12, 0, 20_000),
-                        1.0 - 10.0 ** rng.uniform(-9, -5, 2_000),
-                        [0.0, 1e-30, _P_MAX, 1.0, np.nextafter(1.0, 0.0), np.nan]])
-    for x in (p, p.astype(np.float32)):
-        capped = np.minimum(x, _P_MAX, dtype=np.float32)
-        want = np.log(np.float32(1.0) - capped)
-        got = _log1m(x)
-        assert got.dtype == np.float32
-        np.testing.assert_array_equal(got, want)  # NaN where p is NaN, in both
-
-
-def test_a_pool_grown_or_shrunk_decides_over_its_new_decoders():
-    """With every decoder healthy (no mask), the candidates are every decoder of the pool
-    as it is now: after add_worker the new, empty decoder can be picked, after
-    remove_worker no index past the pool's end is."""
-    L, E = 2, 4
-    pol = CostPolicy(2, num_layers=L, num_experts=E)
-    prof = np.full((L, E), 0.5, dtype=np.float32)
-    for i in range(2):
-        req = RouteRequest(f"r{i}", profile=prof)
-        pol.on_dispatch(req, pol.decide(req, np.ones(2)).worker)
-    pol.add_worker()
-    d = pol.decide(RouteRequest("new", profile=prof), np.array([1.0, 1.0, 0.0]))
-    assert d.worker == 2  # the empty decoder: nothing to add, no load
-    pol.remove_worker(2)
-    pol.remove_worker(1)
-    d = pol.decide(RouteRequest("one", profile=prof), np.array([1.0]))
-    assert d.worker == 0

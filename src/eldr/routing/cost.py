@@ -70,25 +70,17 @@ __all__ = ["CostPolicy", "ExpertFootprint", "prefill_profile"]
 _P_MAX = 1.0 - 1e-6  # log(1 − p) stays finite for an expert every token selects
 _TYPICAL_CACHE = 32  # fitted exp(n · m_d) rows kept per decoder (a count walks by ±1)
 _ONE = np.float32(1.0)
-_Q_MIN = _ONE - np.float32(_P_MAX)  # 1 − p at the cap, exact in float32 (Sterbenz)
 
 
 def _log1m(p: np.ndarray) -> np.ndarray:
-    """(n,) float32 ``log(1 − min(p, _P_MAX))`` for ``p`` in [0, 1] (float32, or cast to
-    it): numpy's vectorised float32 ``log`` of the rounded ``1 − p``: within 1e-7 absolute
-    plus two float32 ulp of the exact value (the rounding of ``1 − p``, ≤ 2**-25, is what
-    it adds to ``log1p``'s error; tests/test_routing_cost.py). What a row feeds, ``S_d =
-    exp(Σ log(1 − p_r))`` in float32, carries as much rounding of its own. numpy's float32
-    ``log1p`` calls libm per element: 37 µs for a 48 × 128 profile, against 14 µs here, at
-    every dispatch of the router's request path.
-
-    One buffer: ``1 − p``, raised to ``1 − _P_MAX``, then its log in place. That is the
-    cap on ``p`` taken first, bit for bit (``x ↦ fl(1 − x)`` never increases, so ``fl(1 −
-    min(p, c)) = max(fl(1 − p), fl(1 − c))``), without the capped copy and the temporary
-    that capping first, then subtracting, allocates."""
-    q = np.subtract(_ONE, p, dtype=np.float32)
-    np.maximum(q, _Q_MIN, out=q)
-    return np.log(q, out=q)
+    """(n,) float32 ``log(1 − p)`` for float32 ``p`` in [0, 1): numpy's vectorised float32
+    ``log`` of the rounded ``1 − p``: within 1e-7 absolute plus two float32 ulp of the
+    exact value (the rounding of ``1 − p``, ≤ 2**-25, is what it adds to ``log1p``'s
+    error; tests/test_routing_cost.py). What a row feeds, ``S_d = exp(Σ log(1 − p_r))`` in
+    float32, carries as much rounding of its own. numpy's float32 ``log1p`` calls libm per
+    element: 37 µs for a 48 × 128 profile, against 14 µs here, at every dispatch of the
+    router's request path."""
+    return np.log(_ONE - p)
 
 
 def prefill_profile(counts: np.ndarray, num_tokens: int, top_k: int | None = None
@@ -221,27 +213,23 @@ class ExpertFootprint:
                 setattr(self, name, np.array(value))
 
     def _refresh(self, d: int) -> None:
-        """Recompute decoder ``d``'s derived rows from its log sums and count (``miss``:
-        one view of the row, taken once; ``np.add.reduce`` is ``ndarray.sum``'s own
-        reduction, without its Python wrapper)."""
+        """Recompute decoder ``d``'s derived rows from its log sums and count."""
         live = self.engine is not None and self.engine.live[d]
-        miss = self._miss[d]
-        held = self.count[d] != 0
-        if not held:
+        if self.count[d] == 0:
             self.log_miss[d] = 0.0
             self.context[d] = 0.0
             if not live:
-                miss[...] = 1.0
+                self._miss[d] = 1.0
                 self._distinct[d] = 0.0
                 return
-            miss[...] = self.engine.miss[d]
+            self._miss[d] = self.engine.miss[d]
         else:  # float32 exp, in place (vectorised; float64 exp is libm per element)
-            np.copyto(miss, self.log_miss[d], casting="same_kind")
-            np.exp(miss, out=miss)
+            np.copyto(self._miss[d], self.log_miss[d], casting="same_kind")
+            np.exp(self._miss[d], out=self._miss[d])
             if live:
-                np.minimum(miss, self.engine.miss[d], out=miss)
-        self._distinct[d] = self.num_cells - float(np.add.reduce(miss, dtype=np.float64))
-        if held and self.typical is not None:
+                np.minimum(self._miss[d], self.engine.miss[d], out=self._miss[d])
+        self._distinct[d] = self.num_cells - float(self._miss[d].sum(dtype=np.float64))
+        if self.typical is not None and self.count[d]:
             self._refresh_typical(d)
 
     def _refresh_typical(self, d: int) -> None:
@@ -270,7 +258,8 @@ class ExpertFootprint:
             self.remove(request_id)
         row = None
         if profile is not None:
-            row = _log1m(profile.reshape(-1))
+            p = np.minimum(profile.reshape(-1), _P_MAX, dtype=np.float32)
+            row = _log1m(p)
             self.log_miss[worker] += row
             if self.typical is not None and self._keep < 1.0:
                 self.typical[worker] *= self._keep
@@ -458,23 +447,11 @@ class CostPolicy(PolicyBase):
             J += self.context_weight * (fp.context + loads * context_tokens)
         return J
 
-    def _candidates(self, healthy: np.ndarray | None) -> np.ndarray:
-        """(K,) bool: ``healthy``'s decoders (:func:`filters.healthy`); with every decoder
-        healthy (None, the usual case) one read-only all-True mask kept per K instead of a
-        new one per decision (the filters after it build new masks, never write it)."""
-        if healthy is not None:
-            return filters.healthy(self.name, self.num_workers, healthy)
-        everyone = getattr(self, "_everyone", None)  # absent from policies pickled before
-        if everyone is None or everyone.shape[0] != self.num_workers:
-            everyone = np.ones(self.num_workers, dtype=bool)
-            everyone.flags.writeable = False
-            self._everyone = everyone
-        return everyone
-
     def decide(self, request: RouteRequest, loads: np.ndarray,
                healthy: np.ndarray | None = None) -> Decision:
         _check(self.name, self.num_workers, loads, healthy)
-        ok = filters.with_capacity(self._candidates(healthy), loads, self.capacity)
+        ok = filters.with_capacity(filters.healthy(self.name, self.num_workers, healthy),
+                                   loads, self.capacity)
         self.footprint.expire()
         ok = filters.bounded_load(ok, loads, self._slack())
         if request.profile is None:
