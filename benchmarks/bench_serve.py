@@ -583,10 +583,10 @@ def _stages(policy: str, prefill_answer: bytes, masked_answer: bytes, decode_ans
     doc = json_object(answer)
     kv, payload = split_kv_params(doc)
     reading = read_inputs(doc, payload, state, 256)
-    if (state.needs_signature or state.needs_profile) and reading.problem is not None:
+    reads = state.needs_signature or state.needs_profile
+    if reads and reading.problem is not None:
         raise RuntimeError(f"the {policy} stages would time a fallback: {reading.problem}")
     loads = np.zeros(2)
-    reads = state.needs_signature or state.needs_profile
 
     class _Pool:  # what RouterMetrics reads of the pool (nothing, until a scrape)
         prefill, decode = [], []

@@ -150,11 +150,15 @@ async def main() -> None:
         proc.terminate()
         proc.wait(10)
         await runner.cleanup()
-    failures = [] if args.max_peak_mb is None else [
-        *([f"peak RSS {hwm / 1024:.0f} MB over --max-peak-mb {args.max_peak_mb:g}"]
-          if hwm / 1024 > args.max_peak_mb else []),
-        *([f"{slow:.0f} of {args.clients} clients dropped"] if slow < args.clients else []),
-        *([f"{still_open} decodes still open at the engine"] if still_open else [])]
+    if args.max_peak_mb is None:
+        return
+    failures = []
+    if hwm / 1024 > args.max_peak_mb:
+        failures.append(f"peak RSS {hwm / 1024:.0f} MB over --max-peak-mb {args.max_peak_mb:g}")
+    if slow < args.clients:
+        failures.append(f"{slow:.0f} of {args.clients} clients dropped")
+    if still_open:
+        failures.append(f"{still_open} decodes still open at the engine")
     if failures:
         raise SystemExit("bench_slow_clients: " + "; ".join(failures))
 
