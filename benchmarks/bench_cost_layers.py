@@ -19,10 +19,11 @@ experts), in three measurements:
    recorded and with outputs capped at 64 tokens), as ``eldr reproduce``'s "Real models"
    runs it (held-out splits, 3 seeds; :func:`eldr.reproduce.recorded.compare`).
 
-The subset policy is this benchmark's own wrapper (:class:`LayerSubsetCost`): it cuts each
-profile to the chosen layers and hands it to :class:`eldr.routing.cost.CostPolicy`. The
-router does not offer it yet; a router that did would also ask the engine for those
-layers only (as it does for ``eldr``), a smaller payload to decode.
+The subset is the policy's own option, ``layer_stride`` (``eldr serve
+--cost-layer-stride``): profiles (L, E) are cut to the priced rows inside the policy (the
+simulator hands it whole ones), a router asks the engine for those rows only. Until
+2026-12-07 this benchmark ran a wrapper of its own doing the same cut; the option gave the
+same figures.
 
     python benchmarks/bench_cost_layers.py [--rates 60 100] [--seeds 0 1] [--skip-sim]
 """
@@ -31,74 +32,32 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import statistics
 import time
 
 import numpy as np
 
 from eldr.routing.cost import CostPolicy, prefill_profile
-from eldr.routing.protocol import PolicyBase, RouteRequest
+from eldr.routing.protocol import RouteRequest
 
 STRIDES = (1, 3, 6)
 
 
-class LayerSubsetCost(PolicyBase):
-    """``eldr_cost`` on every ``stride``-th layer: profiles (L, E) are cut to those layers
-    before :class:`CostPolicy` sees them; ``decoder_profiles`` (K, L, E) likewise, and κ
-    (``context_weight``) scaled by the share of layers kept."""
-
-    def __init__(self, num_workers: int, *, num_layers: int, num_experts: int, stride: int,
-                 context_weight: float = 0.0, capacity: float | None = None,
-                 decoder_profiles: np.ndarray | None = None,
-                 load_slack: float | None = None) -> None:
-        self.layers = np.arange(0, num_layers, stride)
-        kept = len(self.layers)
-        dp = None if decoder_profiles is None else \
-            np.asarray(decoder_profiles)[:, self.layers]
-        self.inner = CostPolicy(num_workers, num_layers=kept, num_experts=num_experts,
-                                context_weight=context_weight * kept / num_layers,
-                                capacity=capacity, decoder_profiles=dp,
-                                load_slack=load_slack, name=f"eldr_cost_s{stride}")
-        self.name, self.num_workers = self.inner.name, num_workers
-        self.inputs = frozenset({"profile"})
-
-    @property
-    def num_fallbacks(self) -> int:
-        return self.inner.num_fallbacks
-
-    def _cut(self, request: RouteRequest) -> RouteRequest:
-        if request.profile is None:
-            return request
-        return dataclasses.replace(
-            request, profile=np.ascontiguousarray(request.profile[self.layers]))
-
-    def decide(self, request, loads, healthy=None):
-        return self.inner.decide(self._cut(request), loads, healthy)
-
-    def on_dispatch(self, request, worker):
-        self.inner.on_dispatch(self._cut(request), worker)
-
-    def on_release(self, request_id, outcome):
-        self.inner.on_release(request_id, outcome)
-
-
 def _policy(stride: int, K: int, **resources):
+    """``eldr_cost`` pricing every ``stride``-th layer, named ``eldr_cost_s{stride}`` beside
+    the all-layer one (the simulator's rows carry the policy's name)."""
     from eldr.routing import make_policy
 
-    if stride == 1:
-        return make_policy("eldr_cost", num_workers=K, **resources)
-    kw = {k: v for k, v in resources.items()
-          if k in ("num_layers", "num_experts", "context_weight", "capacity",
-                   "decoder_profiles", "load_slack")}
-    return LayerSubsetCost(K, stride=stride, **kw)
+    pol = make_policy("eldr_cost", num_workers=K, layer_stride=stride, **resources)
+    if stride != 1:
+        pol.name = f"eldr_cost_s{stride}"
+    return pol
 
 
 def decision_cost(K: int, repeat: int = 3000, in_flight: int = 32) -> dict[int, float]:
-    """Median µs of decide + dispatch (+ the oldest's release) per stride: a
-    :class:`CostPolicy` of the kept layers on profiles already cut to them (what a router
-    that asked the engine for those layers only would run; the wrapper's own cutting,
-    which the simulator runs, is not counted)."""
+    """Median µs of decide + dispatch (+ the oldest's release) per stride: the policy with
+    ``layer_stride`` on profiles already cut to its priced rows, as the router reads them
+    from a payload masked to those rows."""
     L, E, k = 48, 128, 8
     rng = np.random.default_rng(0)
     counts = rng.multinomial(256 * k, np.ones(E) / E, size=L)
@@ -108,8 +67,8 @@ def decision_cost(K: int, repeat: int = 3000, in_flight: int = 32) -> dict[int, 
     for stride in STRIDES:
         layers = np.arange(0, L, stride)
         profile = np.ascontiguousarray(full[layers])
-        pol = CostPolicy(K, num_layers=len(layers), num_experts=E,
-                         decoder_profiles=typical[:, layers].astype(np.float32))
+        pol = CostPolicy(K, num_layers=L, num_experts=E, layer_stride=stride,
+                         decoder_profiles=typical.astype(np.float32))
         loads, held, ids = np.zeros(K), collections.deque(), iter(range(1 << 30))
 
         def step(pol=pol, loads=loads, held=held, ids=ids, profile=profile):
@@ -180,7 +139,7 @@ def real(seeds: int = 3) -> dict:
             register_policy(name, lambda K, s=stride, **kw: _policy(s, K, **kw),
                             needs={"num_layers", "num_experts"},
                             options={"context_weight", "capacity", "decoder_profiles",
-                                     "load_slack"}, role="locality")
+                                     "load_slack"}, role="locality")  # one row each
     names = {1: "eldr_cost", **{s: f"eldr_cost_s{s}" for s in STRIDES[1:]}}
     out = {}
     for label, trace_name, K, cap in (("GPT-OSS-20B", "gpt-oss-20b", 8, None),

@@ -239,9 +239,9 @@ async def _main(args) -> dict:
     core = cores[0] if len(cores) > 1 else None
     if len(cores) > 1:
         os.sched_setaffinity(0, set(cores[1:]))
-    prefill, masked, decode = bs._answers()
+    prefill, _, decode, by_rows = bs._answers()
     bs._Backend.prefill_reply = bs._http_response(prefill)
-    bs._Backend.masked_reply = bs._http_response(masked)
+    bs._Backend.layer_replies = {rows: bs._http_response(a) for rows, a in by_rows.items()}
     bs._Backend.decode_reply = bs._http_response(decode)
     bs._Backend.models_reply = bs._http_response(b'{"object":"list","data":[{"id":"m"}]}')
     bs._Backend.empty_reply = bs._http_response(b"", b"text/plain")

@@ -176,11 +176,12 @@ def _tokenize_ms(repeat: int = 20) -> float:
 
 
 async def _run(args) -> None:
-    prefill, _, decode = bs._answers(2)
+    prefill, _, decode, _ = bs._answers(2)
     doc = json.loads(prefill)
     doc["kv_transfer_params"].pop("eldr", None)  # a stock prefill: no expert counts
     stock = bs._http_response(json.dumps(doc).encode())
-    bs._Backend.prefill_reply = bs._Backend.masked_reply = stock
+    bs._Backend.prefill_reply = stock  # whatever layers a router asks for
+    bs._Backend.layer_replies = {}
     bs._Backend.decode_reply = bs._http_response(decode)
     bs._Backend.models_reply = bs._http_response(b'{"object":"list","data":[{"id":"m"}]}')
     bs._Backend.empty_reply = bs._http_response(b"", b"text/plain")

@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import ClassVar
 
 import numpy as np
 
@@ -64,6 +65,7 @@ PROMPT = ("You are a careful assistant. Answer the question about the code below
           + "def f(x):\n    return x * 2\n")
 _PREFILL_RE = re.compile(rb'"do_remote_decode"\s*:\s*true')
 _STREAM_RE = re.compile(rb'"stream"\s*:\s*true')
+_LAYERS_RE = re.compile(rb'"eldr_layers"\s*:\s*(\[[0-9, ]*\])')
 # --stream-tokens N: decoders answer a request with "stream": true by N SSE events, one every
 # _STREAM["interval"] seconds, then [DONE], chunked as vLLM's server sends them
 _STREAM = {"tokens": 0, "interval": 0.002}
@@ -82,10 +84,27 @@ def _mask_layers() -> np.ndarray:
     return np.sort(np.random.default_rng(1).choice(L, MASK, replace=False))
 
 
-def _answers(version: int = 2) -> tuple[bytes, bytes, bytes]:
-    """(prefill answer, prefill answer with a layer-masked payload, decode answer): the
-    payload is what the capture plugin sends (version 2; version 1: the dense zlib +
-    base64 format before it), all L layers unless the router asked for its mask."""
+def _policy_spec(token: str) -> tuple[str, int]:
+    """(policy name, eldr_cost's layer stride) of a ``--policies`` entry: ``eldr_cost/3`` is
+    ``eldr_cost`` pricing every 3rd layer (``eldr serve --cost-layer-stride 3``)."""
+    name, _, stride = token.partition("/")
+    if not stride:
+        return name, 1
+    if name != "eldr_cost" or not stride.isdigit() or int(stride) < 1:
+        raise SystemExit(f"--policies: {token!r}: only eldr_cost/S takes a layer stride S >= 1")
+    return name, int(stride)
+
+
+def _stride_rows(stride: int) -> tuple[int, ...]:
+    """The rows ``eldr_cost/stride`` prices, hence asks the prefill engine for."""
+    return tuple(range(0, L, stride))
+
+
+def _answers(version: int = 2, strides=()) -> tuple[bytes, bytes, bytes, dict]:
+    """(prefill answer, prefill answer with a layer-masked payload, decode answer, {rows:
+    prefill answer with only those rows} for the band's mask and each eldr_cost stride):
+    the payload is what the capture plugin sends (version 2; version 1: the dense zlib +
+    base64 format before it), all L layers unless the router asked for some."""
     from eldr.capture.payload import encode_counts, encode_payload
 
     rng = np.random.default_rng(0)
@@ -108,7 +127,12 @@ def _answers(version: int = 2) -> tuple[bytes, bytes, bytes]:
     decode = {"id": "d", "object": "text_completion", "model": "m",
               "choices": [{"index": 0, "text": " four words of text", "finish_reason": "length"}],
               "usage": {"prompt_tokens": 256, "completion_tokens": 4, "total_tokens": 260}}
-    return prefill(None), prefill(_mask_layers()), json.dumps(decode).encode()
+    masked = prefill(_mask_layers())
+    by_rows = {tuple(int(x) for x in _mask_layers()): masked}
+    if version == 2:
+        by_rows.update({_stride_rows(s): prefill(list(_stride_rows(s)))
+                        for s in strides if s > 1})
+    return prefill(None), masked, json.dumps(decode).encode(), by_rows
 
 
 def _http_response(body: bytes, ctype: bytes = b"application/json") -> bytes:
@@ -120,7 +144,9 @@ class _Backend(asyncio.Protocol):
     """HTTP/1.1 keep-alive: the prefill answer if the body asks for a remote decode, else
     the decode answer; GET /health, /v1/models, /metrics (empty) and anything else: 200."""
 
-    prefill_reply = masked_reply = decode_reply = models_reply = empty_reply = b""
+    prefill_reply = decode_reply = models_reply = empty_reply = b""
+    # rows asked for (eldr_layers) -> prefill reply
+    layer_replies: ClassVar[dict[tuple, bytes]] = {}
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -144,9 +170,11 @@ class _Backend(asyncio.Protocol):
                 self.transport.write(self.models_reply)
             elif head.startswith(b"get "):
                 self.transport.write(self.empty_reply)
-            elif _PREFILL_RE.search(body):  # the router may ask for its layer mask only
-                self.transport.write(self.masked_reply if b'"eldr_layers"' in body
-                                     else self.prefill_reply)
+            elif _PREFILL_RE.search(body):  # the router may ask for some layers only
+                asked = _LAYERS_RE.search(body)
+                reply = self.layer_replies.get(tuple(json.loads(asked.group(1)))) \
+                    if asked else None
+                self.transport.write(reply or self.prefill_reply)
             elif _STREAM["tokens"] and _STREAM_RE.search(body):
                 self._stream()
             else:
@@ -334,13 +362,16 @@ def _decoder_profiles() -> np.ndarray:
 
 
 def _policy_options(policy: str, memory: str) -> dict:
-    """Options of ``make_policy`` beyond the artifact's centroids: ``eldr_cost`` as an
-    artifact from ``eldr fit`` serves it (its ``decoder_profiles``: ``memory`` "fitted"),
-    or with the online memory that stands in without them ("online": artifacts of
-    version 1, and this benchmark before 2026-12-06)."""
-    if policy == "eldr_cost" and memory == "fitted":
-        return {"decoder_profiles": _decoder_profiles()}
-    return {}
+    """Options of ``make_policy`` beyond the artifact's centroids, for a ``--policies``
+    entry: ``eldr_cost`` as an artifact from ``eldr fit`` serves it (its
+    ``decoder_profiles``: ``memory`` "fitted"), or with the online memory that stands in
+    without them ("online": artifacts of version 1, and this benchmark before
+    2026-12-06); ``eldr_cost/S`` with its layer stride."""
+    name, stride = _policy_spec(policy)
+    options = {"layer_stride": stride} if stride != 1 else {}
+    if name == "eldr_cost" and memory == "fitted":
+        options["decoder_profiles"] = _decoder_profiles()
+    return options
 
 
 def _serve_child(ports: list[int], policy: str, port: int, workers: int,
@@ -364,8 +395,11 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int,
 
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     kwargs = {"workers": workers} if workers > 1 else {}
+    name, stride = _policy_spec(policy)
+    if stride != 1:
+        kwargs["cost_layer_stride"] = stride
     config = ServeConfig(prefill_urls=(urls[0],), decode_urls=(urls[1], urls[2]),
-                         policy=policy, port=port, models=("m",), health_interval=5.0,
+                         policy=name, port=port, models=("m",), health_interval=5.0,
                          **kwargs)
 
     def make_state():
@@ -376,7 +410,7 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int,
             "idf": rng.uniform(0.1, 2.0, (L, E))})
         cent = rng.random((2, MASK * E)).astype(np.float32)
         cent /= np.linalg.norm(cent, axis=1, keepdims=True)
-        return RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
+        return RoutingState(policy=make_policy(name, num_workers=2, centroids=cent, tau=0.1,
                                                num_layers=L, num_experts=E,
                                                **_policy_options(policy, memory)),
                             worker_names=("d0", "d1"), encoder=enc, num_layers=L,
@@ -467,6 +501,10 @@ def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], l
     for label, src in trees:
         env = {**os.environ, "PYTHONPATH": src}
         for policy in args.policies.split(","):
+            if label != "eldr" and _policy_spec(policy)[1] != 1:
+                notes.append(f"{label} {policy}: not run (a layer stride needs this tree's "
+                             f"eldr_cost)")
+                continue
             port = _free_port()
             argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
                     json.dumps([ports, policy, port, 1, args.cost_memory])]
@@ -550,23 +588,24 @@ def _stage_state(policy: str, memory: str = "fitted"):
         "idf": rng.uniform(0.1, 2.0, (L, E))})
     cent = rng.random((2, MASK * E)).astype(np.float32)
     cent /= np.linalg.norm(cent, axis=1, keepdims=True)
-    return RoutingState(policy=make_policy(policy, num_workers=2, centroids=cent, tau=0.1,
-                                           num_layers=L, num_experts=E,
-                                           **_policy_options(policy, memory)),
+    return RoutingState(policy=make_policy(_policy_spec(policy)[0], num_workers=2,
+                                           centroids=cent, tau=0.1, num_layers=L,
+                                           num_experts=E, **_policy_options(policy, memory)),
                         worker_names=("d0", "d1"), encoder=enc, num_layers=L,
                         num_experts=E, tau=0.1, artifact=None, loaded_at=0.0, top_k=8)
 
 
-def _stages(policy: str, prefill_answer: bytes, masked_answer: bytes, decode_answer: bytes,
+def _stages(policy: str, prefill_answer: bytes, layer_answers: dict, decode_answer: bytes,
             repeat: int = 2000, in_flight: int = 32, memory: str = "fitted"
             ) -> dict[str, float]:
     """Median microseconds of each in-process stage of one request's path, by ``policy``,
     on the benchmark's bodies: what the router does besides HTTP (the sum's rest of the
     measured CPU per request is the HTTP server and client, the event loop and the relay
     of bytes). Stages a policy skips (no signature for jsq) are 0. The prefill answer is
-    the one the policy's router gets: the layer mask's when it asks for one
-    (``payload_request``), else every layer's (until 2026-12-06 every policy's stages read
-    the masked one, which ``eldr_cost`` refuses: its rows timed its fallback by load)."""
+    the one the policy's router gets: the rows it asks for (``payload_request``; answers
+    by rows in ``layer_answers``), else every layer's (until 2026-12-06 every policy's
+    stages read the band's masked one, which ``eldr_cost`` refuses: its rows timed its
+    fallback by load)."""
     from eldr.proxy.bodies import decode_body, json_object, parse_body, prompt_token_bound
     from eldr.proxy.metrics import RouterMetrics
     from eldr.proxy.request import read_inputs, split_kv_params
@@ -579,7 +618,8 @@ def _stages(policy: str, prefill_answer: bytes, masked_answer: bytes, decode_ans
     state = _stage_state(policy, memory)
     raw = _bodies()[0]
     body = parse_body(raw, "completions")
-    answer = masked_answer if payload_request(state) else prefill_answer
+    asked = payload_request(state)
+    answer = layer_answers[tuple(asked["eldr_layers"])] if asked else prefill_answer
     doc = json_object(answer)
     kv, payload = split_kv_params(doc)
     reading = read_inputs(doc, payload, state, 256)
@@ -618,7 +658,7 @@ def _stages(policy: str, prefill_answer: bytes, masked_answer: bytes, decode_ans
 
     def count():
         metrics.requests.inc(endpoint="/v1/completions", status="200")
-        metrics.decisions.inc(policy=policy, decoder="d0")
+        metrics.decisions.inc(policy=_policy_spec(policy)[0], decoder="d0")
         metrics.signatures.inc(source="payload")
         metrics.route_inputs.inc(source="prefill")
         metrics.latency.observe(1e-4)
@@ -676,9 +716,10 @@ async def _main(args) -> dict:
     core = cores[0] if len(cores) > 1 else None
     if len(cores) > 1:
         os.sched_setaffinity(0, set(cores[1:]))  # client + backends off the routers' core
-    prefill, masked, decode = _answers(args.payload)
+    strides = {_policy_spec(p)[1] for p in args.policies.split(",")}
+    prefill, masked, decode, by_rows = _answers(args.payload, strides)
     _Backend.prefill_reply = _http_response(prefill)
-    _Backend.masked_reply = _http_response(masked)
+    _Backend.layer_replies = {rows: _http_response(a) for rows, a in by_rows.items()}
     _Backend.decode_reply = _http_response(decode)
     _Backend.models_reply = _http_response(b'{"object":"list","data":[{"id":"m"}]}')
     _Backend.empty_reply = _http_response(b"", b"text/plain")
@@ -746,7 +787,7 @@ async def _main(args) -> dict:
             "signature_path_us": _signature_path(prefill, masked),
             "cost_memory": args.cost_memory, "fresh_processes": args.fresh_processes,
             "stream_tokens": args.stream_tokens, "token_interval_ms": args.token_interval_ms,
-            "stages_us": {p: _stages(p, prefill, masked, decode, in_flight=args.concurrency,
+            "stages_us": {p: _stages(p, prefill, by_rows, decode, in_flight=args.concurrency,
                                      memory=args.cost_memory)
                           for p in args.policies.split(",")}}
 
@@ -807,7 +848,8 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="jsq,eldr,eldr_cost",
-                   help="eldr serve policies, comma-separated")
+                   help="eldr serve policies, comma-separated; eldr_cost/S prices every "
+                        "S-th layer (--cost-layer-stride S)")
     p.add_argument("--requests", type=int, default=2000, help="sequential requests per round")
     p.add_argument("--seconds", type=float, default=4.0, help="load run per router per round")
     p.add_argument("--rounds", type=int, default=3)
@@ -832,6 +874,8 @@ def main() -> None:
     p.add_argument("--token-interval-ms", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    for policy in args.policies.split(","):
+        _policy_spec(policy)  # a bad entry stops here, before any router starts
     if args.stream_tokens < 0 or args.token_interval_ms <= 0:
         p.error("--stream-tokens must be >= 0 and --token-interval-ms > 0")
     _STREAM.update(tokens=args.stream_tokens, interval=args.token_interval_ms / 1e3)

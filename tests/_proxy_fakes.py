@@ -71,7 +71,7 @@ def make_state(config: ServeConfig, *, tau: float = 0.0, names=("w-code", "w-oth
                encoder=None) -> RoutingState:
     policy = make_policy(config.policy, num_workers=len(config.decode_urls),
                          centroids=fake_centroids(), tau=tau, num_layers=L, num_experts=E,
-                         random_state=0)
+                         random_state=0, layer_stride=config.cost_layer_stride)
     return RoutingState(policy=policy, worker_names=tuple(names),
                         encoder=encoder or fake_encoder(), num_layers=L, num_experts=E,
                         top_k=TOP_K, tau=tau, artifact=None, loaded_at=0.0)

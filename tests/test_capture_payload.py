@@ -191,6 +191,8 @@ def test_v2_layer_mask_sends_only_those_rows():
     assert got.layers.tolist() == [1, 4]
     np.testing.assert_array_equal(got.counts[[1, 4]], counts[[1, 4]])
     assert not got.counts[[0, 2, 3, 5]].any()
+    np.testing.assert_array_equal(got.rows_counts, counts[[1, 4]])  # the rows as sent
+    assert decode_payload(full, num_layers=6, num_experts=16).rows_counts is None
     for bad in ([4, 1], [1, 1], [6], [], [1.0], "1"):
         with pytest.raises(ValueError, match="layers"):
             encode_payload(counts, layers=bad)

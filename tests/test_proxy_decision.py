@@ -273,3 +273,35 @@ def test_lazy_cost_policy_takes_engine_footprints_once_bound():
     assert policy.engine_footprint_shape == (L, E)
     assert policy.observe_engine(0, freq, 0.0, 2.0) is True
     assert policy.footprint.distinct[0] == pytest.approx(0.5 * L * E)
+
+
+def test_a_cost_layer_stride_reaches_the_policy_and_cuts_the_profile(fake_artifact_module):
+    """``--cost-layer-stride``: the policy prices rows 0, s, ...; the profile is read from
+    those rows only, from a whole payload or one masked to them; a mask missing one of
+    them is a mismatch (routed by load)."""
+    from eldr.capture.payload import encode_payload
+
+    lazy = build_state(dataclasses.replace(CFG, policy="eldr_cost", cost_layer_stride=2))
+    assert lazy.policy.priced_layers is None  # not bound yet: (L, E) unknown
+    counts = domain_counts("code")
+    got = read_inputs({}, {**encode_counts(counts), "tokens": 2}, lazy, 3)
+    assert lazy.policy.priced_layers.tolist() == [0]
+    np.testing.assert_allclose(got.profile, np.minimum(counts[[0]] / 2, 1.0))
+    state = build_state(ServeConfig(prefill_urls=("http://p:1",),
+                                    decode_urls=("http://d:1", "http://d:2"), artifact="A",
+                                    policy="eldr_cost", cost_layer_stride=2))
+    assert state.policy.priced_layers.tolist() == [0] and state.shape == (L, E)
+    masked = read_inputs({}, encode_payload(counts, tokens=2, layers=[0]), state, 3)
+    assert masked.problem is None
+    np.testing.assert_allclose(masked.profile, np.minimum(counts[[0]] / 2, 1.0))
+    more = read_inputs({}, encode_payload(counts, tokens=2, layers=[0, 1]), state, 3)
+    np.testing.assert_allclose(more.profile, masked.profile)  # a mask holding more rows
+    wrong = read_inputs({}, encode_payload(counts, tokens=2, layers=[1]), state, 3)
+    assert wrong.problem == "mismatch" and wrong.profile is None
+    every = build_state(dataclasses.replace(CFG, policy="eldr_cost"))
+    every.policy.bind(L, E)
+    assert every.policy.priced_layers is None
+    assert read_inputs({}, encode_payload(counts, tokens=2, layers=[0]), every,
+                       3).problem == "mismatch"
+    with pytest.raises(ValueError, match="cost_layer_stride"):
+        dataclasses.replace(CFG, cost_layer_stride=0)

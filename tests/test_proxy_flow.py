@@ -966,3 +966,20 @@ def test_retries_beyond_the_budget_fail_fast():
     assert sum(len(d.requests) for d in decoders) == 2 + 1
     assert _metric(router, "retries") == 1
     assert _metric(router, "retries_refused") == 2
+
+
+def test_a_cost_layer_stride_asks_the_engine_for_the_priced_layers_only():
+    """``eldr_cost --cost-layer-stride 2`` on a 2-layer model prices layer 0: the prefill
+    is asked for it alone, and the (whole) payload the fake engine sends still routes."""
+    async def go():
+        async with cluster(policy="eldr_cost", cost_layer_stride=2) as (router, client,
+                                                                         prefills, _d):
+            r = await client.post("/v1/completions", json=CODE)
+            return r.status, prefills[0].requests[0]["kv_transfer_params"], router
+
+    status, params, router = run(go())
+    assert status == 200 and params["eldr_layers"] == [0] and params["do_remote_decode"]
+    assert router.state.policy.footprint.num_cells == 8  # one layer of 8 experts
+    assert _metric(router, "decisions", policy="eldr_cost", decoder="w-code") + \
+        _metric(router, "decisions", policy="eldr_cost", decoder="w-other") == 1
+    assert router.state.policy.num_fallbacks == 0  # routed on the profile, not by load

@@ -108,3 +108,11 @@ def test_payload_request_asks_for_the_mask_only_without_a_profile():
     assert payload_request(both) is None
     assert payload_request(SimpleNamespace(encoder=None, needs_signature=False,
                                            needs_profile=False)) is None
+    # a profile policy pricing a subset asks for those layers; pricing all, for none
+    subset = SimpleNamespace(priced_layers=np.array([0, 3]))
+    cost = SimpleNamespace(encoder=enc, needs_signature=False, needs_profile=True,
+                           policy=subset)
+    assert payload_request(cost) == {"eldr_layers": [0, 3]}
+    every = SimpleNamespace(encoder=enc, needs_signature=False, needs_profile=True,
+                            policy=SimpleNamespace(priced_layers=None))
+    assert payload_request(every) is None

@@ -448,3 +448,91 @@ def test_log1m_is_log1p_within_float32_rounding():
     assert (np.abs(got - exact) <= bound).all()
     assert (got[p == 0] == 0).all()
 
+
+
+# -- pricing a subset of the layers (layer_stride) ---------------------------------------------
+def _subset_scenario(rng, L, E, K, n=160):
+    """(profiles (n, L, E) float32, contexts (n,), decoder profiles (K, L, E) float32)."""
+    profiles = np.minimum(rng.dirichlet(np.full(E, 0.3), size=(n, L)) * 4, 1.0)
+    typical = np.log1p(-np.minimum(rng.dirichlet(np.ones(E), size=(K, L)) * 4, 0.99))
+    return (profiles.astype(np.float32), rng.integers(1, 500, n).astype(float),
+            typical.astype(np.float32))
+
+
+def _replay(pol, profiles, contexts, cut, in_flight=6):
+    """Decide, dispatch and release ``profiles`` in turn (``cut``: the profile each request
+    carries); the (worker, cost) of every decision."""
+    K = pol.num_workers
+    loads, held, out = np.zeros(K), [], []
+    for i, (p, ctx) in enumerate(zip(profiles, contexts, strict=True)):
+        req = RouteRequest(f"r{i}", profile=cut(p), context_tokens=ctx)
+        d = pol.decide(req, loads)
+        out.append((d.worker, d.cost))
+        pol.on_dispatch(req, d.worker)
+        loads[d.worker] += 1
+        held.append((req.request_id, d.worker))
+        if len(held) > in_flight:
+            rid, w = held.pop(0)
+            pol.on_release(rid, "completed")
+            loads[w] -= 1
+    return out
+
+
+@pytest.mark.parametrize("stride", [2, 3, 5])
+@pytest.mark.parametrize("fitted", [False, True])
+def test_a_layer_stride_is_the_policy_on_the_priced_rows(stride, fitted):
+    """``layer_stride`` s is the all-layer policy built on rows 0, s, 2s, ... (profiles,
+    decoder profiles and engine footprints cut, κ scaled by L'/L): the same decisions and
+    costs, whether profiles arrive whole (the simulator) or cut (a router that asked the
+    engine for those rows only)."""
+    L, E, K = 12, 16, 3
+    rng = np.random.default_rng(stride)
+    profiles, contexts, typical = _subset_scenario(rng, L, E, K)
+    rows = np.arange(0, L, stride)
+    kw = {"context_weight": 0.01, "capacity": 8}
+    sub = CostPolicy(K, num_layers=L, num_experts=E, layer_stride=stride,
+                     decoder_profiles=typical if fitted else None, **kw)
+    ref = CostPolicy(K, num_layers=len(rows), num_experts=E,
+                     decoder_profiles=typical[:, rows] if fitted else None,
+                     context_weight=kw["context_weight"] * len(rows) / L, capacity=8)
+    assert sub.priced_shape == (len(rows), E) and sub.shape == (L, E)
+    np.testing.assert_array_equal(sub.priced_layers, rows)
+    freq = rng.random((L, E)).astype(np.float32)
+    assert sub.observe_engine(1, freq, 0.0, 60.0) and ref.observe_engine(1, freq[rows], 0.0,
+                                                                         60.0)
+    want = _replay(ref, profiles, contexts, lambda p: p[rows])
+    cut = CostPolicy(K, num_layers=L, num_experts=E, layer_stride=stride,
+                     decoder_profiles=typical if fitted else None, **kw)
+    cut.observe_engine(1, freq, 0.0, 60.0)
+    for got in (_replay(sub, profiles, contexts, lambda p: p),
+                _replay(cut, profiles, contexts, lambda p: np.ascontiguousarray(p[rows]))):
+        # the same choices; costs to float rounding (a BLAS kernel may sum in another order)
+        assert [w for w, _ in got] == [w for w, _ in want]
+        np.testing.assert_allclose([c for _, c in got], [c for _, c in want], rtol=1e-9)
+    assert len({w for w, _ in want}) > 1  # the scenario really chooses
+
+
+def test_a_layer_stride_of_one_changes_nothing_and_bad_strides_are_refused():
+    L, E, K = 6, 8, 2
+    profiles, contexts, typical = _subset_scenario(np.random.default_rng(0), L, E, K, n=40)
+    one = CostPolicy(K, num_layers=L, num_experts=E, layer_stride=1, decoder_profiles=typical)
+    plain = CostPolicy(K, num_layers=L, num_experts=E, decoder_profiles=typical)
+    assert one.priced_layers is None and one.priced_shape == (L, E)
+    a, b = (_replay(pol, profiles, contexts, lambda p: p) for pol in (one, plain))
+    assert [w for w, _ in a] == [w for w, _ in b]
+    np.testing.assert_allclose([c for _, c in a], [c for _, c in b], rtol=1e-9)
+    # a stride past the last layer prices layer 0 alone; a one-layer model has nothing to cut
+    far = CostPolicy(K, num_layers=L, num_experts=E, layer_stride=L + 3)
+    assert far.priced_layers.tolist() == [0] and far.priced_shape == (1, E)
+    assert CostPolicy(K, num_layers=1, num_experts=E, layer_stride=3).priced_layers is None
+    for bad in (0, -2, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="layer_stride"):
+            CostPolicy(K, num_layers=L, num_experts=E, layer_stride=bad)
+
+
+def test_a_profile_of_neither_shape_is_refused_and_never_held():
+    pol = CostPolicy(2, num_layers=6, num_experts=4, layer_stride=2)
+    with pytest.raises(ValueError, match=r"\(6, 4\) or \(3, 4\)"):
+        pol.costs(np.zeros((4, 4), np.float32), np.zeros(2))
+    pol.on_dispatch(RouteRequest("x", profile=np.zeros((5, 4), np.float32)), 0)
+    assert pol.footprint.count[0] == 1 and not pol.footprint.log_miss.any()

@@ -33,6 +33,10 @@ def test_config_from_args():
     cfg = config_from_args(_args("--prefill", "http://p:1", "--decode", "http://d:1",
                                  "--load-slack", "0.1"))
     assert cfg.load_slack == 0.1 and cfg.policy == "eldr_cost"  # the default policy
+    assert cfg.cost_layer_stride == 1  # every layer unless asked
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decode", "http://d:1",
+                                 "--cost-layer-stride", "3"))
+    assert cfg.cost_layer_stride == 3
 
 
 def test_mixed_decode_specs_are_refused():

@@ -134,6 +134,8 @@ class Payload(NamedTuple):
     counts: np.ndarray  # (L, E) int32 prompt counts; rows absent from ``layers`` are zero
     tokens: int | None  # prompt tokens the counts cover, when the payload says
     layers: np.ndarray | None  # (|S|,) int64 sorted rows present, or None: all L rows
+    # (|S|, E) int32 the rows present as sent (``counts[layers]``), or None: all L rows
+    rows_counts: np.ndarray | None = None
 
 
 def encode_payload(counts: np.ndarray, *, tokens: int | None = None,
@@ -238,7 +240,7 @@ def _decode_v2(obj: dict, L: int, E: int, tokens: int | None) -> Payload:
         return Payload(sub, tokens, None)
     counts = np.zeros((L, E), dtype=np.int32)
     counts[rows] = sub
-    return Payload(counts, tokens, rows)
+    return Payload(counts, tokens, rows, sub)
 
 
 def _decode_sparse(values: np.ndarray, S: int, E: int, bound: int) -> np.ndarray:

@@ -81,6 +81,11 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
                    help="eldr_cost only: no decoder may hold more than (1 + S) x the mean "
                         "load + 1, at all times (default: no bound, except near expert "
                         f"saturation, where S = {_cost_default('saturated_slack'):g})")
+    p.add_argument("--cost-layer-stride", type=int, default=1, metavar="S",
+                   help="eldr_cost only: price every S-th MoE layer (rows 0, S, 2S, ...) and "
+                        "ask the prefill engines for those layers only; in the simulator S = 3 "
+                        "routed as well as all layers at a third less decision time "
+                        "(default 1: every layer)")
 
 
 def _cost_default(name: str):
@@ -209,7 +214,8 @@ def config_from_args(args: argparse.Namespace):
     return ServeConfig(
         prefill_urls=tuple(args.prefill), decode_urls=tuple(u for _, u in specs),
         decode_ids=None if ids[0] is None else tuple(ids), artifact=args.artifact,
-        policy=args.policy, tau=args.tau, load_slack=args.load_slack, host=args.host,
+        policy=args.policy, tau=args.tau, load_slack=args.load_slack,
+        cost_layer_stride=args.cost_layer_stride, host=args.host,
         port=args.port,
         admin_token=_admin_token(args),
         upstream_api_key=os.environ.get(args.upstream_api_key_env) or None,

@@ -87,6 +87,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     policy: str = "eldr_cost"  # a name in eldr.routing.POLICIES (not an evaluation-only one)
     tau: float | None = None  # locality band width; None: the artifact's τ
     load_slack: float | None = None  # eldr_cost's bounded-load slack; None: unbounded
+    cost_layer_stride: int = 1  # eldr_cost prices every s-th layer (1: all)
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (0: any free port)
     # bearer token of /admin/* and /health's details; None: admin endpoints refuse all
@@ -191,6 +192,10 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if self.load_slack is not None and not (math.isfinite(self.load_slack)
                                                 and self.load_slack >= 0):
             raise ValueError(f"load_slack must be finite and >= 0, got {self.load_slack}")
+        if isinstance(self.cost_layer_stride, bool) or \
+                not isinstance(self.cost_layer_stride, int) or self.cost_layer_stride < 1:
+            raise ValueError(f"cost_layer_stride must be an integer >= 1, "
+                             f"got {self.cost_layer_stride!r}")
         self._check_decode_first()
 
     def _check_decode_first(self) -> None:

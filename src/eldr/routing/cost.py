@@ -367,6 +367,14 @@ class CostPolicy(PolicyBase):
     ``context_weight`` = κ, decode-step seconds per context token divided by seconds per
     distinct expert (0 ignores KV reads); ``capacity`` = a decoder's batch limit (None:
     unlimited). ``clock``: the time engine readings expire on (tests inject one).
+
+    ``layer_stride`` s: price every s-th layer only (rows 0, s, 2s, ...; 1: all). Profiles,
+    decoder profiles and engine footprints still come in as (L, E) and are cut to those
+    rows (a profile may also come already cut, (L', E): a router that asked the engine
+    for those layers only), and κ is scaled by L'/L (fewer priced layers, fewer experts
+    per step in ``J``). In the simulator a third or a sixth of the layers routed as well
+    as all of them (docs/fit-and-routing.md, "The cost policy on a subset of layers");
+    the decision costs a third less at s = 3 on 48 × 128.
     """
 
     def __init__(self, num_workers: int, *, num_layers: int, num_experts: int,
@@ -374,7 +382,7 @@ class CostPolicy(PolicyBase):
                  memory: float = 4.0, memory_weight: float | None = None,
                  decoder_profiles: np.ndarray | None = None,
                  load_slack: float | None = None, saturation: float | None = 0.75,
-                 saturated_slack: float = 0.0,
+                 saturated_slack: float = 0.0, layer_stride: int = 1,
                  name: str = "eldr_cost", clock: Callable[[], float] | None = None) -> None:
         self.name = name
         self.num_workers = _check_num_workers(num_workers)
@@ -388,8 +396,19 @@ class CostPolicy(PolicyBase):
                              f"got {context_weight}")
         if capacity is not None and not capacity >= 1:
             raise ValueError(f"{name}: capacity must be >= 1 or None, got {capacity}")
+        if isinstance(layer_stride, bool) or not isinstance(layer_stride, (int, np.integer)) \
+                or layer_stride < 1:
+            raise ValueError(f"{name}: layer_stride must be an integer >= 1, "
+                             f"got {layer_stride!r}")
         self.shape = (int(num_layers), int(num_experts))
-        self.context_weight = float(context_weight)
+        self.layer_stride = int(layer_stride)
+        # the priced rows; None: every layer (no cut anywhere)
+        self.priced_layers: np.ndarray | None = (
+            None if self.layer_stride == 1 or self.shape[0] == 1
+            else np.arange(0, self.shape[0], self.layer_stride))
+        self.priced_shape = (self.shape[0] if self.priced_layers is None
+                             else len(self.priced_layers), self.shape[1])
+        self.context_weight = float(context_weight) * self.priced_shape[0] / self.shape[0]
         self.capacity = capacity
         typical = None
         if decoder_profiles is not None:
@@ -397,8 +416,9 @@ class CostPolicy(PolicyBase):
             if dp.shape != (self.num_workers, *self.shape):
                 raise ValueError(f"{name}: decoder_profiles have shape {dp.shape}, expected "
                                  f"({self.num_workers}, {self.shape[0]}, {self.shape[1]})")
-            typical = dp
-        self.footprint = ExpertFootprint(self.num_workers, self.shape[0] * self.shape[1],
+            typical = dp if self.priced_layers is None else dp[:, self.priced_layers]
+        self.footprint = ExpertFootprint(self.num_workers,
+                                         self.priced_shape[0] * self.priced_shape[1],
                                          memory=memory, typical=typical,
                                          clock=clock or time.monotonic)
         if memory_weight is None:
@@ -430,14 +450,28 @@ class CostPolicy(PolicyBase):
             return self.saturated_slack
         return None
 
+    def _priced(self, profile: np.ndarray) -> np.ndarray | None:
+        """``profile`` on the priced rows: (L, E) cut to them, (L', E) as it is; None for
+        any other shape."""
+        shape = profile.shape
+        if shape == self.priced_shape:
+            return profile
+        if shape == self.shape:  # priced_layers is not None here (else the shapes agree)
+            return profile[self.priced_layers]
+        return None
+
     def costs(self, profile: np.ndarray, loads: np.ndarray, context_tokens: float = 0.0
               ) -> np.ndarray:
-        """(K,) float64 ``J_d(x)`` for a profile (L, E) and the live loads (K,)."""
-        if profile.shape != self.shape:
+        """(K,) float64 ``J_d(x)`` for a profile (L, E), or (L', E) on the priced layers
+        only, and the live loads (K,)."""
+        priced = self._priced(profile)
+        if priced is None:
+            expected = self.shape if self.priced_layers is None else \
+                f"{self.shape} or {self.priced_shape} (its priced layers)"
             raise ValueError(f"{self.name}: profile has shape {profile.shape}, "
-                             f"expected {self.shape}")
+                             f"expected {expected}")
         fp = self.footprint
-        p = profile.reshape(-1)
+        p = priced.reshape(-1)
         delta = fp.added(p).astype(np.float64)
         J = fp.distinct + (loads + 1.0) * delta
         if fp.typical is not None:
@@ -465,8 +499,9 @@ class CostPolicy(PolicyBase):
         if not 0 <= worker < self.num_workers:
             raise ValueError(f"{self.name}: worker {worker} out of range")
         p = request.profile
-        if p is not None and p.shape != self.shape:
-            p = None  # a malformed profile never enters the state (decide refused it too)
+        if p is not None:
+            p = self._priced(p)  # a malformed one (None) never enters the state (decide
+            # refused it too)
         self.footprint.add(request.request_id, worker, p, request.context_tokens)
 
     def on_release(self, request_id: str, outcome: Outcome) -> None:
@@ -474,7 +509,8 @@ class CostPolicy(PolicyBase):
 
     @property
     def engine_footprint_shape(self) -> tuple[int, int]:
-        """(L, E): the engine footprints :meth:`observe_engine` takes."""
+        """(L, E): the engine footprints :meth:`observe_engine` takes (all layers; cut to the
+        priced ones here)."""
         return self.shape
 
     def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
@@ -486,6 +522,8 @@ class CostPolicy(PolicyBase):
         self._index(worker)
         if np.shape(freq) != self.shape:
             return False
+        if self.priced_layers is not None:
+            freq = np.asarray(freq)[self.priced_layers]
         return self.footprint.observe_engine(worker, freq, age_s, max_age_s)
 
     def add_worker(self, *, like: int | None = None) -> int:

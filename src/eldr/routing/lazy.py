@@ -63,6 +63,11 @@ class LazyShapePolicy(PolicyBase):
         """The bound policy's: engine footprints are taken from the bind on."""
         return None if self.inner is None else self.inner.engine_footprint_shape
 
+    @property
+    def priced_layers(self) -> np.ndarray | None:
+        """The bound policy's priced layers (``eldr_cost`` on a subset), or None."""
+        return None if self.inner is None else getattr(self.inner, "priced_layers", None)
+
     def observe_engine(self, worker: int, freq: np.ndarray, age_s: float,
                        max_age_s: float) -> bool:
         return self.inner is not None and self.inner.observe_engine(worker, freq, age_s,

@@ -81,6 +81,7 @@ class RoutingResources:
     capacity: float | None = None  # a decoder's batch limit (cost policy's admission)
     decoder_profiles: np.ndarray | None = None  # (K, L, E) cluster mean log(1 − p) (cost)
     load_slack: float | None = None  # cost policy's bounded-load slack (None: unbounded)
+    layer_stride: int | None = None  # cost policy prices every s-th layer (None, 1: all)
     random_state: int | np.random.Generator | None = None  # seed of random policies
 
     @classmethod
@@ -284,7 +285,8 @@ register_policy("domain", lambda K, **kw: DomainPolicy(K, **kw), needs={"domain_
                 role="oracle", report=ReportRole(order=4))
 register_policy("eldr_cost", lambda K, **kw: CostPolicy(K, **kw),
                 needs={"num_layers", "num_experts"},
-                options={"context_weight", "capacity", "decoder_profiles", "load_slack"},
+                options={"context_weight", "capacity", "decoder_profiles", "load_slack",
+                         "layer_stride"},
                 role="locality",
                 report=ReportRole(
                     order=6, key="cost", title="The cost policy", grid=True,

@@ -108,8 +108,17 @@ def _unbound(name: str, K: int, config: ServeConfig) -> Policy:
     """Policy ``name`` with no artifact: built before the model's (L, E) is known when it
     needs the shape (the first prefill payload binds it), else at once."""
     if POLICIES[name].needs_only_shape:
-        return make_unbound_policy(name, num_workers=K, load_slack=config.load_slack)
+        return make_unbound_policy(name, num_workers=K, **_cost_options(config))
     return make_policy(name, num_workers=K, random_state=config.random_state)
+
+
+def _cost_options(config: ServeConfig) -> dict:
+    """The deployment options of the cost policy (``load_slack``, and ``layer_stride``
+    when it is not 1); make_policy drops what the policy does not take."""
+    options: dict = {"load_slack": config.load_slack}
+    if config.cost_layer_stride != 1:
+        options["layer_stride"] = config.cost_layer_stride
+    return options
 
 
 _TOKENIZERS: dict[tuple, PromptTokenizer] = {}  # (pid, folder, template) -> loaded once
@@ -203,12 +212,13 @@ def build_state(config: ServeConfig) -> RoutingState:
     elif art is not None:  # the artifact's one bundle, decoders in the configured order
         resources = RoutingResources.from_artifact(
             art, order, random_state=config.random_state,
-            load_slack=config.load_slack).as_kwargs()
+            **_cost_options(config)).as_kwargs()
         resources["tau"] = tau
         policy = make_policy(config.policy, num_workers=K, **resources)
     else:
         policy = make_policy(config.policy, num_workers=K, tau=0.1,
-                             random_state=config.random_state, load_slack=config.load_slack)
+                             random_state=config.random_state,
+                             **_cost_options(config))
     return RoutingState(policy=policy, worker_names=tuple(names), encoder=encoder,
                         num_layers=L, num_experts=E, top_k=k,
                         prompt=prompt_routing(art, config),

@@ -105,7 +105,7 @@ class PrefillLeg:
                  metrics: RouterMetrics, guards: RequestGuards) -> None:
         self.config, self.pool, self.affinity = config, pool, affinity
         self.metrics, self.guards = metrics, guards
-        self._kv_params_for: tuple | None = None  # (state, learning, params) last computed
+        self._kv_params_for: tuple | None = None  # (state, learning, shape, params) last
         self.named: dict[str, dict] = config.decoder_kv_params()
         # the same for every prefill: built once (immutable)
         self._timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
@@ -146,11 +146,15 @@ class PrefillLeg:
         a masked payload was never collected). Computed once per routing state, not per
         request."""
         cached = self._kv_params_for
-        if cached is not None and cached[0] is state and cached[1] == learning:
-            return cached[2]
+        # a policy built before the model's shape was known (eldr.routing.lazy) knows the
+        # layers it prices once bound: the shape is part of the key
+        shape = state.shape
+        if cached is not None and cached[0] is state and cached[1] == learning and \
+                cached[2] == shape:
+            return cached[3]
         extra = None if learning else payload_request(state)
         params = {**PREFILL_KV_PARAMS, **extra} if extra else PREFILL_KV_PARAMS
-        self._kv_params_for = (state, learning, params)
+        self._kv_params_for = (state, learning, shape, params)
         return params
 
     # -- the instance -------------------------------------------------------------------------

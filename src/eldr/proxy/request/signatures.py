@@ -64,6 +64,7 @@ class _Counts:
     source: str
     problem: str | None
     layers: np.ndarray | None = None  # rows a layer-masked payload holds; None: all
+    rows_counts: np.ndarray | None = None  # (|layers|, E) those rows as sent; None: all
 
 
 def split_kv_params(doc: dict) -> tuple[dict | None, object]:
@@ -116,7 +117,8 @@ def read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _C
             got = wire.decode_payload(payload, num_layers=L, num_experts=E)
         except ValueError:
             return _Counts(None, None, None, source, "malformed")
-        return _Counts(got.counts, got.tokens, None, source, None, got.layers)
+        return _Counts(got.counts, got.tokens, None, source, None, got.layers,
+                       got.rows_counts)
     routed = _routed_experts(doc)
     if routed is None:
         return _Counts(None, None, None, "none", "missing")
@@ -187,17 +189,22 @@ def read_inputs(doc: dict, payload: object, state: RoutingState,
     tokens = (_counted_tokens(counts, state.top_k, prompt_tokens)
               if want_profile or prompt_tokens is None else None)
     context = prompt_tokens if prompt_tokens is not None else (tokens or 0)
-    if want_profile and counts.layers is not None:  # a profile needs every layer
-        problem = problem or "mismatch"
+    priced = getattr(state.policy, "priced_layers", None) if want_profile else None
+    covers, same = (False, False) if priced is None or counts.layers is None else \
+        _row_match(priced, counts.layers)
+    if want_profile and counts.layers is not None and not covers:
+        problem = problem or "mismatch"  # a profile needs every layer the policy prices
     elif want_profile and counts.counts is not None:
         bind = getattr(state.policy, "bind", None)
         if bind is not None:
             bind(*counts.counts.shape)
+            priced = getattr(state.policy, "priced_layers", None)
         if state.predictor is not None and counts.counts.shape == state.shape:
             profile = state.predictor.predict_profile(counts.counts, tokens or 0)
-        else:
-            profile = prefill_profile(counts.counts, tokens or 0,
-                                      counts.top_k or state.top_k)
+        else:  # only the rows the policy prices, when it prices a subset (it takes both)
+            c = counts.counts if priced is None else \
+                counts.rows_counts if same else counts.counts[priced]
+            profile = prefill_profile(c, tokens or 0, counts.top_k or state.top_k)
     return Reading(signature, profile, int(context), counts.source, problem)
 
 
@@ -211,37 +218,50 @@ def _counted_tokens(counts: _Counts, top_k: int | None, prompt_tokens: int | Non
     return prompt_tokens
 
 
-_COVERS: dict[tuple[bytes, bytes], bool] = {}  # (encoder mask, payload layers) -> covered
+# (rows wanted, payload layers) -> (the payload holds every wanted row, exactly those)
+_COVERS: dict[tuple[bytes, bytes], tuple[bool, bool]] = {}
 
 
 def _covers(layers: np.ndarray, encoder) -> bool:
-    """Whether a masked payload's rows include every layer the encoder reads.
+    """Whether a masked payload's rows include every layer the encoder reads."""
+    wanted = getattr(encoder, "layers_", None)
+    return wanted is not None and _row_match(wanted, layers)[0]
+
+
+def _row_match(wanted: np.ndarray, layers: np.ndarray) -> tuple[bool, bool]:
+    """(whether a masked payload's rows ``layers`` include every row of ``wanted``,
+    whether they are exactly ``wanted``).
 
     Every payload of one deployment carries the same layer list, so the answer is
     memoised on the two lists' bytes (a lookup instead of an ``np.isin`` per request;
     docs/serve.md, "Overhead", has what the check cost before)."""
-    wanted = getattr(encoder, "layers_", None)
-    if wanted is None:
-        return False
-    key = (np.asarray(wanted).tobytes(), np.asarray(layers).tobytes())
+    key = (np.asarray(wanted, dtype=np.int64).tobytes(),
+           np.asarray(layers, dtype=np.int64).tobytes())
     hit = _COVERS.get(key)
     if hit is None:
         if len(_COVERS) >= 256:  # bounded: untrusted payloads may carry any list
             _COVERS.clear()
-        hit = _COVERS[key] = bool(np.isin(wanted, layers).all())
+        hit = _COVERS[key] = (bool(np.isin(wanted, layers).all()), key[0] == key[1])
     return hit
 
 
 def payload_request(state: RoutingState) -> dict | None:
     """What to add to the prefill request's ``kv_transfer_params`` so the engine sends
-    only the artifact's layer mask (``{"eldr_layers": [...]}``), or None.
+    only the layers the policy reads (``{"eldr_layers": [...]}``), or None (all layers).
 
-    Only when the policy reads a signature and no profile (a profile needs every layer).
-    The plugin sends all layers when the mask is invalid for its model; a payload whose
-    rows do not cover the encoder's mask is refused as a ``mismatch`` fallback.
+    A policy that reads a signature and no profile (``eldr``) reads the artifact's layer
+    mask; one that reads a profile and no signature, the layers it prices
+    (``eldr_cost --cost-layer-stride``: ``priced_layers``; a policy that prices every
+    layer needs them all). The plugin sends all layers when the mask is invalid for its
+    model; a payload whose rows do not cover what the policy reads is refused as a
+    ``mismatch`` fallback.
     """
-    layers = getattr(state.encoder, "layers_", None)
-    if layers is None or not state.needs_signature or state.needs_profile:
+    if state.needs_profile:
+        layers = None if state.needs_signature else \
+            getattr(state.policy, "priced_layers", None)
+    else:
+        layers = getattr(state.encoder, "layers_", None) if state.needs_signature else None
+    if layers is None:
         return None
     return {LAYERS_KEY: [int(x) for x in layers]}
 
