@@ -131,7 +131,8 @@ def _long_prompt_steps(repeat: int = 300) -> dict[str, float]:
     (the control stream's), each step alone in this process: on the loop at its arrival
     (parse, digest, the prefill request), then on a prompt thread (the id check and the
     array the prediction reads). The id check is timed both ways: the generator the router
-    used before ``ints_only`` and ``ints_only``."""
+    used before ``ints_only`` and ``ints_only``; the prefill request too: re-serialising the
+    body, as the router did before 2026-12-07, and spliced into the client's bytes."""
     from eldr.proxy.bodies import ints_only, parse_body
     from eldr.proxy.request.containment import body_digest
     from eldr.proxy.request.prefill import PREFILL_KV_PARAMS, prefill_body
@@ -143,7 +144,10 @@ def _long_prompt_steps(repeat: int = 300) -> dict[str, float]:
     steps = {
         "parse the body": lambda: parse_body(raw, "completions"),
         "digest": lambda: body_digest(raw),
-        "prefill request": lambda: prefill_body(body, "completions", PREFILL_KV_PARAMS),
+        "prefill request, re-serialised (before)": lambda: prefill_body(
+            body, "completions", PREFILL_KV_PARAMS),
+        "prefill request, spliced": lambda: prefill_body(body, "completions",
+                                                         PREFILL_KV_PARAMS, raw=raw),
         "id check, generator (before)": lambda: all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids),
         "id check, ints_only": lambda: ints_only(ids),

@@ -678,7 +678,8 @@ def _stages(policy: str, prefill_answer: bytes, layer_answers: dict, decode_answ
         "checks + digest": lambda: (body_digest(raw), prompt_token_bound(body, "completions",
                                                                          cap=16)),
         "affinity key": lambda: prompt_key(body, "completions"),
-        "prefill body": lambda: prefill_body(body, "completions", PREFILL_KV_PARAMS),
+        "prefill body": lambda: prefill_body(body, "completions", PREFILL_KV_PARAMS,
+                                             raw=raw),
         "prefill answer parse": lambda: json_object(answer),
         "signature/profile": (lambda: read_inputs(doc, split_kv_params(doc)[1], state, 256))
         if reads else None,

@@ -4,7 +4,10 @@ what its answer says (the leg through stand-in engines is in tests/test_proxy_fl
 import dataclasses
 import json
 
+import pytest
+
 from _proxy_fakes import cluster, run
+from eldr.proxy.bodies import parse_body
 from eldr.proxy.request.prefill import (
     PREFILL_KV_PARAMS,
     mostly_missing,
@@ -71,3 +74,68 @@ def test_decode_first_names_the_held_decoder_only_when_told_how():
     assert unnamed is None
     kv = json.loads(named)["kv_transfer_params"]
     assert kv == {**PREFILL_KV_PARAMS, "remote_host": "10.0.0.7"}
+
+
+# -- the prefill request spliced into the client's bytes ----------------------------------------
+_RAWS = [  # (the client's JSON as sent, kind)
+    (b'{"model": "m", "prompt": "x"}', "completions"),
+    (b'{"prompt": [1, 2, 3], "max_tokens": 50, "stream": "yes", "stream_options": '
+     b'{"include_usage": true}, "min_tokens": 4, "temperature": 0}\n  ', "completions"),
+    (b'{"prompt":"caf\\u00e9 \xc3\xa9t\xc3\xa9","max_tokens":"7","kv_transfer_params":'
+     b'{"client": 1},"max_tokens":9}', "completions"),  # a duplicate, and the client's params
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, '
+     b'"max_tokens": 6, "stream": true}', "chat"),
+    (b'\xef\xbb\xbf{"prompt": "with a BOM", "max_tokens": 3}', "completions"),
+]
+_DEFAULTS = {"stream_options": None, "min_tokens": 0}  # what a spliced request sends instead
+
+
+def _parsed_alike(spliced: bytes, whole: bytes) -> tuple[dict, dict]:
+    """Both requests as a JSON parser that keeps the last duplicate (Python's, vLLM's)
+    reads them, the dropped fields' defaults taken out of the spliced one."""
+    got = json.loads(spliced)
+    got = {k: v for k, v in got.items() if not (k in _DEFAULTS and v == _DEFAULTS[k])}
+    return got, json.loads(whole)
+
+
+@pytest.mark.parametrize("raw,kind", _RAWS)
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_a_spliced_prefill_request_reads_as_the_re_serialised_one(raw, kind, token_ids):
+    """With the client's bytes the prefill request is those bytes plus the changed fields
+    (the prompt is never encoded again), and it parses to what re-serialising the body
+    gave."""
+    body = parse_body(raw, kind)
+    spliced = prefill_body(body, kind, PREFILL_KV_PARAMS, token_ids=token_ids, raw=raw)
+    whole = prefill_body(body, kind, PREFILL_KV_PARAMS, token_ids=token_ids)
+    assert spliced.startswith(raw.rstrip()[:-1] + b", ")  # the client's bytes, kept
+    got, want = _parsed_alike(spliced, whole)
+    assert got == want
+    assert got["max_tokens"] == 1 and got["stream"] is False
+    assert got["kv_transfer_params"] == PREFILL_KV_PARAMS
+
+
+def test_a_body_that_cannot_be_spliced_is_re_serialised():
+    body = {"prompt": "x", "max_tokens": 5}
+    whole = prefill_body(body, "completions", PREFILL_KV_PARAMS)
+    utf16 = json.dumps(body).encode("utf-16")
+    assert prefill_body(parse_body(utf16, "completions"), "completions", PREFILL_KV_PARAMS,
+                        raw=utf16) == whole  # ASCII spliced into UTF-16 would be garbage
+    assert prefill_body(body, "completions", PREFILL_KV_PARAMS, raw=None) == whole
+    assert prefill_body({}, "completions", PREFILL_KV_PARAMS, raw=b"{}") == \
+        prefill_body({}, "completions", PREFILL_KV_PARAMS)  # no member to follow
+
+
+def test_vllm_reads_a_spliced_prefill_request_as_the_re_serialised_one():
+    """vLLM 0.32's own request models (pydantic) give the same request, field for field
+    (its random request id aside), for both kinds."""
+    completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+    chat = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    for raw, kind in _RAWS:
+        model = chat.ChatCompletionRequest if kind == "chat" else \
+            completion.CompletionRequest
+        body = parse_body(raw, kind)
+        docs = [json.loads(prefill_body(body, kind, PREFILL_KV_PARAMS, raw=r))
+                for r in (raw, None)]
+        spliced, whole = (model.model_validate({"model": "m", **d}).model_dump(
+            exclude={"request_id"}) for d in docs)
+        assert spliced == whole, kind

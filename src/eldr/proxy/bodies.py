@@ -26,7 +26,7 @@ import sys
 from eldr.proxy.errors import ProxyError
 
 __all__ = ["MAX_EVENT_BYTES", "SMALL_ANSWER", "BadEvent", "ByteBudget", "SSEUsage",
-           "decode_body", "fix_usage", "ints_only", "json_object", "parse_body",
+           "decode_body", "fix_usage", "ints_only", "is_utf8", "json_object", "parse_body",
            "prompt_token_bound", "read_upto", "within"]
 
 
@@ -178,7 +178,7 @@ class SSEUsage:
         return event + b"\n\n"
 
 
-def _is_utf8(raw: bytes) -> bool:
+def is_utf8(raw: bytes) -> bool:
     """True unless ``raw`` is UTF-16/32 JSON (a NUL in its first four bytes, or their BOM)."""
     return b"\x00" not in raw[:4] and not raw.startswith((b"\xff\xfe", b"\xfe\xff"))
 
@@ -191,7 +191,7 @@ def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
     re-serialising the whole body: a long prompt is then never encoded twice. A UTF-16 or
     -32 body is re-serialised (as UTF-8): ASCII spliced into it would be garbage.
     """
-    if raw is not None and "kv_transfer_params" not in body and body and _is_utf8(raw):
+    if raw is not None and "kv_transfer_params" not in body and body and is_utf8(raw):
         if kv_params is None:
             return raw
         end = raw.rstrip()

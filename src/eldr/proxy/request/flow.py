@@ -136,7 +136,7 @@ class RequestFlow:
         faults, whole = self._admit(body, kind, raw, rid)
         first = config.decode_first and not whole
         hashes, prefill_data = self.prefill.inputs(body, kind, state, whole,
-                                                   self.learner is not None)
+                                                   self.learner is not None, raw)
         prompt = RequestPrompt(body, kind)  # tokenized once, if a decision needs it
         headers = self._upstream_headers(request)
         excluded: list[Instance] = []  # decoders that failed this request
@@ -158,7 +158,8 @@ class RequestFlow:
                     held, holder = await self.choice.hold(state, attempt_id, prompt, excluded,
                                                           faults)
                     prefill, doc = await self._prefill_for(
-                        state, held, holder, body, kind, prefill_data, hashes, headers, faults)
+                        state, held, holder, body, kind, prefill_data, hashes, headers, faults,
+                        raw)
                 elif not whole:
                     prefill, doc = await self.prefill.send(prefill_data, kind, hashes,
                                                            headers, faults)
@@ -259,13 +260,13 @@ class RequestFlow:
 
     async def _prefill_for(self, state: RoutingState, held: DecodeTarget, decoder: Instance,
                            body: dict, kind: str, data: bytes | None, hashes, headers,
-                           faults: Strikes) -> tuple[Instance, dict]:
+                           faults: Strikes, raw: bytes | None = None) -> tuple[Instance, dict]:
         """Decode-first: the prefill of an attempt whose decoder is held, naming that
         decoder in its ``kv_transfer_params`` when the connector needs it
         (``decode_kv_params``); the decoder is given back if the prefill fails."""
         try:
             named = self.prefill.naming(body, kind, state, decoder.name,
-                                        self.learner is not None)
+                                        self.learner is not None, raw)
             return await self.prefill.send(named if named is not None else data, kind,
                                            hashes, headers, faults)
         except BaseException:  # failed, poison, or the client left: nothing to decode

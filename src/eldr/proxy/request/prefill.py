@@ -21,7 +21,7 @@ import json
 import aiohttp
 
 from eldr.capture.decode import REPORT_KEY
-from eldr.proxy.bodies import json_object, read_upto
+from eldr.proxy.bodies import is_utf8, json_object, read_upto
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.engines import Instance, UpstreamPool, error_kind
 from eldr.proxy.errors import ProxyError, UpstreamReply
@@ -77,12 +77,39 @@ def prompt_key(body: dict, kind: str) -> bytes:
 
 
 def prefill_body(body: dict, kind: str, kv_params: dict, *,
-                 token_ids: bool = False) -> bytes:
+                 token_ids: bool = False, raw: bytes | None = None) -> bytes:
     """The prefill leg's request: the client's body asking for one token, not streamed,
     with the PD ``kv_transfer_params`` (the client's body is not changed). ``token_ids``:
     also ask for the prompt's token ids (vLLM's ``return_token_ids``), which a learner
     (``--learn``) keeps as the prompt predictor's hashed features; the prefill's answer
-    never reaches the client."""
+    never reaches the client.
+
+    With the client's JSON ``raw`` (already parsed into ``body``), the fields the prefill
+    changes are appended before its closing brace instead of re-serialising the whole
+    body, as the decode request splices its ``kv_transfer_params``
+    (:func:`eldr.proxy.bodies.decode_body`): a long prompt is never encoded again (a
+    2,048-id prompt's re-encoding held the event loop ≈ 145 µs, docs/serve.md). A field
+    the client also sent then appears twice and the engine reads the last: JSON leaves
+    duplicate names to the parser (RFC 8259, 4), and vLLM's server parses bodies with
+    Python's ``json``, which keeps the last, as ``parse_body`` did here. A field the
+    prefill drops (``stream_options``, ``min_tokens``) is sent as vLLM's default for it
+    (null, 0). A UTF-16 or -32 body is re-serialised (ASCII appended to it would be
+    garbage), as is one whose parse is not an object with members.
+    """
+    if raw is not None and body and is_utf8(raw):
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            extra: dict = {"kv_transfer_params": kv_params}
+            if token_ids:
+                extra["return_token_ids"] = True
+            extra["max_tokens"] = 1
+            if kind == "chat":
+                extra["max_completion_tokens"] = 1
+            extra["stream"] = False
+            for key, default in _DROPPED:
+                if key in body:
+                    extra[key] = default
+            return end[:-1] + b", " + json.dumps(extra)[1:].encode()
     pre = dict(body)
     pre["kv_transfer_params"] = kv_params
     if token_ids:
@@ -91,9 +118,14 @@ def prefill_body(body: dict, kind: str, kv_params: dict, *,
     if kind == "chat":
         pre["max_completion_tokens"] = 1
     pre["stream"] = False
-    for key in ("stream_options", "min_tokens"):
+    for key, _ in _DROPPED:
         pre.pop(key, None)
     return json.dumps(pre).encode()
+
+
+# fields the prefill request goes without, and vLLM 0.32's default for each (what a
+# spliced request sends in their place): a one-token, unstreamed generation
+_DROPPED = (("stream_options", None), ("min_tokens", 0))
 
 
 class PrefillLeg:
@@ -113,23 +145,24 @@ class PrefillLeg:
 
     # -- the request -------------------------------------------------------------------------
     def inputs(self, body: dict, kind: str, state: RoutingState, whole: bool,
-               learning: bool) -> tuple[list, bytes | None]:
+               learning: bool, raw: bytes | None = None) -> tuple[list, bytes | None]:
         """(prefix-block hashes for the prefill choice, the prefill's request body): none of
         either for a short prompt served whole. ``learning``: a learner (``--learn``) wants
-        whole payloads and the prompt's token ids."""
+        whole payloads and the prompt's token ids. ``raw``: the client's JSON ``body`` was
+        parsed from (:func:`prefill_body` splices into it)."""
         try:
             # Affinity only matters with a choice of prefill instances.
             hashes = (self.affinity.hashes(prompt_key(body, kind))
                       if len(self.pool.prefill) > 1 and not whole else [])
             data = None if whole else prefill_body(body, kind, self.kv_params(state, learning),
-                                                   token_ids=learning)
+                                                   token_ids=learning, raw=raw)
         except RecursionError:  # parsed just under the limit, deeper to re-encode
             raise ProxyError(400, "request body is not valid JSON: nested too deeply",
                              code="invalid_json") from None
         return hashes, data
 
     def naming(self, body: dict, kind: str, state: RoutingState, decoder: str,
-               learning: bool) -> bytes | None:
+               learning: bool, raw: bytes | None = None) -> bytes | None:
         """Decode-first: the prefill's request naming the held ``decoder`` in its
         ``kv_transfer_params`` when the connector needs it (``decode_kv_params``); None
         when it does not (the attempt's common request serves)."""
@@ -137,7 +170,7 @@ class PrefillLeg:
         if named is None:
             return None
         return prefill_body(body, kind, {**self.kv_params(state, learning), **named},
-                            token_ids=learning)
+                            token_ids=learning, raw=raw)
 
     def kv_params(self, state: RoutingState, learning: bool) -> dict:
         """The prefill leg's ``kv_transfer_params``: PD flags, plus the artifact's layer mask
