@@ -75,6 +75,9 @@ def test_args_shaped_like_ray_pd_builder_become_engine_specs(tmp_path):
     assert conf.relay.stream_write_timeout == 60.0
     args["eldr"]["stream_write_timeout"] = 5
     assert parse_args(args).relay.stream_write_timeout == 5.0
+    assert conf.table.cost_layer_stride == 1  # eldr_cost prices every layer unless asked
+    args["eldr"]["cost_layer_stride"] = 3
+    assert parse_args(args).table.cost_layer_stride == 3
 
 
 @pytest.mark.parametrize("change, message", [
@@ -90,6 +93,7 @@ def test_args_shaped_like_ray_pd_builder_become_engine_specs(tmp_path):
      "different model ids"),
     (lambda a: a["eldr"].update(artifact="/nonexistent/artifact"), "not a directory"),
     (lambda a: a["eldr"].update(stream_write_timeout=0), "stream_write_timeout must be > 0"),
+    (lambda a: a["eldr"].update(cost_layer_stride=0), "cost_layer_stride"),
     (lambda a: a["decode_config"]["model_loading_config"].update(model_source="/nonexistent"),
      "no config.json"),
 ])

@@ -191,3 +191,20 @@ def test_serve_replicas_given_with_a_reservation_hold_slots_and_loads_can_move()
     got = t.reserve("q5", reading=predicted("the law"), replicas=("s2", "s1"))
     assert [d["replica"] for d in t.snapshot()["decoders"]] == ["s2", "s1"]
     assert got["replica"] == "s1"
+
+
+def test_a_cost_layer_stride_reaches_the_tables_policy():
+    """``eldr.cost_layer_stride`` (as ``eldr serve --cost-layer-stride``): the table's
+    ``eldr_cost`` prices every s-th layer once it knows the model's shape."""
+    from _proxy_fakes import E, L
+
+    t = DecodeTable(TableConfig(num_decode=2, policy="eldr_cost", cost_layer_stride=2),
+                    clock=Clock())
+    t.state.policy.bind(L, E)
+    assert t.state.policy.priced_layers.tolist() == [0]
+    every = DecodeTable(TableConfig(num_decode=2, policy="eldr_cost"), clock=Clock())
+    every.state.policy.bind(L, E)
+    assert every.state.policy.priced_layers is None and every.state.policy.inner is not None
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="cost_layer_stride"):
+            TableConfig(num_decode=2, cost_layer_stride=bad)

@@ -176,7 +176,7 @@ def parse_args(args: dict) -> PDAppConfig:
     ray_actor_options, ...: Serve deployment options}, ``engine_kwargs`` (vLLM engine
     arguments; ``kv_transfer_config`` only eldr's CPU connector), ``runtime_env``
     {env_vars}; ``ingress_deployment_config``; ``eldr``: {artifact, policy, tau,
-    load_slack, kv_store, max_attempts, allow_untested_ray}.
+    load_slack, cost_layer_stride, kv_store, max_attempts, allow_untested_ray}.
     """
     if not isinstance(args, dict):
         raise ValueError(f"the application's args must be a mapping, got {args!r}")
@@ -186,8 +186,8 @@ def parse_args(args: dict) -> PDAppConfig:
         raise ValueError(f"unknown args {sorted(unknown)} (expected prefill_config, "
                          f"decode_config, ingress_deployment_config, eldr)")
     eldr = dict(args.get("eldr") or {})
-    known = {"artifact", "policy", "tau", "load_slack", "kv_store", "max_attempts",
-             "allow_untested_ray", "reservation_ttl", "heartbeat_timeout",
+    known = {"artifact", "policy", "tau", "load_slack", "cost_layer_stride", "kv_store",
+             "max_attempts", "allow_untested_ray", "reservation_ttl", "heartbeat_timeout",
              "stream_write_timeout"}
     if set(eldr) - known:
         raise ValueError(f"unknown eldr settings {sorted(set(eldr) - known)}; known: "
@@ -210,6 +210,7 @@ def parse_args(args: dict) -> PDAppConfig:
     table = TableConfig(num_decode=decode_opts["num_replicas"], artifact=artifact,
                         policy=eldr.get("policy", "eldr_cost"), tau=eldr.get("tau"),
                         load_slack=eldr.get("load_slack"),
+                        cost_layer_stride=eldr.get("cost_layer_stride", 1),
                         **{k: float(eldr[k]) for k in ("reservation_ttl", "heartbeat_timeout")
                            if k in eldr})
     ingress = dict(args.get("ingress_deployment_config") or {})

@@ -79,6 +79,7 @@ class DecodeRouterConfig:
     policy: str = "eldr_cost"  # a name in eldr.routing.POLICIES, as eldr serve --policy
     tau: float | None = None  # locality band width; None: the artifact's
     load_slack: float | None = None  # eldr_cost's bounded-load slack
+    cost_layer_stride: int = 1  # eldr_cost prices every s-th layer (eldr serve's option)
     num_decode: int | None = None  # decode replicas; None: the artifact's worker count
     tokenizer: str | None = None  # the model's tokenizer folder; None: the artifact's model
     chat_template: str | None = None  # a chat template file overriding the tokenizer's
@@ -137,6 +138,7 @@ class DecodeRouterConfig:
 
         return TableConfig(num_decode=self.decoders, artifact=self.artifact,
                            policy=self.policy, tau=self.tau, load_slack=self.load_slack,
+                           cost_layer_stride=self.cost_layer_stride,
                            reservation_ttl=self.reservation_ttl,
                            heartbeat_timeout=self.heartbeat_timeout)
 
@@ -150,7 +152,8 @@ class DecodeRouterConfig:
         return ServeConfig(prefill_urls=("http://prefill.invalid:1",),
                            decode_urls=tuple(f"http://slot-{k}.invalid:1" for k in range(K)),
                            artifact=self.artifact, policy=self.policy, tau=self.tau,
-                           load_slack=self.load_slack, tokenizer=self.tokenizer,
+                           load_slack=self.load_slack,
+                           cost_layer_stride=self.cost_layer_stride, tokenizer=self.tokenizer,
                            chat_template=self.chat_template,
                            prompt_threads=self.prompt_threads,
                            prompt_processes=self.prompt_processes,

@@ -62,6 +62,7 @@ class TableConfig:
     policy: str = "eldr_cost"  # a name in eldr.routing.POLICIES, as eldr serve --policy
     tau: float | None = None  # locality band width; None: the artifact's
     load_slack: float | None = None  # eldr_cost's bounded-load slack, as eldr serve
+    cost_layer_stride: int = 1  # eldr_cost prices every s-th layer, as eldr serve
     reservation_ttl: float = 600.0  # seconds an unreleased reservation holds its decoder
     heartbeat_timeout: float = 30.0  # seconds without a heartbeat that make an engine unhealthy
 
@@ -70,6 +71,9 @@ class TableConfig:
                 or not 1 <= self.num_decode <= 1024:
             raise ValueError(f"num_decode must be an integer in [1, 1024], got "
                              f"{self.num_decode!r}")
+        stride = self.cost_layer_stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"cost_layer_stride must be an integer >= 1, got {stride!r}")
         for name in ("reservation_ttl", "heartbeat_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -378,5 +382,6 @@ def _build_state(config: TableConfig):
     serve = ServeConfig(prefill_urls=("http://prefill.invalid:1",),
                         decode_urls=tuple(f"http://slot-{k}.invalid:1" for k in range(K)),
                         artifact=config.artifact, policy=config.policy, tau=config.tau,
-                        load_slack=config.load_slack)
+                        load_slack=config.load_slack,
+                        cost_layer_stride=config.cost_layer_stride)
     return build_state(serve)
