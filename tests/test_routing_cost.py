@@ -518,6 +518,9 @@ def test_a_layer_stride_of_one_changes_nothing_and_bad_strides_are_refused():
     one = CostPolicy(K, num_layers=L, num_experts=E, layer_stride=1, decoder_profiles=typical)
     plain = CostPolicy(K, num_layers=L, num_experts=E, decoder_profiles=typical)
     assert one.priced_layers is None and one.priced_shape == (L, E)
+    for L_, kappa in ((12, 0.1), (6, 0.1), (48, 0.0123456789)):  # x * L / L is not x here
+        assert CostPolicy(K, num_layers=L_, num_experts=E,
+                          context_weight=kappa).context_weight == kappa  # κ bit for bit
     a, b = (_replay(pol, profiles, contexts, lambda p: p) for pol in (one, plain))
     assert [w for w, _ in a] == [w for w, _ in b]
     np.testing.assert_allclose([c for _, c in a], [c for _, c in b], rtol=1e-9)

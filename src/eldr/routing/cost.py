@@ -408,7 +408,8 @@ class CostPolicy(PolicyBase):
             else np.arange(0, self.shape[0], self.layer_stride))
         self.priced_shape = (self.shape[0] if self.priced_layers is None
                              else len(self.priced_layers), self.shape[1])
-        self.context_weight = float(context_weight) * self.priced_shape[0] / self.shape[0]
+        # the share first: 1.0 exactly at stride 1, so κ is the one given, bit for bit
+        self.context_weight = float(context_weight) * (self.priced_shape[0] / self.shape[0])
         self.capacity = capacity
         typical = None
         if decoder_profiles is not None:
@@ -499,9 +500,8 @@ class CostPolicy(PolicyBase):
         if not 0 <= worker < self.num_workers:
             raise ValueError(f"{self.name}: worker {worker} out of range")
         p = request.profile
-        if p is not None:
-            p = self._priced(p)  # a malformed one (None) never enters the state (decide
-            # refused it too)
+        if p is not None:  # a malformed profile (None here) never enters the state (decide
+            p = self._priced(p)  # refused it too)
         self.footprint.add(request.request_id, worker, p, request.context_tokens)
 
     def on_release(self, request_id: str, outcome: Outcome) -> None:
