@@ -15,12 +15,19 @@ not distinguishable (straddles +1 %), better or equal (below). Rows go to ``--ou
 
 A cell is ``workload:decoders:req/s`` (workloads: task, language, azure_conv,
 mooncake_conv).
+
+``--cost-layer-stride S`` also runs ``eldr_cost`` pricing every S-th layer (``eldr serve
+--cost-layer-stride S``) in every cell, as the locality policy ``eldr_cost_sS``, on the
+same arrivals. It is registered by this benchmark only: in this process, and in joblib's
+worker processes through a ``sitecustomize`` module in a temporary folder put first on
+their ``PYTHONPATH`` (they are started afresh and import nothing of this script).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import tempfile
 import time
@@ -61,6 +68,31 @@ def grid_plan(base, cells, max_seeds: int, half_width: float):
         target_half_width=half_width)
 
 
+def register_stride(stride: int) -> str:
+    """Register ``eldr_cost`` pricing every ``stride``-th layer as a grid policy of this
+    process (and of processes forked from it); its name."""
+    from eldr.routing import make_policy
+    from eldr.routing.registry import POLICIES, register_policy
+    from eldr.routing.roles import ReportRole
+
+    name = f"eldr_cost_s{stride}"
+    if name in POLICIES:
+        return name
+    spec = POLICIES["eldr_cost"]
+
+    def build(K, **kw):
+        pol = make_policy("eldr_cost", num_workers=K, layer_stride=stride, **kw)
+        pol.name = name  # the rows carry the policy's name
+        return pol
+
+    order = 1 + max(s.report.order for s in POLICIES.values() if s.report is not None)
+    register_policy(name, build, needs=spec.needs, options=spec.options, role="locality",
+                    report=ReportRole(order=order, grid=True,
+                                      title=f"The cost policy on every {stride}th layer",
+                                      sweep_weight=spec.report.sweep_weight))
+    return name
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", required=True, help="workload:decoders:req/s, comma-separated")
@@ -72,8 +104,26 @@ def main() -> int:
     ap.add_argument("--target-half-width", type=float, default=0.5)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", help="write every simulation row here (CSV)")
+    ap.add_argument("--cost-layer-stride", type=int, default=None, metavar="S",
+                    help="also run eldr_cost pricing every S-th layer, as eldr_cost_sS")
     args = ap.parse_args()
     cells = parse_cells(args.cells)
+    if args.cost_layer_stride is None:
+        return _run(args, cells)
+    if args.cost_layer_stride < 2:
+        raise SystemExit("--cost-layer-stride: give S >= 2 (1 is eldr_cost itself)")
+    register_stride(args.cost_layer_stride)
+    with tempfile.TemporaryDirectory(prefix="eldr-grid-stride-") as hook:
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
+            f.write(f"import sys\nsys.path.insert(0, {here!r})\nimport grid_cells\n"
+                    f"grid_cells.register_stride({args.cost_layer_stride})\n")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (hook, os.environ.get("PYTHONPATH")) if p)
+        return _run(args, cells)
+
+
+def _run(args, cells) -> int:
     plan = grid_plan(PLANS[args.plan], cells, args.max_seeds, args.target_half_width)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="eldr-grid-cells-") as tmp:
@@ -93,8 +143,9 @@ def main() -> int:
         while more := [t for (wl, K, q), n in cells_needing_seeds(
                 rows, plan.target_half_width, plan.grid_max_seeds)
                 for t in grid_cell_tasks(plan, wl, K, q, n)]:
-            print(f"{time.perf_counter() - t0:.0f}s: {len(more) // 5} cell(s) get one more "
-                  "seed", flush=True)
+            per_cell = len(grid_cell_tasks(plan, *cells[0], 0))
+            print(f"{time.perf_counter() - t0:.0f}s: {len(more) // per_cell} cell(s) get one "
+                  "more seed", flush=True)
             rows += [row for row, _ in run_tasks(plan, setups, more, runner)]
         for st in setups.values():
             st.tokens.drop_all()
@@ -102,7 +153,7 @@ def main() -> int:
     comps = comparisons(rows, variant_of)
     print(f"\n{len(cells)} cells, {len(rows)} simulations, "
           f"{time.perf_counter() - t0:.0f}s; Δ vs each balancer, mean ± 95 % half-width (%)")
-    print(f"{'cell':26} {'policy':9} {'metric':6} " + "  ".join(
+    print(f"{'cell':26} {'policy':12} {'metric':6} " + "  ".join(
         f"{'vs ' + b:>24}" for b in sorted({c['balancer'] for c in comps})))
     by = {}
     for c in comps:
@@ -112,7 +163,7 @@ def main() -> int:
     for (wl, K, q, pol, metric), m in by.items():
         cols = [f"{m[b]['mean']:+6.2f}±{m[b]['half']:.2f} n={m[b]['n']:<2} "
                 f"{tag.get(m[b]['cls'], 'ok'):>6}" for b in sorted(m)]
-        print(f"{f'{wl}:{K}:{q:g}':26} {pol:9} {metric:6} " + "  ".join(cols))
+        print(f"{f'{wl}:{K}:{q:g}':26} {pol:12} {metric:6} " + "  ".join(cols))
     for pol in grid_policies():
         k = class_counts([c for c in comps if c["policy"] == pol])
         print(f"{pol}: " + ", ".join(f"{v} {n}" for n, v in k.items()))
