@@ -96,28 +96,21 @@ def prefill_body(body: dict, kind: str, kv_params: dict, *,
     (null, 0). A UTF-16 or -32 body is re-serialised (ASCII appended to it would be
     garbage), as is one whose parse is not an object with members.
     """
+    changed: dict = {"kv_transfer_params": kv_params}
+    if token_ids:
+        changed["return_token_ids"] = True
+    changed["max_tokens"] = 1
+    if kind == "chat":
+        changed["max_completion_tokens"] = 1
+    changed["stream"] = False
     if raw is not None and body and is_utf8(raw):
         end = raw.rstrip()
         if end.endswith(b"}"):
-            extra: dict = {"kv_transfer_params": kv_params}
-            if token_ids:
-                extra["return_token_ids"] = True
-            extra["max_tokens"] = 1
-            if kind == "chat":
-                extra["max_completion_tokens"] = 1
-            extra["stream"] = False
             for key, default in _DROPPED:
                 if key in body:
-                    extra[key] = default
-            return end[:-1] + b", " + json.dumps(extra)[1:].encode()
-    pre = dict(body)
-    pre["kv_transfer_params"] = kv_params
-    if token_ids:
-        pre["return_token_ids"] = True
-    pre["max_tokens"] = 1
-    if kind == "chat":
-        pre["max_completion_tokens"] = 1
-    pre["stream"] = False
+                    changed[key] = default
+            return end[:-1] + b", " + json.dumps(changed)[1:].encode()
+    pre = {**body, **changed}  # the client's keys keep their places, as assigned one by one
     for key, _ in _DROPPED:
         pre.pop(key, None)
     return json.dumps(pre).encode()
