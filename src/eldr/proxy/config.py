@@ -181,6 +181,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     def _check_routing(self) -> None:
         """A policy the router can run, and its settings."""
         from eldr.routing import POLICIES
+        from eldr.routing.cost import check_layer_stride
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
@@ -192,10 +193,7 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
         if self.load_slack is not None and not (math.isfinite(self.load_slack)
                                                 and self.load_slack >= 0):
             raise ValueError(f"load_slack must be finite and >= 0, got {self.load_slack}")
-        if isinstance(self.cost_layer_stride, bool) or \
-                not isinstance(self.cost_layer_stride, int) or self.cost_layer_stride < 1:
-            raise ValueError(f"cost_layer_stride must be an integer >= 1, "
-                             f"got {self.cost_layer_stride!r}")
+        check_layer_stride(self.cost_layer_stride, "cost_layer_stride")
         self._check_decode_first()
 
     def _check_decode_first(self) -> None:

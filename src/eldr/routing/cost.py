@@ -65,7 +65,7 @@ from eldr.routing._common import _check, _check_num_workers
 from eldr.routing.engine_rows import EngineRows
 from eldr.routing.protocol import Decision, Outcome, PolicyBase, RouteRequest
 
-__all__ = ["CostPolicy", "ExpertFootprint", "prefill_profile"]
+__all__ = ["CostPolicy", "ExpertFootprint", "check_layer_stride", "prefill_profile"]
 
 _P_MAX = 1.0 - 1e-6  # log(1 − p) stays finite for an expert every token selects
 _TYPICAL_CACHE = 32  # fitted exp(n · m_d) rows kept per decoder (a count walks by ±1)
@@ -81,6 +81,15 @@ def _log1m(p: np.ndarray) -> np.ndarray:
     element: 37 µs for a 48 × 128 profile, against 14 µs here, at every dispatch of the
     router's request path."""
     return np.log(_ONE - p)
+
+
+def check_layer_stride(stride: object, what: str = "layer_stride") -> int:
+    """``stride`` as the cost policy's layer stride (an integer >= 1), else ValueError
+    naming ``what``: the one check of the policy, ``eldr serve --cost-layer-stride`` and
+    the Ray app's setting."""
+    if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {stride!r}")
+    return int(stride)
 
 
 def prefill_profile(counts: np.ndarray, num_tokens: int, top_k: int | None = None
@@ -396,12 +405,8 @@ class CostPolicy(PolicyBase):
                              f"got {context_weight}")
         if capacity is not None and not capacity >= 1:
             raise ValueError(f"{name}: capacity must be >= 1 or None, got {capacity}")
-        if isinstance(layer_stride, bool) or not isinstance(layer_stride, (int, np.integer)) \
-                or layer_stride < 1:
-            raise ValueError(f"{name}: layer_stride must be an integer >= 1, "
-                             f"got {layer_stride!r}")
+        self.layer_stride = check_layer_stride(layer_stride, f"{name}: layer_stride")
         self.shape = (int(num_layers), int(num_experts))
-        self.layer_stride = int(layer_stride)
         # the priced rows; None: every layer (no cut anywhere)
         self.priced_layers: np.ndarray | None = (
             None if self.layer_stride == 1 or self.shape[0] == 1

@@ -71,9 +71,9 @@ class TableConfig:
                 or not 1 <= self.num_decode <= 1024:
             raise ValueError(f"num_decode must be an integer in [1, 1024], got "
                              f"{self.num_decode!r}")
-        stride = self.cost_layer_stride
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"cost_layer_stride must be an integer >= 1, got {stride!r}")
+        from eldr.routing.cost import check_layer_stride
+
+        check_layer_stride(self.cost_layer_stride, "cost_layer_stride")  # early: at app build
         for name in ("reservation_ttl", "heartbeat_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

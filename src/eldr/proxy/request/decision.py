@@ -113,12 +113,9 @@ def _unbound(name: str, K: int, config: ServeConfig) -> Policy:
 
 
 def _cost_options(config: ServeConfig) -> dict:
-    """The deployment options of the cost policy (``load_slack``, and ``layer_stride``
-    when it is not 1); make_policy drops what the policy does not take."""
-    options: dict = {"load_slack": config.load_slack}
-    if config.cost_layer_stride != 1:
-        options["layer_stride"] = config.cost_layer_stride
-    return options
+    """The cost policy's deployment options; make_policy drops what a policy does not
+    take."""
+    return {"load_slack": config.load_slack, "layer_stride": config.cost_layer_stride}
 
 
 _TOKENIZERS: dict[tuple, PromptTokenizer] = {}  # (pid, folder, template) -> loaded once
