@@ -179,7 +179,8 @@ def test_normal_traffic_flows_after_the_short_prompts(faults):
 
 
 def _outcome(status: int, raw: bytes, *, stream: bool) -> str:
-    """'ok', or 'error' for a clear JSON error; fails on anything else."""
+    """'ok', or 'error' for a clear JSON error (a JSON body, or a stream's last event);
+    fails on anything else."""
     text = raw.decode(errors="replace")
     assert "Traceback" not in text, text[:1000]
     assert "poison" not in text.lower(), text[:1000]  # one engine death is not poison
@@ -192,10 +193,17 @@ def _outcome(status: int, raw: bytes, *, stream: bool) -> str:
         assert doc["usage"]["completion_tokens"] == LONG_TOKENS, doc
         return "ok"
     events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", text[-500:]
+    assert events, text[-500:]
+    if events[-1] != "[DONE]":
+        # The decoder died after the stream started: the router ends the stream with one
+        # SSE error event and no [DONE] (docs/serve.md), so a client that only waits for
+        # [DONE] sees the answer cut, not complete.
+        last = json.loads(events[-1])
+        assert "error" in last and last["error"]["code"] == 502, text[-500:]
+        assert not any("error" in json.loads(e) for e in events[:-1]), text[-1000:]
+        return "error"
     docs = [json.loads(e) for e in events[:-1]]
-    if any("error" in d for d in docs):
-        return "error"  # the decoder died after the stream started: an SSE error event
+    assert not any("error" in d for d in docs), text[-1000:]  # an error is the last event
     assert sum(len(c.get("text", "")) > 0 for d in docs for c in d.get("choices", [])) > 0
     return "ok"
 
