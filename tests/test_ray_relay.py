@@ -47,12 +47,13 @@ class Setup:
 
 
 async def _setup(*, payload: str = "counts", max_attempts: int = 3, policy: str = "eldr",
-                 stream_write_timeout: float = 60.0):
+                 stream_write_timeout: float = 60.0, cost_layer_stride: int = 1):
     prefill = await FakeEngine("p0", payload=payload).start()
     decoders = [await FakeEngine(f"d{k}").start() for k in range(2)]
     serve = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
-                        policy=policy, artifact=None)
-    table = DecodeTable(TableConfig(num_decode=2, policy=policy),
+                        policy=policy, artifact=None, cost_layer_stride=cost_layer_stride)
+    table = DecodeTable(TableConfig(num_decode=2, policy=policy,
+                                    cost_layer_stride=cost_layer_stride),
                         state=make_state(serve, names=("w-code", "w-other")))
     table.register("prefill", "rp", prefill.url)
     for k, d in enumerate(decoders):
@@ -125,11 +126,28 @@ def test_the_decoder_follows_the_prefill_payload_and_every_reservation_ends(stre
         prefill = s.prefill.requests[-1]
         assert prefill["max_tokens"] == 1 and prefill["stream"] is False
         assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+        assert prefill["kv_transfer_params"]["eldr_layers"] == [0, 1]  # the band's mask
         snap = await _settled(s)
         assert [d["load"] for d in snap["decoders"]] == [0.0, 0.0]
         assert snap["held"] == 0
         assert snap["counters"]["reservations:completed"] == 3
         assert snap["decisions"] == {"w-code|payload": 2, "w-other|payload": 1}
+    _run(test)
+
+
+def test_a_cost_layer_stride_asks_the_prefill_for_the_priced_layers_only():
+    """``eldr_cost`` pricing every 2nd of the 2 layers: each prefill is asked for layer 0
+    (as ``eldr serve`` asks), and the payload routes (no fallback to load)."""
+    async def test(s: Setup):
+        for prompt in ("write code for me", "the law of contracts"):
+            path, raw = _completion(prompt)
+            answer = await s.relay.handle("POST", path, raw)
+            assert answer.status == 200, answer.body
+            assert answer.headers["X-Eldr-Input"] == "payload"
+            assert s.prefill.requests[-1]["kv_transfer_params"]["eldr_layers"] == [0]
+        snap = await _settled(s)
+        assert not any(k.startswith("fallbacks:") for k in snap["counters"]), snap
+    test.setup_kw = {"policy": "eldr_cost", "cost_layer_stride": 2}
     _run(test)
 
 

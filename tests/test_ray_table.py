@@ -135,6 +135,20 @@ def test_prefill_targets_are_the_live_prefill_engines():
     assert t.prefill_targets() == [{"replica": "p0", "url": "http://p0:1"}]
 
 
+@pytest.mark.parametrize(("policy", "stride", "want"), [
+    ("eldr", 1, {"eldr_layers": [0, 1]}),  # the band reads its encoder's layers
+    ("eldr_cost", 1, {}),  # every layer: no mask
+    ("eldr_cost", 2, {"eldr_layers": [0]}),  # the rows it prices
+    ("jsq", 1, {}),  # reads no payload
+])
+def test_prefill_params_ask_the_engine_for_the_layers_the_policy_reads(policy, stride, want):
+    serve = ServeConfig(prefill_urls=("http://p:1",), decode_urls=("http://a:1", "http://b:1"),
+                        policy=policy, artifact=None, cost_layer_stride=stride)
+    t = DecodeTable(TableConfig(num_decode=2, policy=policy, cost_layer_stride=stride),
+                    clock=Clock(), state=make_state(serve, names=("w-code", "w-other")))
+    assert t.prefill_params() == want
+
+
 def test_config_is_validated_and_an_artifact_must_name_as_many_decoders(tmp_path):
     with pytest.raises(ValueError, match="num_decode"):
         TableConfig(num_decode=0)

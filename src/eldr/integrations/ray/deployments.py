@@ -45,6 +45,9 @@ class EldrDecodeTable:
     async def prefill_failed(self, replica) -> None:
         self.table.prefill_failed(replica)
 
+    async def prefill_params(self) -> dict:
+        return self.table.prefill_params()
+
     async def reserve(self, request_id, payload=None, doc=None, prompt_tokens=None,
                       exclude=(), reading=None, replicas=None) -> dict:
         return self.table.reserve(request_id, payload=payload, doc=doc,

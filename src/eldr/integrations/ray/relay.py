@@ -6,8 +6,9 @@ Per request (``/v1/completions`` and ``/v1/chat/completions``, JSON or SSE), as
 1. **prefill** on the least-loaded live prefill engine of the decode table: the client's
    body with ``max_tokens: 1``, not streamed, and ``kv_transfer_params =
    {"do_remote_decode": true, ...}`` (vLLM's PD protocol), under a fresh ``X-Request-Id``
-   per attempt. Its answer carries the capture plugin's expert counts
-   (``kv_transfer_params["eldr"]``);
+   per attempt, and the layers the table's policy reads (``eldr_layers``, as ``eldr
+   serve`` asks: the band's mask, ``eldr_cost``'s priced rows; none: every layer). Its
+   answer carries the capture plugin's expert counts (``kv_transfer_params["eldr"]``);
 2. **reserve**: the counts, the rest of the answer and ``usage.prompt_tokens`` go to the
    table, whose policy chooses the decoder and counts it as loaded;
 3. **decode**: the client's body plus the prefill's ``kv_transfer_params`` (less the eldr
@@ -111,14 +112,17 @@ class PDRelay:
         self._tasks: set[asyncio.Task] = set()  # releases in flight (kept referenced)
         self._prefills: list[dict] = []  # the table's live prefill engines, as last read
         self._prefills_at = float("-inf")  # loop time they were read
+        self._prefill_params: dict = {}  # the table's layer mask for prefills, read with them
         self._prefill_busy: Counter[str] = Counter()  # replica -> this ingress's prefills
 
     async def prefill_targets(self) -> list[dict]:
         """Live prefill engines, this ingress's least busy first (the table's list,
-        reused for ``prefill_refresh`` seconds)."""
+        reused for ``prefill_refresh`` seconds; the layers to ask them for are read with
+        it: :meth:`DecodeTable.prefill_params`)."""
         now = asyncio.get_running_loop().time()
         if now - self._prefills_at > self.config.prefill_refresh or not self._prefills:
             self._prefills = await self.table.prefill_targets()
+            self._prefill_params = await self.table.prefill_params()
             self._prefills_at = now
         return sorted(self._prefills, key=lambda t: self._prefill_busy[t["replica"]])
 
@@ -228,17 +232,18 @@ class PDRelay:
         no prefill engine answered."""
         import aiohttp
 
+        targets = await self.prefill_targets()
+        if not targets:
+            raise _Retry("no live prefill engine")
         pre = dict(body, max_tokens=1, stream=False,
                    kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
                                        "remote_engine_id": None, "remote_block_ids": None,
-                                       "remote_host": None, "remote_port": None})
+                                       "remote_host": None, "remote_port": None,
+                                       **self._prefill_params})
         for key in ("stream_options", "min_tokens"):
             pre.pop(key, None)
         if path.endswith("/chat/completions") or "max_completion_tokens" in body:
             pre["max_completion_tokens"] = 1
-        targets = await self.prefill_targets()
-        if not targets:
-            raise _Retry("no live prefill engine")
         session = await self.session()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout,
                                         connect=self.config.connect_timeout)

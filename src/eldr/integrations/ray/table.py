@@ -212,6 +212,17 @@ class DecodeTable:
                 for e in sorted(self.prefills.values(), key=lambda e: e.replica)
                 if self._is_alive(e, now)]
 
+    def prefill_params(self) -> dict:
+        """What an ingress adds to each prefill request's ``kv_transfer_params`` so the
+        engine's payload holds only the layers the policy reads: ``{"eldr_layers": [...]}``
+        (the band's layer mask, the rows ``eldr_cost --cost-layer-stride`` prices), or
+        ``{}`` for every layer (as ``eldr serve`` asks,
+        :func:`eldr.proxy.request.signatures.payload_request`). An ``eldr_cost`` bound to
+        the model's shape by its first payload asks for its rows from then on."""
+        from eldr.proxy.request.signatures import payload_request
+
+        return payload_request(self.state) or {}
+
     def prefill_failed(self, replica: str) -> None:
         """An ingress could not get an answer from this prefill engine: unhealthy until
         its next heartbeat."""
