@@ -150,6 +150,21 @@ def _learn_metrics(url: str) -> dict:
                for r in ("collected", "partial")}}
 
 
+def _buffer_mix(url: str) -> str:
+    """The learner's buffer as prompts: requests, distinct prompts (by their prefill
+    expert counts: a prompt's are the same every time it is prefilled whole) and how often
+    each came. A drift window is tested against the last calibration, a snapshot of this
+    buffer, so a false alarm on the calibration's own mix is read against it."""
+    status, _, raw = _request(url + "/admin/learn/trace", headers=AUTH)
+    if status != 200:
+        return f"the learner's trace: HTTP {status}"
+    counts = np.load(io.BytesIO(raw))["prefill_counts"]
+    _, times = np.unique(counts.reshape(counts.shape[0], -1), axis=0, return_counts=True)
+    return (f"{counts.shape[0]} buffered, {times.size} distinct prompts ("
+            + ", ".join(f"{n} sent {k}x" for k, n in enumerate(np.bincount(times)) if n)
+            + ")")
+
+
 def _send(url: str, prompts: list[str]) -> None:
     def one(prompt):
         status, _, raw = _request(url + "/v1/completions", body(prompt, MAX_TOKENS))
@@ -250,16 +265,19 @@ def test_router_learns_is_measured_scales_and_refits_on_drift(cluster):
     # empty store makes these whole-prompt prefills, so the windows are really tested.
     empty_store(tmp / "kv")
     settled = _learn_metrics(learner)
+    buffered = _buffer_mix(learner)
     mix = _prompts((A, B), slice(0, len(WORDS[A])))
     pick = np.random.default_rng(0).permutation(len(mix))[:CALM_WINDOWS * DRIFT_WINDOW]
     _send(learner, [mix[i] for i in pick])
     time.sleep(2)  # the last window's test runs in a thread after the answers
     calm = _learn_metrics(learner)
-    print(f"4. calm: {CALM_WINDOWS * DRIFT_WINDOW} requests of the calibrated mix; {calm}")
+    print(f"4. calm: {CALM_WINDOWS * DRIFT_WINDOW} requests of the calibrated mix; {calm}; "
+          f"the buffer before them: {buffered}")
     assert calm["collected"] - settled["collected"] >= (CALM_WINDOWS - 1) * DRIFT_WINDOW, \
         f"too few calm requests collected to test: {settled} -> {calm}"
     assert calm["drifts"] == settled["drifts"], \
-        f"drift declared on the calibration's own mix: {settled} -> {calm}\n" + "\n".join(
+        f"drift declared on the calibration's own mix: {settled} -> {calm}\nthe buffer " \
+        f"before the calm windows: {buffered}\n" + "\n".join(
             line for line in log_path.read_text(errors="replace").splitlines()
             if "learn: " in line and "learn: collected" not in line)
     t1 = time.monotonic()
