@@ -61,6 +61,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import parse_policy  # a sibling script, found by the line above
+
 PROMPTS = Path(__file__).resolve().parent / "data" / "wide_prompts.jsonl"
 SERVED = "tiny"
 
@@ -620,16 +623,11 @@ class Bench:
 
 
 def policy_spec(token: str) -> tuple[str, tuple[str, ...]]:
-    """(the ``eldr serve --policy``, its extra arguments) of a ``--policies`` entry:
-    ``eldr_cost/S`` is ``eldr_cost`` pricing every S-th layer (``--cost-layer-stride S``),
-    as in ``bench_serve.py``; any other entry is a policy name as it is."""
-    name, sep, stride = token.partition("/")
-    if not sep:
-        return token, ()
-    if name != "eldr_cost" or not stride.isdigit() or int(stride) < 1:
-        raise ValueError(f"--policies: {token!r}: only eldr_cost/S takes a layer stride, "
-                         f"S an integer >= 1")
-    return name, ("--cost-layer-stride", str(int(stride)))
+    """(the ``eldr serve --policy``, its extra arguments) of a ``--policies`` entry, read as
+    ``bench_serve.py`` reads its own (:func:`bench_serve.parse_policy`): ``eldr_cost/S`` is
+    ``eldr_cost --cost-layer-stride S``; a bad entry is a ValueError."""
+    name, stride = parse_policy(token)
+    return name, (() if stride == 1 else ("--cost-layer-stride", str(stride)))
 
 
 def split_held_out(prompts: dict[str, list[str]]

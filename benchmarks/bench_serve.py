@@ -84,14 +84,16 @@ def _mask_layers() -> np.ndarray:
     return np.sort(np.random.default_rng(1).choice(L, MASK, replace=False))
 
 
-def _policy_spec(token: str) -> tuple[str, int]:
+def parse_policy(token: str) -> tuple[str, int]:
     """(policy name, eldr_cost's layer stride) of a ``--policies`` entry: ``eldr_cost/3`` is
-    ``eldr_cost`` pricing every 3rd layer (``eldr serve --cost-layer-stride 3``)."""
-    name, _, stride = token.partition("/")
-    if not stride:
+    ``eldr_cost`` pricing every 3rd layer (``eldr serve --cost-layer-stride 3``); a bad
+    entry is a ValueError. ``bench_engine_tpot.py`` reads its entries with it too."""
+    name, sep, stride = token.partition("/")
+    if not sep:
         return name, 1
     if name != "eldr_cost" or not stride.isdigit() or int(stride) < 1:
-        raise SystemExit(f"--policies: {token!r}: only eldr_cost/S takes a layer stride S >= 1")
+        raise ValueError(f"--policies: {token!r}: only eldr_cost/S takes a layer stride, "
+                         f"S an integer >= 1")
     return name, int(stride)
 
 
@@ -367,7 +369,7 @@ def _policy_options(policy: str, memory: str) -> dict:
     ``decoder_profiles``: ``memory`` "fitted"), or with the online memory that stands in
     without them ("online": artifacts of version 1, and this benchmark before
     2026-12-06); ``eldr_cost/S`` with its layer stride."""
-    name, stride = _policy_spec(policy)
+    name, stride = parse_policy(policy)
     options = {"layer_stride": stride} if stride != 1 else {}
     if name == "eldr_cost" and memory == "fitted":
         options["decoder_profiles"] = _decoder_profiles()
@@ -395,7 +397,7 @@ def _serve_child(ports: list[int], policy: str, port: int, workers: int,
 
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     kwargs = {"workers": workers} if workers > 1 else {}
-    name, stride = _policy_spec(policy)
+    name, stride = parse_policy(policy)
     if stride != 1:
         kwargs["cost_layer_stride"] = stride
     config = ServeConfig(prefill_urls=(urls[0],), decode_urls=(urls[1], urls[2]),
@@ -501,7 +503,7 @@ def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], l
     for label, src in trees:
         env = {**os.environ, "PYTHONPATH": src}
         for policy in args.policies.split(","):
-            if label != "eldr" and _policy_spec(policy)[1] != 1:
+            if label != "eldr" and parse_policy(policy)[1] != 1:
                 notes.append(f"{label} {policy}: not run (a layer stride needs this tree's "
                              f"eldr_cost)")
                 continue
@@ -588,7 +590,7 @@ def _stage_state(policy: str, memory: str = "fitted"):
         "idf": rng.uniform(0.1, 2.0, (L, E))})
     cent = rng.random((2, MASK * E)).astype(np.float32)
     cent /= np.linalg.norm(cent, axis=1, keepdims=True)
-    return RoutingState(policy=make_policy(_policy_spec(policy)[0], num_workers=2,
+    return RoutingState(policy=make_policy(parse_policy(policy)[0], num_workers=2,
                                            centroids=cent, tau=0.1, num_layers=L,
                                            num_experts=E, **_policy_options(policy, memory)),
                         worker_names=("d0", "d1"), encoder=enc, num_layers=L,
@@ -658,7 +660,7 @@ def _stages(policy: str, prefill_answer: bytes, layer_answers: dict, decode_answ
 
     def count():
         metrics.requests.inc(endpoint="/v1/completions", status="200")
-        metrics.decisions.inc(policy=_policy_spec(policy)[0], decoder="d0")
+        metrics.decisions.inc(policy=parse_policy(policy)[0], decoder="d0")
         metrics.signatures.inc(source="payload")
         metrics.route_inputs.inc(source="prefill")
         metrics.latency.observe(1e-4)
@@ -717,7 +719,7 @@ async def _main(args) -> dict:
     core = cores[0] if len(cores) > 1 else None
     if len(cores) > 1:
         os.sched_setaffinity(0, set(cores[1:]))  # client + backends off the routers' core
-    strides = {_policy_spec(p)[1] for p in args.policies.split(",")}
+    strides = {parse_policy(p)[1] for p in args.policies.split(",")}
     prefill, masked, decode, by_rows = _answers(args.payload, strides)
     _Backend.prefill_reply = _http_response(prefill)
     _Backend.layer_replies = {rows: _http_response(a) for rows, a in by_rows.items()}
@@ -876,7 +878,10 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     for policy in args.policies.split(","):
-        _policy_spec(policy)  # a bad entry stops here, before any router starts
+        try:  # a bad entry stops here, before any router starts
+            parse_policy(policy)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.stream_tokens < 0 or args.token_interval_ms <= 0:
         p.error("--stream-tokens must be >= 0 and --token-interval-ms > 0")
     _STREAM.update(tokens=args.stream_tokens, interval=args.token_interval_ms / 1e3)
