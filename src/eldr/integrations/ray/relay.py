@@ -121,8 +121,8 @@ class PDRelay:
         it: :meth:`DecodeTable.prefill_params`)."""
         now = asyncio.get_running_loop().time()
         if now - self._prefills_at > self.config.prefill_refresh or not self._prefills:
-            self._prefills = await self.table.prefill_targets()
-            self._prefill_params = await self.table.prefill_params()
+            self._prefills, self._prefill_params = await asyncio.gather(  # one round trip
+                self.table.prefill_targets(), self.table.prefill_params())
             self._prefills_at = now
         return sorted(self._prefills, key=lambda t: self._prefill_busy[t["replica"]])
 
