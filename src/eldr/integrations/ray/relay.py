@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -144,8 +145,16 @@ class PDRelay:
 
     def _spawn(self, coro) -> None:
         """Run ``coro`` to its end even when the request's task is being cancelled (a
-        client that left must still release its decoder)."""
-        task = asyncio.ensure_future(coro)
+        client that left must still release its decoder).
+
+        It runs in a context of its own, not the request's: Serve takes a handle call
+        made in a request's context for a child of that request, and when the request is
+        cancelled it cancels the children still being assigned to a replica
+        (``Replica._on_request_cancelled``, Ray 2.60). A release spawned by the
+        cancellation itself is such a child until the table's replica takes it: without
+        this it was cancelled now and then (more often on a busy machine), and the
+        decoder stayed held until its reservation expired."""
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
