@@ -88,6 +88,21 @@ class LocalTable:
         return self.table.move(request_id, replica)
 
 
+class ContextTable(LocalTable):
+    """Records the Ray task a release was made in (``ray._raylet.async_task_id``: Ray
+    cancels the actor calls made in a cancelled actor task's context with it)."""
+
+    def __init__(self, table: DecodeTable) -> None:
+        super().__init__(table)
+        self.release_tasks: list = []
+
+    async def release(self, request_id, outcome="completed"):
+        import ray._raylet
+
+        self.release_tasks.append(ray._raylet.async_task_id.get())
+        return await super().release(request_id, outcome)
+
+
 class BrokenTable(LocalTable):
     async def reserve(self, request_id, **kw):
         raise ConnectionError("the table actor died")
@@ -320,6 +335,36 @@ def test_cancelled_routing_another_replica_and_a_second_choice_keep_the_loads_ri
     assert snap["counters"]["reservations:moved"] == 1
     assert snap["counters"]["reservations:cancelled"] == 2  # the one left, the first choice
     assert router.stats()["counters"]["moved"] == 1
+    router.close()
+
+
+def test_the_release_of_a_cancelled_request_is_not_made_in_its_task(artifacts):
+    """A caller that left: its release runs in a context of its own, not in the Ray task
+    of the request (which Ray cancels, and with it the actor calls made in its context:
+    the decoder would stay held until its reservation expired)."""
+    import ray._raylet
+
+    _, predicting, _ = artifacts
+    table = ContextTable(DecodeTable(TableConfig(num_decode=2, artifact=predicting,
+                                                 policy="eldr")))
+    router = _router(predicting, table)
+    router.ready(30)
+    replicas = [Replica("r0"), Replica("r1")]
+
+    async def go():
+        async def request():  # Ray runs each actor task with its id in this variable
+            ray._raylet.async_task_id.set(b"the request's task")
+            left = _pending({"model": "tiny", "prompt": list(range(12))})
+            await router.choose_replicas(replicas, left)
+            left.future.cancel()
+
+        await asyncio.create_task(request())
+        await _settle()
+
+    asyncio.run(go())
+    assert table.calls == ["reserve", "release:cancelled"]
+    assert table.release_tasks == [None]
+    assert table.table.snapshot()["held"] == 0
     router.close()
 
 

@@ -153,7 +153,9 @@ class PDRelay:
         (``Replica._on_request_cancelled``, Ray 2.60). A release spawned by the
         cancellation itself is such a child until the table's replica takes it: without
         this it was cancelled now and then (more often on a busy machine), and the
-        decoder stayed held until its reservation expired."""
+        decoder stayed held until its reservation expired. Ray itself does the same to
+        the actor calls made in a cancelled actor task's context (its
+        ``ray._raylet.async_task_id``), which a new context leaves unset too."""
         task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -44,6 +44,7 @@ process that died) expires after ``reservation_ttl``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -279,7 +280,11 @@ class EldrDecodeRouter(RequestRouter):
         return self._table
 
     def _spawn(self, make) -> None:
-        """Run ``make()`` (a coroutine) on the router's loop without waiting for it."""
+        """Run ``make()`` (a coroutine) on the router's loop without waiting for it, in a
+        context of its own: a release spawned for a request that was cancelled must not
+        be cancelled with it (Ray cancels the actor calls made in a cancelled actor
+        task's context, ``ray._raylet.async_task_id``; see :meth:`PDRelay._spawn
+        <eldr.integrations.ray.relay.PDRelay._spawn>`)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -296,7 +301,7 @@ class EldrDecodeRouter(RequestRouter):
                 _log.warning("EldrDecodeRouter: a table call failed: %r", exc)
 
         if running is loop:
-            task = loop.create_task(run())
+            task = loop.create_task(run(), context=contextvars.Context())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
