@@ -37,6 +37,10 @@ def test_config_from_args():
     cfg = config_from_args(_args("--prefill", "http://p:1", "--decode", "http://d:1",
                                  "--cost-layer-stride", "3"))
     assert cfg.cost_layer_stride == 3
+    assert cfg.http_front == "fast"  # the generate routes' fast front unless asked
+    cfg = config_from_args(_args("--prefill", "http://p:1", "--decode", "http://d:1",
+                                 "--http-front", "aiohttp"))
+    assert cfg.http_front == "aiohttp"
 
 
 def test_mixed_decode_specs_are_refused():

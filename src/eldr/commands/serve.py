@@ -112,6 +112,10 @@ def _add_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="accepted model name (repeatable; default: what the engines list)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--http-front", choices=("fast", "aiohttp"), default="fast",
+                   help="the server of the generate routes: fast (their common requests "
+                        "parsed and answered without aiohttp's request machinery, the rest "
+                        "handed to it) or aiohttp (aiohttp's server for every request)")
 
 
 def _add_dependability(p: argparse.ArgumentParser) -> None:
@@ -220,6 +224,7 @@ def config_from_args(args: argparse.Namespace):
         admin_token=_admin_token(args),
         upstream_api_key=os.environ.get(args.upstream_api_key_env) or None,
         models=tuple(args.model), max_body_bytes=args.max_body_bytes,
+        http_front=getattr(args, "http_front", "fast"),
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
         decode_read_timeout=args.decode_timeout, write_timeout=args.write_timeout,
         max_prefill_bytes=args.max_prefill_bytes, max_response_bytes=args.max_response_bytes,

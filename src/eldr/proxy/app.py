@@ -231,6 +231,11 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
+    async def serve_generate(self, request):
+        """A generate request (``/v1/completions``, ``/v1/chat/completions``) as the app
+        serves it, error middleware included: what :mod:`eldr.proxy.front` calls."""
+        return await self._errors(request, self.generate)
+
     async def _errors(self, request, handler):
         """Middleware: turn every error into an OpenAI-style answer; count requests."""
         from aiohttp import web

@@ -96,6 +96,9 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
     upstream_api_key: str | None = field(default=None, repr=False)
     models: tuple[str, ...] = ()  # accepted model names; (): learned from upstream /v1/models
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    # the generate routes' server: "fast" (eldr.proxy.front, aiohttp for everything else)
+    # or "aiohttp" (aiohttp's hardened server for every request)
+    http_front: str = "fast"
     connect_timeout: float = 3.0  # seconds to open a connection to an instance
     prefill_timeout: float = 120.0  # seconds for a whole prefill response
     decode_read_timeout: float = 120.0  # seconds without a byte from a decoder (first included)
@@ -297,6 +300,8 @@ class ServeConfig:  # repr=False on secrets below: a logged config must not leak
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        if self.http_front not in ("fast", "aiohttp"):
+            raise ValueError(f"http_front must be 'fast' or 'aiohttp', got {self.http_front!r}")
         if self.engine_footprint not in ("auto", "off"):
             raise ValueError(f"engine_footprint must be 'auto' or 'off', "
                              f"got {self.engine_footprint!r}")

@@ -25,16 +25,20 @@ log = logging.getLogger("eldr.serve")
 async def run_app(runner, *, host: str, port: int, banner: Callable[[str, int], str],
                   ready: Callable[[int], None] | None = None, reuse_port: bool = False,
                   backlog: int = 128,
-                  on_hangup: Callable[[], Awaitable[None]] | None = None) -> None:
+                  on_hangup: Callable[[], Awaitable[None]] | None = None,
+                  site_factory=None) -> None:
     """Serve ``runner`` (an aiohttp ``AppRunner``, not yet set up) on ``host:port`` until
     SIGINT/SIGTERM. ``banner(host, port)``: the line printed on stderr once listening;
     ``ready(port)``: called then; ``reuse_port``: bind with ``SO_REUSEPORT`` (the workers
     of ``--workers N``); ``on_hangup()``: a coroutine run on each SIGHUP (none: SIGHUP is
-    left as it was)."""
+    left as it was); ``site_factory``: aiohttp's ``TCPSite`` or one like it (called as
+    it is)."""
     from aiohttp import web
 
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=backlog, reuse_port=reuse_port or None)
+    if site_factory is None:
+        site_factory = web.TCPSite
+    site = site_factory(runner, host, port, backlog=backlog, reuse_port=reuse_port or None)
     await site.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -73,10 +77,20 @@ async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool
 
     runner = HardenedAppRunner(router.make_app(), limits=http_limits,
                                handler_cancellation=True, access_log=None)
+    site_factory = None
+    if router.config.http_front == "fast":
+        from eldr.proxy.front import FrontSite, GenerateFront
+
+        def front_for(server):
+            return GenerateFront(router.serve_generate, server, limits=runner.limits,
+                                 max_body=router.config.max_body_bytes)
+
+        def site_factory(*args, **kwargs):
+            return FrontSite(*args, front_for=front_for, **kwargs)
     await run_app(runner, host=router.config.host,
                   port=router.config.port if port is None else port, banner=banner,
                   ready=ready, reuse_port=reuse_port, backlog=1024,
-                  on_hangup=lambda: hangup(router))
+                  on_hangup=lambda: hangup(router), site_factory=site_factory)
 
 
 async def hangup(router) -> None:
