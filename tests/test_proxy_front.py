@@ -176,11 +176,14 @@ def test_requests_the_front_does_not_serve_are_answered_by_aiohttp(raw, why):
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-C: a\x01b\r\nContent-Length: 2\r\n\r\n{}",
      400, "Invalid HTTP request"),
     (b"\x00\x01garbage nonsense\r\n\r\n", 400, "Invalid HTTP request"),
+    # bare LF line ends, a body holding CRLF CRLF: the front must not read its head's end
+    (b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 20\n\n"
+     b'{"prompt": "a\r\n\r\nb"}', 400, "Invalid HTTP request"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999\r\n\r\n{", 413,
      "larger than 1024 bytes"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{nope", 400,
      "JSON decode error"),
-], ids=["long-header", "control-char", "garbage", "too-large", "bad-json"])
+], ids=["long-header", "control-char", "garbage", "lf-only", "too-large", "bad-json"])
 def test_malformed_or_oversized_requests_get_the_routers_json_errors(raw, status, words):
     async def go():
         async with front_router(max_body_bytes=1024) as (_, port, _front, _):

@@ -310,9 +310,9 @@ class FrontConnection(BaseProtocol):
         """Where the current request's body starts in the bytes read, or -1 when its head
         did not end with CRLF CRLF (a lenient line ending: then its end is not known
         here, and aiohttp's parser reads it)."""
-        end = self._buf.find(b"\r\n\r\n")
-        if end < 0 or -1 < self._buf.find(b"\n\n") < end or \
-                self._buf.find(b"\n\r\n") != end + 1:
+        buf = self._buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0 or buf.find(b"\n\n", 0, end) >= 0 or buf.find(b"\n\r\n", 0, end + 4) != end + 1:
             return -1
         return end + 4
 

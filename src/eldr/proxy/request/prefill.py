@@ -246,10 +246,11 @@ class PrefillLeg:
         return inst, kind
 
     # -- the answer ---------------------------------------------------------------------------
-    def kv_of(self, doc: dict) -> tuple[dict, int | None]:
+    def kv_of(self, doc: dict, split: tuple | None = None) -> tuple[dict, int | None]:
         """(kv_transfer_params for the decoder, the prompt's tokens) of a prefill answer;
-        the engines' model shape is recorded from its payload."""
-        kv_params, payload = split_kv_params(doc)
+        the engines' model shape is recorded from its payload. ``split``: the answer's
+        :func:`split_kv_params` when the caller has it."""
+        kv_params, payload = split if split is not None else split_kv_params(doc)
         kv_params = {**(kv_params or {}), REPORT_KEY: True}  # decoders: report the decode
         if payload is not None:
             self.pool.engine_shape = payload_shape(payload) or self.pool.engine_shape
@@ -262,8 +263,9 @@ class PrefillLeg:
         """(kv_transfer_params for the decoder, the prompt's tokens, the routing inputs) of
         a prefill answer."""
         metrics = self.metrics
-        kv_params, pt = self.kv_of(doc)
-        payload = split_kv_params(doc)[1]
+        split = split_kv_params(doc)
+        kv_params, pt = self.kv_of(doc, split)
+        payload = split[1]
         reading = read_inputs(doc, payload, state, pt)
         if reading.problem != "not_used":
             metrics.signatures.inc(source=reading.source)
