@@ -390,3 +390,42 @@ def spy_events(policy) -> list:
 
     policy.on_dispatch, policy.on_release = on_dispatch, on_release
     return events
+
+
+@contextlib.asynccontextmanager
+async def served_router(limits=None, *, front: bool = False, shutdown_timeout: float = 60.0,
+                        **config_kw):
+    """Fake engines (1 prefill, 2 decode) and a router on a real port, served as ``eldr
+    serve`` serves it: the hardened aiohttp runner (:mod:`eldr.proxy.httpserver`, ``limits``
+    an ``HttpLimits``), listening through the generate routes' fast front
+    (:mod:`eldr.proxy.front`) when ``front``; yields (router, base URL, runner, decoders).
+    The front is the runner's one site's ``front``."""
+    from eldr.proxy.front import FrontSite, GenerateFront
+    from eldr.proxy.httpserver import HardenedAppRunner
+
+    prefill = await FakeEngine("p0").start()
+    decoders = [await FakeEngine(f"d{k}").start() for k in range(2)]
+    settings = {"health_interval": 0.5, "health_timeout": 1.0, "unhealthy_after": 1,
+                "artifact": None, **config_kw}
+    config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
+                         policy="eldr", **settings)
+    router = Router(config, state=make_state(config))
+    runner = HardenedAppRunner(router.make_app(), limits=limits, handler_cancellation=True,
+                               access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    if front:
+        def front_for(server):
+            return GenerateFront(router.serve_generate, server, limits=runner.limits,
+                                 max_body=config.max_body_bytes)
+
+        site = FrontSite(runner, "127.0.0.1", 0, front_for=front_for)
+    else:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield router, f"http://127.0.0.1:{port}", runner, decoders
+    finally:
+        await runner.cleanup()
+        for engine in (prefill, *decoders):
+            await engine.close()

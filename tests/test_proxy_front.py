@@ -15,11 +15,10 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("httptools")
 
-from _proxy_fakes import FakeEngine, make_state
+from _proxy_fakes import FakeEngine, served_router
 from eldr.proxy.app import Router
 from eldr.proxy.config import ServeConfig
-from eldr.proxy.front import FrontSite, GenerateFront
-from eldr.proxy.httpserver import HardenedAppRunner, HttpLimits
+from eldr.proxy.httpserver import HttpLimits
 
 
 def _post(path: str, doc: dict, *, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
@@ -36,32 +35,12 @@ def _completion(prompt: str, *, extra: bytes = b"", **kw) -> bytes:
 
 @contextlib.asynccontextmanager
 async def front_router(limits: HttpLimits | None = None, **config_kw):
-    """Fake engines (1 prefill, 2 decode) and a router listening through the front on a
-    real port, as ``eldr serve`` runs it; yields (router, port, front)."""
-    prefill = await FakeEngine("p0").start()
-    decoders = [await FakeEngine(f"d{k}").start() for k in range(2)]
-    settings = {"health_interval": 0.5, "health_timeout": 1.0, "unhealthy_after": 1,
-                "artifact": None, **config_kw}
-    config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
-                         policy="eldr", **settings)
-    router = Router(config, state=make_state(config))
-    runner = HardenedAppRunner(router.make_app(), limits=limits, handler_cancellation=True,
-                               access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-
-    def front_for(server):
-        return GenerateFront(router.serve_generate, server, limits=runner.limits,
-                             max_body=config.max_body_bytes)
-
-    site = FrontSite(runner, "127.0.0.1", 0, front_for=front_for)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield router, port, site.front, decoders
-    finally:
-        await runner.cleanup()
-        for engine in (prefill, *decoders):
-            await engine.close()
+    """The router listening through the front as ``eldr serve`` runs it (fake engines: 1
+    prefill, 2 decode); yields (router, port, front, decoders)."""
+    async with served_router(limits, front=True, shutdown_timeout=2.0, **config_kw) as (
+            router, base, runner, decoders):
+        (site,) = runner.sites
+        yield router, int(base.rsplit(":", 1)[1]), site.front, decoders
 
 
 class Conn:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from _proxy_fakes import FakeEngine, make_state
+from _proxy_fakes import FakeEngine, served_router
 from eldr.proxy import httpserver
 from eldr.proxy.app import Router
 from eldr.proxy.config import ServeConfig
@@ -53,31 +53,6 @@ async def _until(predicate, timeout: float = 20.0, step: float = 0.02) -> bool:
             return False
         await asyncio.sleep(step)
     return True
-
-
-@contextlib.asynccontextmanager
-async def hardened_router(limits: HttpLimits | None = None, **config_kw):
-    """Fake engines (1 prefill, 2 decode) and a router served by HardenedAppRunner on a
-    real port; yields (router, base URL, runner)."""
-    prefill = await FakeEngine("p0").start()
-    decoders = [await FakeEngine(f"d{k}").start() for k in range(2)]
-    settings = {"health_interval": 0.5, "health_timeout": 1.0, "unhealthy_after": 1,
-                "artifact": None, **config_kw}
-    config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=tuple(d.url for d in decoders),
-                         policy="eldr", **settings)
-    router = Router(config, state=make_state(config))
-    runner = HardenedAppRunner(router.make_app(), limits=limits, handler_cancellation=True,
-                               access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield router, f"http://127.0.0.1:{port}", runner
-    finally:
-        await runner.cleanup()
-        for engine in (prefill, *decoders):
-            await engine.close()
 
 
 def _port(base: str) -> int:
@@ -121,7 +96,7 @@ def test_the_hardening_seam_is_in_place():
     assert httpserver.seam_missing() == []
 
     async def go():
-        async with hardened_router() as (_, _base, runner):
+        async with served_router() as (_, _base, runner, _d):
             return type(runner.server), type(runner.server())
 
     server_cls, handler_cls = asyncio.run(go())
@@ -135,7 +110,7 @@ def test_malformed_http_gets_vllms_json_error_and_one_log_line(caplog, name, raw
     caplog.set_level(logging.DEBUG)
 
     async def go():
-        async with hardened_router(health_interval=60) as (_, base, runner):
+        async with served_router(health_interval=60) as (_, base, runner, _d):
             caplog.clear()
             answer = await _exchange(_port(base), raw)
             records = list(caplog.records)
@@ -179,7 +154,7 @@ def test_refusal_log_lines_are_rate_limited_and_count_the_ones_left_out():
 
 def test_many_malformed_requests_log_one_line():
     async def go():
-        async with hardened_router(health_interval=60) as (_, base, runner):
+        async with served_router(health_interval=60) as (_, base, runner, _d):
             answers = await asyncio.gather(*[_exchange(_port(base), MALFORMED[0][1])
                                              for _ in range(30)])
             return answers, runner.server.refusals
@@ -235,7 +210,7 @@ def test_request_heads_that_never_finish_are_closed_while_good_requests_flow():
     limits = HttpLimits(header_timeout=0.5)
 
     async def go():
-        async with hardened_router(limits) as (_, base, runner):
+        async with served_router(limits) as (_, base, runner, _d):
             loop = asyncio.get_running_loop()
             port = _port(base)
             opened = loop.time()
@@ -270,7 +245,7 @@ def test_request_heads_that_never_finish_are_closed_while_good_requests_flow():
 
 def test_a_head_sent_in_pieces_within_the_timeout_is_served():
     async def go():
-        async with hardened_router(HttpLimits(header_timeout=5.0)) as (_, base, _r):
+        async with served_router(HttpLimits(header_timeout=5.0)) as (_, base, _r, _d):
             reader, writer = await asyncio.open_connection("127.0.0.1", _port(base))
             for piece in (b"GET /hea", b"lth HTTP/1.1\r\nHo", b"st: x\r\n", b"\r\n"):
                 writer.write(piece)
@@ -289,7 +264,7 @@ def test_kept_alive_connections_idle_or_stalled_between_requests_are_closed():
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
     async def go():
-        async with hardened_router(limits) as (_, base, _r):
+        async with served_router(limits) as (_, base, _r, _d):
             loop = asyncio.get_running_loop()
             out = []
             for second in (b"", b"GET /hea"):
@@ -322,7 +297,7 @@ def test_file_descriptors_come_back_after_a_burst_and_the_idle_expiry():
     meanwhile: a pool in use drops its expired connections itself, the sweep is for idle
     pools."""
     async def go():
-        async with hardened_router(health_interval=60) as (router, base, _r):
+        async with served_router(health_interval=60) as (router, base, _r, _d):
             router.session.keepalive_expiry = 0.3
             await asyncio.sleep(0.5)
             before = _fds()
