@@ -429,3 +429,27 @@ async def served_router(limits=None, *, front: bool = False, shutdown_timeout: f
         await runner.cleanup()
         for engine in (prefill, *decoders):
             await engine.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_task(*, http_limits=None, **config_kw):
+    """``eldr serve``'s loop (:func:`eldr.proxy.serving.serve`) run in a task in front of
+    one fake prefill and one fake decoder (``config_kw``: more of the ``ServeConfig``);
+    yields the port it listens on, and stops it."""
+    from eldr.proxy.serving import serve
+
+    prefill = await FakeEngine("p0").start()
+    decoder = await FakeEngine("d0").start()
+    config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=(decoder.url,),
+                         artifact=None, port=0, health_interval=60, **config_kw)
+    port = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(serve(Router(config), ready=port.set_result,
+                                       http_limits=http_limits))
+    try:
+        yield await asyncio.wait_for(port, 30)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await prefill.close()
+        await decoder.close()

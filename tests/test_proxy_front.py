@@ -15,8 +15,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("httptools")
 
-from _proxy_fakes import FakeEngine, served_router
-from eldr.proxy.app import Router
+from _proxy_fakes import serve_task, served_router
 from eldr.proxy.config import ServeConfig
 from eldr.proxy.httpserver import HttpLimits
 
@@ -262,7 +261,6 @@ def test_shutdown_closes_idle_connections_and_lets_answers_finish():
 
 def test_serve_listens_through_the_front_unless_told_otherwise(monkeypatch):
     from eldr.proxy import front as front_mod
-    from eldr.proxy.serving import serve
 
     made = []
     real = front_mod.GenerateFront.__call__
@@ -274,25 +272,11 @@ def test_serve_listens_through_the_front_unless_told_otherwise(monkeypatch):
     monkeypatch.setattr(front_mod.GenerateFront, "__call__", counting)
 
     async def one(http_front: str):
-        prefill = await FakeEngine("p0").start()
-        decoder = await FakeEngine("d0").start()
-        config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=(decoder.url,),
-                             policy="jsq", artifact=None, port=0, health_interval=60,
-                             http_front=http_front)
-        router = Router(config)
-        port = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(serve(router, ready=port.set_result))
-        try:
-            conn = await Conn().open(await asyncio.wait_for(port, 30))
+        async with serve_task(policy="jsq", http_front=http_front) as port:
+            conn = await Conn().open(port)
             conn.send(_completion("code"))
             status = (await conn.answer())[0]
             conn.close()
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await prefill.close()
-            await decoder.close()
         return status
 
     assert asyncio.run(one("fast")) == 200 and len(made) == 1

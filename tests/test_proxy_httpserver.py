@@ -6,7 +6,6 @@ deadline, so a loaded 2-core machine slows these tests down without failing them
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -15,10 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from _proxy_fakes import FakeEngine, served_router
+from _proxy_fakes import serve_task, served_router
 from eldr.proxy import httpserver
-from eldr.proxy.app import Router
-from eldr.proxy.config import ServeConfig
 from eldr.proxy.httpserver import HardenedAppRunner, HttpLimits, RefusalLog, classify
 
 CODE = {"model": "tiny", "prompt": "write code now"}
@@ -325,28 +322,10 @@ def test_file_descriptors_come_back_after_a_burst_and_the_idle_expiry():
 
 def test_serve_runs_the_hardened_server(capsys):
     """eldr serve (and each --workers N worker, which runs serve()) uses the hardening."""
-    from eldr.proxy.serving import serve
-
     async def go():
-        prefill = await FakeEngine("p0").start()
-        decoder = await FakeEngine("d0").start()
-        config = ServeConfig(prefill_urls=(prefill.url,), decode_urls=(decoder.url,),
-                             policy="eldr_cost", artifact=None, port=0, health_interval=60)
-        router = Router(config)
-        port = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(serve(router, ready=port.set_result,
-                                           http_limits=HttpLimits(header_timeout=0.3)))
-        try:
-            p = await asyncio.wait_for(port, 30)
-            refused = await _exchange(p, MALFORMED[0][1])
-            late = await _exchange(p, b"POST /v1/comp")
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await prefill.close()
-            await decoder.close()
-        return refused, late
+        async with serve_task(policy="eldr_cost",
+                              http_limits=HttpLimits(header_timeout=0.3)) as p:
+            return await _exchange(p, MALFORMED[0][1]), await _exchange(p, b"POST /v1/comp")
 
     refused, late = asyncio.run(go())
     _check_json_error(refused, 431, "header line is over")
