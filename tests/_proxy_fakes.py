@@ -416,7 +416,7 @@ async def served_router(limits=None, *, front: bool = False, shutdown_timeout: f
     if front:
         def front_for(server):
             return GenerateFront(router.serve_generate, server, limits=runner.limits,
-                                 max_body=config.max_body_bytes)
+                                 max_body=config.max_body_bytes, metrics=router.metrics)
 
         site = FrontSite(runner, "127.0.0.1", 0, front_for=front_for)
     else:

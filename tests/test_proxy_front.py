@@ -90,15 +90,16 @@ def test_generate_requests_on_one_connection_are_answered_by_the_front():
                 conn.send(_completion(prompt))
                 answers.append(await conn.answer())
             conn.close()
-            return answers, front.served, front.handed_off, router.metrics.requests.values
+            return (answers, front.served, front.handed_off, router.metrics.requests.values,
+                    router.metrics.front_requests.get())
 
-    answers, served, handed, requests = asyncio.run(go())
+    answers, served, handed, requests, counted = asyncio.run(go())
     for status, headers, body in answers:
         assert status == 200, body
         assert headers["x-eldr-decoder"] in ("w-code", "w-other")
         assert headers["content-type"].startswith("application/json")
         assert json.loads(body)["choices"]
-    assert served == 3 and handed == 0
+    assert served == 3 and handed == 0 and counted == 3  # eldr_http_front_requests_total
     assert requests[("completions", "200")] == 3  # counted as behind aiohttp
 
 
@@ -121,19 +122,19 @@ def test_pipelined_requests_are_answered_in_order():
 
 
 @pytest.mark.parametrize("raw, why", [
-    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", "another route"),
-    (_completion("code", stream=False, extra=b"Expect: 100-continue\r\n"), "Expect"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", "route"),
+    (_completion("code", stream=False, extra=b"Expect: 100-continue\r\n"), "framing"),
     (_post("/v1/completions", {"model": "tiny", "prompt": "code"}, version=b"1.0"),
-     "HTTP/1.0"),
+     "framing"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
      b"20\r\n" + json.dumps({"model": "tiny", "prompt": "code now"})[:32].encode()
      + b"\r\n" + b"%x\r\n" % len(json.dumps({"model": "tiny", "prompt": "code now"})[32:])
      + json.dumps({"model": "tiny", "prompt": "code now"})[32:].encode()
-     + b"\r\n0\r\n\r\n", "a chunked body"),
+     + b"\r\n0\r\n\r\n", "framing"),
 ], ids=["route", "expect", "http10", "chunked"])
 def test_requests_the_front_does_not_serve_are_answered_by_aiohttp(raw, why):
     async def go():
-        async with front_router() as (_, port, front, _):
+        async with front_router() as (router, port, front, _):
             conn = await Conn().open(port)
             conn.send(raw)
             if b"Expect" in raw:  # aiohttp says 100 Continue first
@@ -141,11 +142,12 @@ def test_requests_the_front_does_not_serve_are_answered_by_aiohttp(raw, why):
                 assert head.startswith(b"HTTP/1.1 100")
             answer = await conn.answer()
             conn.close()
-            return answer, front.served, front.handed_off
+            return answer, front.served, front.handed_off, router.metrics.front_handoffs.values
 
-    (status, _, body), served, handed = asyncio.run(go())
+    (status, _, body), served, handed, reasons = asyncio.run(go())
     assert status == 200, (why, body)
     assert served == 0 and handed == 1, why
+    assert reasons == {(why,): 1}  # eldr_http_front_handoffs_total{reason}
 
 
 @pytest.mark.parametrize("raw, status, words", [

@@ -147,6 +147,11 @@ PINNED = {  # family -> (type, help text, label names of its samples)
         "counter", "Failures talking to engines, by role and kind.", ("role", "instance", "kind")),
     "eldr_client_disconnects_total": (
         "counter", "Clients that left before their answer ended.", ()),
+    "eldr_http_front_requests_total": (
+        "counter", "Generate requests the fast front answered itself (eldr.proxy.front).", ()),
+    "eldr_http_front_handoffs_total": (
+        "counter", "Client connections the fast front handed to the aiohttp server, by why.",
+        ("reason",)),
     "eldr_slow_clients_total": (
         "counter", "Clients dropped for leaving an answer unread past the write timeout (their "
         "decode aborted).", ()),

@@ -47,9 +47,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from eldr.proxy.errors import error_body
 from eldr.proxy.httpserver import HttpLimits, RefusalLog
+from eldr.proxy.metrics import FRONT_HANDOFF_REASONS
 
-__all__ = ["GENERATE_PATHS", "PIPELINE_BYTES", "FrontConnection", "FrontRequest", "FrontSite",
-           "GenerateFront"]
+__all__ = ["GENERATE_PATHS", "HANDOFF_REASONS", "PIPELINE_BYTES", "FrontConnection",
+           "FrontRequest", "FrontSite", "GenerateFront"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -57,6 +58,12 @@ GENERATE_PATHS = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 PIPELINE_BYTES = 1 << 20
 """Bytes of pipelined requests held while one runs; past them the connection is not read
 until it is answered (a client that pipelines without bound cannot grow the router)."""
+
+HANDOFF_REASONS = FRONT_HANDOFF_REASONS
+"""Why a connection went to aiohttp (``eldr_http_front_handoffs_total{reason}``): another
+route or method; a head that did not come whole in one read; a request the parser refused;
+a request line, header line or header count over the server's limits; no, several or too
+large a ``Content-Length``; chunked, ``Expect``, an upgrade, HTTP/1.0, bare-LF line ends."""
 
 # a header the front never serves: the request goes to aiohttp whole
 _HANDED_HEADERS = frozenset({"transfer-encoding", "expect", "upgrade"})
@@ -108,11 +115,13 @@ class GenerateFront:
     aiohttp response, never an exception but the client's cancellation); ``server``: the
     hardened aiohttp server connections are handed to; ``limits``: its limits (the front
     hands off a head over them); ``max_body``: the largest body the front reads (larger
-    ones are aiohttp's to refuse)."""
+    ones are aiohttp's to refuse); ``metrics``: the router's ``RouterMetrics``, counting
+    what the front served and handed off."""
 
     def __init__(self, handler, server, *, limits: HttpLimits | None = None,
-                 max_body: int, refusals: RefusalLog | None = None) -> None:
+                 max_body: int, refusals: RefusalLog | None = None, metrics=None) -> None:
         self.handler = handler
+        self.metrics = metrics  # RouterMetrics (front_requests, front_handoffs), or None
         self.server = server
         self.limits = limits or HttpLimits()
         self.max_body = max_body
@@ -205,7 +214,7 @@ class FrontConnection(BaseProtocol):
         self._body: list[bytes] = []
         self._head_done = False
         self._complete: FrontRequest | None = None
-        self._hand = False  # this request goes to aiohttp
+        self._hand: str | None = None  # why this request goes to aiohttp (HANDOFF_REASONS)
 
     def data_received(self, data: bytes) -> None:
         if self._gone:
@@ -221,21 +230,21 @@ class FrontConnection(BaseProtocol):
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
             if self._complete is None:  # (a pipelined next one is read after the answer)
-                self._hand = True  # malformed (aiohttp refuses it), or an upgrade
+                self._hand = self._hand or "malformed"  # aiohttp refuses it
         if self._complete is not None and not self._hand:
             if self._head_end() >= 0:
                 self._start(self._complete)
                 return
-            self._hand = True
+            self._hand = "framing"
         if self._hand or not self._head_done:  # a head in pieces: aiohttp times it
-            self._hand_off()
+            self._hand_off(self._hand or "head_in_pieces")
 
     # httptools' callbacks: only the first request of self._buf is read
     def on_url(self, url: bytes) -> None:
         if self._complete is None:
             self._url += url
             if len(self._url) > self.front.limits.max_line_size - 16:
-                self._hand = True
+                self._hand = "limits"
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._complete is not None or self._hand:
@@ -243,11 +252,11 @@ class FrontConnection(BaseProtocol):
         limits = self.front.limits
         if len(name) + len(value) + 2 > limits.max_field_size or \
                 len(self._headers) >= limits.max_headers:
-            self._hand = True
+            self._hand = "limits"
             return
         key = name.decode("utf-8", "surrogateescape")
         if key.lower() in _HANDED_HEADERS:
-            self._hand = True
+            self._hand = "framing"
             return
         self._headers.append((key, value.decode("utf-8", "surrogateescape")))
 
@@ -256,15 +265,19 @@ class FrontConnection(BaseProtocol):
             return
         self._head_done = True
         p = self._parser
-        if self._hand or p.get_method() != b"POST" or self._url not in GENERATE_PATHS \
-                or p.get_http_version() != "1.1":
-            self._hand = True
+        if self._hand:
+            return
+        if p.get_method() != b"POST" or self._url not in GENERATE_PATHS:
+            self._hand = "route"
+            return
+        if p.get_http_version() != "1.1":
+            self._hand = "framing"
             return
         headers = CIMultiDict(self._headers)
         declared = headers.getall("Content-Length", [])
         if len(declared) != 1 or not declared[0].isdigit() or \
                 int(declared[0]) > self.front.max_body:
-            self._hand = True
+            self._hand = "body"
             return
         self._headers_doc = CIMultiDictProxy(headers)
         self._length = int(declared[0])
@@ -279,21 +292,23 @@ class FrontConnection(BaseProtocol):
             return
         body = b"".join(self._body)
         if len(body) != self._length:  # pragma: no cover - httptools framed it
-            self._hand = True
+            self._hand = "body"
             return
         self._complete = FrontRequest(self._url.decode("ascii", "replace"), self._headers_doc,
                                       body, self.transport, StreamWriter(self, self._loop))
         self._complete.keep_alive = self._keep_alive
 
     # -- handing off -------------------------------------------------------------------
-    def _hand_off(self) -> None:
+    def _hand_off(self, reason: str) -> None:
         """Give the connection, and every byte of its current request, to aiohttp's
-        hardened handler for good."""
+        hardened handler for good (``reason``: one of :data:`HANDOFF_REASONS`)."""
         transport = self.transport
         self._gone = True
         self._disarm()
         self.front.connections.discard(self)
         self.front.handed_off += 1
+        if self.front.metrics is not None:
+            self.front.metrics.front_handoffs.inc(reason=reason)
         if transport is None or transport.is_closing():
             return
         handler = self.front.server()
@@ -339,6 +354,8 @@ class FrontConnection(BaseProtocol):
             await resp.write_eof()
             keep = resp.keep_alive and not self.front.closing
             self.front.served += 1
+            if self.front.metrics is not None:
+                self.front.metrics.front_requests.inc()
         except asyncio.CancelledError:  # the client left (or the router stops)
             return
         except ConnectionError as exc:  # the client went while it was written to

@@ -259,6 +259,8 @@ UPSTREAM_ERROR_KINDS = ("timeout", "connect", "disconnect", "protocol", "http_5x
                         "too_large", "other")  # eldr.proxy.engines.upstream.error_kind and the flow
 # outcomes of reading an engine's footprint (eldr.proxy.engines.footprints)
 FOOTPRINT_RESULTS = ("read", "missing", "invalid", "stale", "refused")
+# why the fast front handed a connection to aiohttp (eldr.proxy.front, which says what each is)
+FRONT_HANDOFF_REASONS = ("route", "head_in_pieces", "malformed", "limits", "body", "framing")
 
 
 class RouterMetrics:
@@ -356,6 +358,13 @@ class RouterMetrics:
             ("role", "instance", "kind"))
         self.client_disconnects = reg.counter(
             "eldr_client_disconnects_total", "Clients that left before their answer ended.")
+        self.front_requests = reg.counter(
+            "eldr_http_front_requests_total",
+            "Generate requests the fast front answered itself (eldr.proxy.front).")
+        self.front_handoffs = reg.counter(
+            "eldr_http_front_handoffs_total",
+            "Client connections the fast front handed to the aiohttp server, by why.",
+            ("reason",))
         self.slow_clients = reg.counter(
             "eldr_slow_clients_total",
             "Clients dropped for leaving an answer unread past the write timeout (their "
@@ -428,6 +437,8 @@ class RouterMetrics:
         self.decode_payloads.prime(("read",), ("invalid",))
         self.engine_footprints.prime(*((r,) for r in FOOTPRINT_RESULTS))
         self.pool_changes.prime(*((a,) for a in POOL_ACTIONS))
+        self.front_requests.prime(())
+        self.front_handoffs.prime(*((r,) for r in FRONT_HANDOFF_REASONS))
         self.prime_instances(pool, (*pool.prefill, *pool.decode))
 
     def prime_instances(self, pool, instances) -> None:

@@ -83,7 +83,8 @@ async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool
 
         def front_for(server):
             return GenerateFront(router.serve_generate, server, limits=runner.limits,
-                                 max_body=router.config.max_body_bytes)
+                                 max_body=router.config.max_body_bytes,
+                                 metrics=router.metrics)
 
         def site_factory(*args, **kwargs):
             return FrontSite(*args, front_for=front_for, **kwargs)
