@@ -400,7 +400,7 @@ async def served_router(limits=None, *, front: bool = False, shutdown_timeout: f
     an ``HttpLimits``), listening through the generate routes' fast front
     (:mod:`eldr.proxy.front`) when ``front``; yields (router, base URL, runner, decoders).
     The front is the runner's one site's ``front``."""
-    from eldr.proxy.front import FrontSite, GenerateFront
+    from eldr.proxy.front import front_site
     from eldr.proxy.httpserver import HardenedAppRunner
 
     prefill = await FakeEngine("p0").start()
@@ -413,14 +413,8 @@ async def served_router(limits=None, *, front: bool = False, shutdown_timeout: f
     runner = HardenedAppRunner(router.make_app(), limits=limits, handler_cancellation=True,
                                access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    if front:
-        def front_for(server):
-            return GenerateFront(router.serve_generate, server, limits=runner.limits,
-                                 max_body=config.max_body_bytes, metrics=router.metrics)
-
-        site = FrontSite(runner, "127.0.0.1", 0, front_for=front_for)
-    else:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = (front_site(runner, router, "127.0.0.1", 0) if front
+            else web.TCPSite(runner, "127.0.0.1", 0))
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:

@@ -50,7 +50,7 @@ from eldr.proxy.httpserver import HttpLimits, RefusalLog
 from eldr.proxy.metrics import FRONT_HANDOFF_REASONS
 
 __all__ = ["GENERATE_PATHS", "HANDOFF_REASONS", "PIPELINE_BYTES", "FrontConnection",
-           "FrontRequest", "FrontSite", "GenerateFront"]
+           "FrontRequest", "FrontSite", "GenerateFront", "front_site"]
 
 log = logging.getLogger("eldr.serve")
 
@@ -78,7 +78,7 @@ class FrontRequest(dict):
                  "method", "path", "task", "transport", "version")
 
     def __init__(self, path: str, headers: CIMultiDictProxy, body: bytes, transport,
-                 writer: StreamWriter) -> None:
+                 writer: StreamWriter, keep_alive: bool) -> None:
         super().__init__()
         self.method = "POST"
         self.path = path
@@ -88,7 +88,7 @@ class FrontRequest(dict):
         self.transport = transport
         self._payload_writer = writer
         self.version = HttpVersion11
-        self.keep_alive = True
+        self.keep_alive = keep_alive
         self.task: asyncio.Task | None = None
 
     __hash__ = object.__hash__  # keyed by identity, as aiohttp's requests are
@@ -118,18 +118,16 @@ class GenerateFront:
     ones are aiohttp's to refuse); ``metrics``: the router's ``RouterMetrics``, counting
     what the front served and handed off."""
 
-    def __init__(self, handler, server, *, limits: HttpLimits | None = None,
-                 max_body: int, refusals: RefusalLog | None = None, metrics=None) -> None:
+    def __init__(self, handler, server, *, metrics, limits: HttpLimits | None = None,
+                 max_body: int, refusals: RefusalLog | None = None) -> None:
         self.handler = handler
-        self.metrics = metrics  # RouterMetrics (front_requests, front_handoffs), or None
+        self.metrics = metrics  # RouterMetrics: front_requests, front_handoffs
         self.server = server
         self.limits = limits or HttpLimits()
         self.max_body = max_body
         self.refusals = refusals or getattr(server, "refusals", None) or RefusalLog(log)
         self.connections: set[FrontConnection] = set()
         self.closing = False
-        self.served = 0  # requests the front answered itself
-        self.handed_off = 0  # connections it gave to aiohttp
 
     def __call__(self) -> FrontConnection:
         return FrontConnection(self, asyncio.get_running_loop())
@@ -232,8 +230,9 @@ class FrontConnection(BaseProtocol):
             if self._complete is None:  # (a pipelined next one is read after the answer)
                 self._hand = self._hand or "malformed"  # aiohttp refuses it
         if self._complete is not None and not self._hand:
-            if self._head_end() >= 0:
-                self._start(self._complete)
+            head = self._head_end()
+            if head >= 0:
+                self._start(self._complete, head)
                 return
             self._hand = "framing"
         if self._hand or not self._head_done:  # a head in pieces: aiohttp times it
@@ -295,8 +294,8 @@ class FrontConnection(BaseProtocol):
             self._hand = "body"
             return
         self._complete = FrontRequest(self._url.decode("ascii", "replace"), self._headers_doc,
-                                      body, self.transport, StreamWriter(self, self._loop))
-        self._complete.keep_alive = self._keep_alive
+                                      body, self.transport, StreamWriter(self, self._loop),
+                                      self._keep_alive)
 
     # -- handing off -------------------------------------------------------------------
     def _hand_off(self, reason: str) -> None:
@@ -306,9 +305,7 @@ class FrontConnection(BaseProtocol):
         self._gone = True
         self._disarm()
         self.front.connections.discard(self)
-        self.front.handed_off += 1
-        if self.front.metrics is not None:
-            self.front.metrics.front_handoffs.inc(reason=reason)
+        self.front.metrics.front_handoffs.inc(reason=reason)
         if transport is None or transport.is_closing():
             return
         handler = self.front.server()
@@ -331,8 +328,9 @@ class FrontConnection(BaseProtocol):
             return -1
         return end + 4
 
-    def _start(self, request: FrontRequest) -> None:
-        head = self._head_end()
+    def _start(self, request: FrontRequest, head: int) -> None:
+        """Answer ``request``, whose body starts at ``head`` in the bytes read; what
+        follows it is a pipelined request's, held."""
         self._held = bytearray(self._buf[head + request.content_length:])  # pipelined
         self._buf = bytearray()
         self.task = request.task = self._loop.create_task(self._answer(request))
@@ -353,9 +351,7 @@ class FrontConnection(BaseProtocol):
             await resp.prepare(request)
             await resp.write_eof()
             keep = resp.keep_alive and not self.front.closing
-            self.front.served += 1
-            if self.front.metrics is not None:
-                self.front.metrics.front_requests.inc()
+            self.front.metrics.front_requests.inc()
         except asyncio.CancelledError:  # the client left (or the router stops)
             return
         except ConnectionError as exc:  # the client went while it was written to
@@ -380,6 +376,18 @@ class FrontConnection(BaseProtocol):
             self.data_received(held)
         else:
             self._arm(self.front.limits.keepalive_timeout)
+
+
+def front_site(runner, router, host: str, port: int, **kwargs) -> FrontSite:
+    """The site ``eldr serve`` listens on: ``router``'s generate routes through a
+    :class:`GenerateFront` (its metrics counting), everything else handed to ``runner``'s
+    hardened server within its limits (``kwargs``: ``TCPSite``'s, e.g. ``backlog``)."""
+    def front_for(server) -> GenerateFront:
+        return GenerateFront(router.serve_generate, server, metrics=router.metrics,
+                             limits=getattr(runner, "limits", None),
+                             max_body=router.config.max_body_bytes)
+
+    return FrontSite(runner, host, port, front_for=front_for, **kwargs)
 
 
 class FrontSite(web.TCPSite):

@@ -79,15 +79,10 @@ async def serve(router, *, ready=None, port: int | None = None, reuse_port: bool
                                handler_cancellation=True, access_log=None)
     site_factory = None
     if router.config.http_front == "fast":
-        from eldr.proxy.front import FrontSite, GenerateFront
+        from eldr.proxy.front import front_site
 
-        def front_for(server):
-            return GenerateFront(router.serve_generate, server, limits=runner.limits,
-                                 max_body=router.config.max_body_bytes,
-                                 metrics=router.metrics)
-
-        def site_factory(*args, **kwargs):
-            return FrontSite(*args, front_for=front_for, **kwargs)
+        def site_factory(runner, host, port, **kwargs):
+            return front_site(runner, router, host, port, **kwargs)
     await run_app(runner, host=router.config.host,
                   port=router.config.port if port is None else port, banner=banner,
                   ready=ready, reuse_port=reuse_port, backlog=1024,
