@@ -114,6 +114,26 @@ def test_a_spliced_prefill_request_reads_as_the_re_serialised_one(raw, kind, tok
     assert got["kv_transfer_params"] == PREFILL_KV_PARAMS
 
 
+def test_the_spliced_tail_is_kept_per_params_object_and_bounded():
+    """The encoded tail is kept per ``kv_params`` object (one per routing state): requests
+    alternating between two states each get their own parameters, and a stream of new
+    objects (decode-first's per-decoder params) keeps at most ``_SPLICED_KEPT`` tails."""
+    from eldr.proxy.request import prefill as module
+
+    raw = b'{"prompt": "x", "min_tokens": 2}'
+    body = parse_body(raw, "completions")
+    one, two = {**PREFILL_KV_PARAMS, "eldr_layers": [0]}, {**PREFILL_KV_PARAMS}
+    for _ in range(2):
+        for params in (one, two):
+            got = json.loads(prefill_body(body, "completions", params, raw=raw))
+            assert got["kv_transfer_params"] == params and got["min_tokens"] == 0
+    for i in range(3 * module._SPLICED_KEPT):
+        params = {**PREFILL_KV_PARAMS, "n": i}
+        assert json.loads(prefill_body(body, "completions", params, raw=raw))[
+            "kv_transfer_params"]["n"] == i
+        assert len(module._spliced_tails) <= module._SPLICED_KEPT
+
+
 def test_a_body_that_cannot_be_spliced_is_re_serialised():
     body = {"prompt": "x", "max_tokens": 5}
     whole = prefill_body(body, "completions", PREFILL_KV_PARAMS)

@@ -19,6 +19,7 @@ import json
 import re
 
 from eldr.capture.decode import DECODE_KEY, DecodeReport, decode_decode_payload
+from eldr.proxy import jsontext
 from eldr.proxy.bodies import MAX_EVENT_BYTES, BadEvent
 
 __all__ = ["DecodeStripper", "decode_report", "read_report", "record_payload", "strip_json"]
@@ -106,7 +107,7 @@ def strip_json(raw: bytes) -> tuple[bytes, object]:
         end = _value_end(raw, start)
         payload_raw = raw[start:end]
         try:
-            payload = json.loads(payload_raw)
+            payload = jsontext.loads(payload_raw)
         except ValueError:
             payload = payload_raw  # invalid: still stripped
         before, after = raw[:at], raw[end:]
@@ -127,7 +128,7 @@ def strip_json(raw: bytes) -> tuple[bytes, object]:
 
 def _strip_parsed(raw: bytes) -> tuple[bytes, object]:
     try:
-        doc = json.loads(raw)
+        doc = jsontext.loads(raw)
         params = doc.get("kv_transfer_params")
         payload = params.pop(DECODE_KEY)
     except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
@@ -171,7 +172,7 @@ class DecodeStripper:
                 return b"".join(out)
             out.append(data[:at])
             try:
-                self.payload = json.loads(data[at + 6:end]).get(DECODE_KEY)
+                self.payload = jsontext.loads(data[at + 6:end]).get(DECODE_KEY)
             except (ValueError, AttributeError):
                 self.payload = data[at + 6:end]  # invalid: stripped, reported as such
             data, pos = data[end + 2:], 0
