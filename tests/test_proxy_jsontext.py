@@ -104,3 +104,35 @@ def test_without_orjson_every_text_goes_to_json(monkeypatch):
     assert not jsontext.fast()
     assert _same(jsontext.loads(b'{"a": [1, 2.5]}'), {"a": [1, 2.5]})
     _agree(b'{"a": NaN}')
+
+
+_surrogates = st.text(alphabet=st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010),
+                      max_size=3)  # lone surrogates among them
+_writable = st.recursive(
+    st.one_of(_scalars, _surrogates),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner, inner),
+                            st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 3)),
+                                            inner, max_size=4)),
+    max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_writable)
+def test_dumps_reads_back_as_json_dumps_does(value):
+    want = json.dumps(value)
+    got = jsontext.dumps(value)
+    assert isinstance(got, bytes)
+    assert _same(json.loads(want), json.loads(got)), (want, got)
+
+
+@pytest.mark.parametrize("value", [
+    {"a": float("nan")}, {"a": [float("inf")]}, {"a": -float("inf")},  # orjson: null
+    {"a": 2**70}, {1: "int key"}, {"a": "\ud800"}, (1, float("nan")), {"a": 1e300},
+])
+def test_dumps_leaves_to_json_what_orjson_would_write_otherwise(value):
+    assert jsontext.dumps(value) == json.dumps(value).encode()
+
+
+def test_dumps_refuses_as_json_does():
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        jsontext.dumps({"a": {1, 2}})

@@ -198,7 +198,7 @@ def decode_body(body: dict, raw: bytes | None, kv_params: dict | None) -> bytes:
             return raw
         end = raw.rstrip()
         if end.endswith(b"}"):
-            return end[:-1] + b', "kv_transfer_params": ' + json.dumps(kv_params).encode() + b"}"
+            return end[:-1] + b', "kv_transfer_params": ' + jsontext.dumps(kv_params) + b"}"
     dec = dict(body)
     if kv_params is None:
         dec.pop("kv_transfer_params", None)
