@@ -101,17 +101,20 @@ class DecoderChoice:
         on ``reading``'s inputs; metrics count the decision and what it was made from."""
         metrics = self.metrics
         tracker = self.pool.tracker
-        healthy = self.pool.decode_available()
-        if excluded:
-            mask = healthy.copy()
-            mask[[i.index for i in excluded if not i.removed]] = False
-            if mask.any():  # else: retry on a decoder that failed rather than on none
-                healthy = mask
+        healthy = None  # every decoder (the common case: no mask built)
+        if excluded or self.pool.decode_unavailable():
+            healthy = self.pool.decode_available()
+            if excluded:
+                mask = healthy.copy()
+                mask[[i.index for i in excluded if not i.removed]] = False
+                if mask.any():  # else: retry on a decoder that failed rather than on none
+                    healthy = mask
+            if healthy.all():
+                healthy = None
         route = RouteRequest(request_id, signature=reading.signature, profile=reading.profile,
                              context_tokens=reading.context_tokens)
         try:
-            decided = state.policy.decide(route, tracker.loads,
-                                          None if healthy.all() else healthy)
+            decided = state.policy.decide(route, tracker.loads, healthy)
         except NoHealthyWorkerError:
             raise ProxyError(503, "no healthy decode instance", code="no_decoder") from None
         k = decided.worker

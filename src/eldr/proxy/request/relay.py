@@ -105,9 +105,11 @@ def report_failure(pool: UpstreamPool, metrics: RouterMetrics, inst: Instance, k
     pool.request_failed(inst, kind, text)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodeTarget:
-    """Where one attempt's decode goes, and why."""
+    """Where one attempt's decode goes, and why. Not changed once made (not frozen: a
+    frozen dataclass's ``__init__`` costs five times as much, and the request path makes
+    one of these and one :class:`DecodeAttempt` per attempt)."""
 
     worker: int  # decode worker index k
     request: RouteRequest  # what the policy routed (dispatched to ``worker``)
@@ -117,9 +119,10 @@ class DecodeTarget:
     faults: Strikes | None = None  # the request's deaths so far (a stream dying mid-way)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodeAttempt:
-    """One decode, as the flow hands it to :meth:`DecodeRelay.decode`."""
+    """One decode, as the flow hands it to :meth:`DecodeRelay.decode` (not changed once
+    made; not frozen, as :class:`DecodeTarget`)."""
 
     request: web.Request  # the client's request (its transport; its answer's state)
     kind: str  # "completions" or "chat"

@@ -90,11 +90,13 @@ def payload_shape(payload: object) -> tuple[int, int] | None:
     model fingerprint, which an artifact reload must match.
     """
     dims = payload.get("shape") if isinstance(payload, dict) else None
-    if not (isinstance(dims, list) and len(dims) in (2, 3)
-            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                    for x in dims[-2:])):
+    if not (isinstance(dims, list) and len(dims) in (2, 3)):
         return None
-    return dims[-2], dims[-1]
+    layers, experts = dims[-2], dims[-1]
+    if isinstance(layers, bool) or isinstance(experts, bool) or not (
+            isinstance(layers, int) and isinstance(experts, int) and layers > 0 and experts > 0):
+        return None
+    return layers, experts
 
 
 def read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _Counts:
