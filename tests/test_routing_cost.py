@@ -539,3 +539,29 @@ def test_a_profile_of_neither_shape_is_refused_and_never_held():
         pol.costs(np.zeros((4, 4), np.float32), np.zeros(2))
     pol.on_dispatch(RouteRequest("x", profile=np.zeros((5, 4), np.float32)), 0)
     assert pol.footprint.count[0] == 1 and not pol.footprint.log_miss.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("top", [0.5, 1.0 - 1e-6, 1.0])
+def test_a_held_row_is_the_clipped_log_whether_or_not_a_cell_needed_clipping(dtype, top):
+    """The footprint clips a profile at _P_MAX only when a cell exceeds it (a shortcut):
+    the row it holds is the same bits as the plain ``log(1 − min(p, _P_MAX))``."""
+    from eldr.routing.cost import _P_MAX, _log1m
+
+    rng = np.random.default_rng(3)
+    p = (rng.random(64) * top).astype(dtype)
+    p[5] = top
+    fp = ExpertFootprint(1, 64)
+    fp.add("r", 0, p)
+    want = _log1m(np.minimum(p, _P_MAX, dtype=np.float32))
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(fp._held["r"][1], want)
+    assert fp._held["r"][1].dtype == np.float32
+
+
+def test_prefill_profile_caps_at_one_only_what_exceeds_it():
+    counts = np.array([[4, 2, 0, 0], [2, 2, 0, 0]])
+    np.testing.assert_array_equal(prefill_profile(counts, 4),
+                                  np.array([[1.0, 0.5, 0, 0], [0.5, 0.5, 0, 0]], np.float32))
+    np.testing.assert_array_equal(prefill_profile(counts, 2),
+                                  np.array([[1.0, 1.0, 0, 0], [1.0, 1.0, 0, 0]], np.float32))

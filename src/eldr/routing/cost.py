@@ -68,6 +68,7 @@ from eldr.routing.protocol import Decision, Outcome, PolicyBase, RouteRequest
 __all__ = ["CostPolicy", "ExpertFootprint", "check_layer_stride", "prefill_profile"]
 
 _P_MAX = 1.0 - 1e-6  # log(1 − p) stays finite for an expert every token selects
+_P_MAX32 = np.float32(_P_MAX)  # what numpy's minimum casts it to for a float32 profile
 _TYPICAL_CACHE = 32  # fitted exp(n · m_d) rows kept per decoder (a count walks by ±1)
 _ONE = np.float32(1.0)
 
@@ -106,7 +107,10 @@ def prefill_profile(counts: np.ndarray, num_tokens: int, top_k: int | None = Non
         raise ValueError(f"counts must be (L, E), got shape {c.shape}")
     if num_tokens <= 0:
         return np.full(c.shape, (top_k or 0) / c.shape[1], dtype=np.float32)
-    return np.minimum(c / np.float32(num_tokens), np.float32(1.0))
+    p = c / np.float32(num_tokens)
+    # capped only if a count exceeds the tokens (the same bits either way; numpy's minimum
+    # with a scalar costs 2.5 µs on 48 × 128 cells, their max 1 µs)
+    return p if p.size == 0 or p.max() <= 1 else np.minimum(p, np.float32(1.0))
 
 
 class ExpertFootprint:
@@ -267,7 +271,11 @@ class ExpertFootprint:
             self.remove(request_id)
         row = None
         if profile is not None:
-            p = np.minimum(profile.reshape(-1), _P_MAX, dtype=np.float32)
+            p = profile.reshape(-1)
+            # clipped only if a cell needs it: numpy's minimum with a scalar costs 2.5 µs
+            # on 48 × 128 cells, their max 1 µs; the row is the same bits either way
+            if p.dtype != np.float32 or not p.max() <= _P_MAX32:
+                p = np.minimum(p, _P_MAX, dtype=np.float32)
             row = _log1m(p)
             self.log_miss[worker] += row
             if self.typical is not None and self._keep < 1.0:
