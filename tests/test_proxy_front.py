@@ -113,6 +113,45 @@ def test_generate_requests_on_one_connection_are_answered_by_the_front():
     assert requests[("completions", "200")] == 3  # counted as behind aiohttp
 
 
+async def _raw_answer(conn: Conn, timeout: float = 20.0) -> bytes:
+    """One whole answer's bytes as they came (head and Content-Length body)."""
+    head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), timeout)
+    size = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:"))
+    return head + await conn.reader.readexactly(size)
+
+
+def _undated(raw: bytes) -> bytes:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = [b"Date: <now>" if ln.startswith(b"Date: ") else ln for ln in head.split(b"\r\n")]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def test_the_fronts_whole_answers_are_the_bytes_aiohttp_sends():
+    """An answer the front writes itself (eldr.proxy.answer.WholeAnswer) is byte for byte
+    the one aiohttp writes for the same request, ``Date`` aside: a kept-alive one, and one
+    to a client that said ``Connection: close``."""
+    requests = [_completion("write code now", extra=b"X-Request-Id: fixed-1\r\n"),
+                _completion("a poem about rain", extra=b"X-Request-Id: fixed-2\r\n"
+                                                      b"Connection: close\r\n")]
+
+    async def answers(front: bool) -> list[bytes]:
+        async with served_router(front=front, shutdown_timeout=2.0) as (_, base, _r, _d):
+            port = int(base.rsplit(":", 1)[1])
+            out = []
+            for raw in requests:
+                conn = await Conn().open(port)
+                conn.send(raw)
+                out.append(_undated(await _raw_answer(conn)))
+                conn.close()
+            return out
+
+    fast, plain = asyncio.run(answers(True)), asyncio.run(answers(False))
+    assert fast == plain
+    assert b"Connection: close\r\n" in fast[1] and b"Connection" not in fast[0]
+    assert fast[0].startswith(b"HTTP/1.1 200 OK\r\nX-Request-Id: fixed-1\r\n")
+
+
 def test_pipelined_requests_are_answered_in_order():
     async def go():
         async with front_router() as (router, port, _front, _):

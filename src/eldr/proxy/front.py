@@ -45,6 +45,7 @@ from aiohttp.http_writer import HttpVersion11, StreamWriter
 from aiohttp.tcp_helpers import tcp_nodelay
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from eldr.proxy.answer import WholeAnswer
 from eldr.proxy.errors import error_body
 from eldr.proxy.httpserver import HttpLimits, RefusalLog
 from eldr.proxy.metrics import FRONT_HANDOFF_REASONS
@@ -90,6 +91,8 @@ class FrontRequest(dict):
         self.version = HttpVersion11
         self.keep_alive = keep_alive
         self.task: asyncio.Task | None = None
+
+    writes_whole_answers = True  # the relay answers it with a WholeAnswer (eldr.proxy.answer)
 
     __hash__ = object.__hash__  # keyed by identity, as aiohttp's requests are
 
@@ -348,9 +351,17 @@ class FrontConnection(BaseProtocol):
                                     body=error_body(500, "internal error of the router; it "
                                                          "was logged"))
                 resp.force_close()
-            await resp.prepare(request)
-            await resp.write_eof()
-            keep = resp.keep_alive and not self.front.closing
+            if type(resp) is WholeAnswer:  # written here, in one piece (eldr.proxy.answer)
+                keep = request.keep_alive
+                data = resp.serialize(keep)
+                if self._gone or self.transport is None or self.transport.is_closing():
+                    raise ConnectionResetError("the client's connection is closed")
+                self.transport.write(data)
+            else:
+                await resp.prepare(request)
+                await resp.write_eof()
+                keep = resp.keep_alive
+            keep = keep and not self.front.closing
             self.front.metrics.front_requests.inc()
         except asyncio.CancelledError:  # the client left (or the router stops)
             return

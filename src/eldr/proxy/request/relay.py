@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from eldr.proxy.answer import json_answer
 from eldr.proxy.bodies import (
     SMALL_ANSWER,
     BadEvent,
@@ -239,8 +240,7 @@ class DecodeRelay:
         del doc  # only the bytes are sent: the parsed copy must not wait with them
         self.pool.request_succeeded(inst)
         if len(raw) <= SMALL_ANSWER:  # never waits on the client (below the write limit)
-            return web.Response(body=raw, status=resp.status, headers=reply,
-                                content_type="application/json"), "completed"
+            return json_answer(request, raw, resp.status, reply), "completed"
         out = web.StreamResponse(status=resp.status, headers=reply)
         out.content_type = "application/json"
         out.content_length = len(raw)
