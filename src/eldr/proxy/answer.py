@@ -33,7 +33,6 @@ class WholeAnswer:
     middleware and its learner (``status``, ``headers``, ``body``)."""
 
     __slots__ = ("body", "headers", "status")
-    content_type = "application/json"
 
     def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self.status, self.headers, self.body = status, headers, body

@@ -43,7 +43,7 @@ _SCALARS = frozenset({str, int, bool, type(None)})
 
 
 def fast() -> bool:
-    """Whether ``msgspec`` is there (for the logs and the benchmark)."""
+    """Whether ``msgspec`` is there (else everything goes to ``json``)."""
     return _msgspec is not None
 
 

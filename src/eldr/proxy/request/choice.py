@@ -102,7 +102,7 @@ class DecoderChoice:
         metrics = self.metrics
         tracker = self.pool.tracker
         healthy = None  # every decoder (the common case: no mask built)
-        if excluded or self.pool.decode_unavailable():
+        if excluded or self.pool.decode_refusing():
             healthy = self.pool.decode_available()
             if excluded:
                 mask = healthy.copy()

@@ -325,8 +325,7 @@ class RequestFlow:
     def _check_decoders(self) -> None:
         """503 before the prefill when no decoder can take the request: a prefill whose KV
         no decoder will read is compute thrown away (and KV pinned until it times out)."""
-        pool = self.pool
-        if not pool.decode or (pool.decode_unavailable() and not pool.decode_available().any()):
+        if self.pool.decode_refusing() == len(self.pool.decode):  # none (or none at all)
             raise ProxyError(503, "no healthy decode instance", code="no_decoder")
 
     def _release_kv(self, body: dict, kind: str, inst: Instance, decision: DecodeTarget,
