@@ -167,6 +167,9 @@ def test_v2_round_trip_picks_the_shorter_layout(tokens, enc, width):
     assert got.tokens == tokens and got.layers is None and got.counts.dtype == np.int32
     np.testing.assert_array_equal(got.counts, counts)
     np.testing.assert_array_equal(decode_counts(obj, num_layers=4, num_experts=16), counts)
+    # the bound every count was checked against: the largest dense count, the tokens sparse
+    assert got.count_bound == (counts.max() if enc == "dense" else tokens)
+    assert got.count_bound >= counts.max()
 
 
 def test_v2_sparse_layout_is_expert_count_pairs_per_layer():
@@ -202,6 +205,7 @@ def test_v1_payloads_still_decode():
     counts = _counts(50)
     got = decode_payload({**encode_counts(counts), "tokens": 50}, num_layers=4, num_experts=16)
     assert got.tokens == 50 and got.layers is None
+    assert got.count_bound is None  # version 1 never checks its counts against its tokens
     np.testing.assert_array_equal(got.counts, counts)
     blocks = decode_payload(encode_counts(np.stack([counts, counts])), num_layers=4,
                             num_experts=16)

@@ -565,3 +565,83 @@ def test_prefill_profile_caps_at_one_only_what_exceeds_it():
                                   np.array([[1.0, 0.5, 0, 0], [0.5, 0.5, 0, 0]], np.float32))
     np.testing.assert_array_equal(prefill_profile(counts, 2),
                                   np.array([[1.0, 1.0, 0, 0], [1.0, 1.0, 0, 0]], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16, np.float64, np.float32])
+def test_prefill_profile_is_the_float32_copy_divided_bit_for_bit(dtype):
+    """One ``np.divide`` casting as it divides gives the bits of the float32 copy divided
+    (what prefill_profile computed before), for every count type a caller passes; a
+    checked bound at most the tokens skips the cap and changes nothing."""
+    rng = np.random.default_rng(int(np.dtype(dtype).num))
+    for tokens in (1, 3, 7, 255, 256, 1000, 4097, 1 << 20):
+        counts = rng.integers(0, tokens + 1, (6, 9)).astype(dtype)
+        want = np.asarray(counts, dtype=np.float32) / np.float32(tokens)
+        got = prefill_profile(counts, tokens)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(
+            prefill_profile(counts, tokens, max_count=int(counts.max())), want)
+    # a bound above the tokens does not skip the cap
+    over = np.array([[5, 1]])
+    np.testing.assert_array_equal(prefill_profile(over, 4, max_count=5),
+                                  np.array([[1.0, 0.25]], np.float32))
+    assert prefill_profile([[1, 2]], 4).dtype == np.float32  # lists as before
+
+
+def _busy_policy(rng, K, *, fitted, context_weight, engine):
+    L, E = 3, 8
+    dp = None
+    if fitted:
+        dp = np.log1p(-rng.random((K, L, E)) * 0.9).astype(np.float32)
+    pol = CostPolicy(K, num_layers=L, num_experts=E, context_weight=context_weight,
+                     decoder_profiles=dp, memory=0.0 if fitted else 4.0,
+                     clock=lambda: 0.0)
+    for i in range(int(rng.integers(0, 4 * K))):
+        p = (rng.random((L, E)) * rng.choice([0.3, 1.0])).astype(np.float32)
+        pol.on_dispatch(RouteRequest(f"r{i}", profile=p, context_tokens=int(rng.integers(0, 500))),
+                        int(rng.integers(K)))
+    if engine:
+        pol.observe_engine(int(rng.integers(K)), rng.random((L, E)), 0.0, 10.0)
+    return pol
+
+
+@pytest.mark.parametrize("fitted", [True, False])
+@pytest.mark.parametrize("engine", [True, False])
+def test_costs_in_python_floats_are_the_numpy_costs_bit_for_bit(monkeypatch, fitted, engine):
+    """Up to ``_LISTED`` decoders ``J`` is added up in Python floats; it is the vectorised
+    sum bit for bit (the same float64 operations in the same order), and so is the pick,
+    with int or float loads, ties, context weights and engine readings."""
+    from eldr.routing import cost
+
+    rng = np.random.default_rng(7 + fitted + 2 * engine)
+    for trial in range(150):
+        K = int(rng.integers(1, 7))
+        cw = float(rng.choice([0.0, 0.01, 1.5]))
+        seed = int(rng.integers(1 << 30))
+        loads = rng.integers(0, 5, K).astype(rng.choice([np.float64, np.int64]))
+        x = (rng.random((3, 8)) * 0.6).astype(np.float32)
+        if trial % 5 == 0:
+            x[:] = 0  # every J equal where the decoders are: ties
+        healthy = None if trial % 3 else rng.random(K) < 0.7
+        if healthy is not None:
+            healthy[int(rng.integers(K))] = True
+        picks, costs = [], []
+        for listed in (16, 0):
+            monkeypatch.setattr(cost, "_LISTED", listed)
+            pol = _busy_policy(np.random.default_rng(seed), K, fitted=fitted,
+                               context_weight=cw, engine=engine)
+            costs.append(pol.costs(x, loads, 37))
+            d = pol.decide(RouteRequest("x", profile=x, context_tokens=37), loads, healthy)
+            picks.append((d.worker, d.cost))
+        np.testing.assert_array_equal(costs[0], costs[1])
+        assert picks[0] == picks[1]
+
+
+def test_a_cost_that_is_not_finite_is_picked_as_numpy_picks_it():
+    """A NaN profile cell makes J NaN: the Python path hands the pick to numpy's rules."""
+    pol = CostPolicy(3, num_layers=1, num_experts=4, memory=0)
+    pol.on_dispatch(_req("a", [0.5, 0.5, 0, 0]), 1)
+    x = np.array([[np.nan, 0, 0, 0]], np.float32)
+    loads = np.array([0.0, 1.0, 0.0])
+    d = pol.decide(RouteRequest("x", profile=x), loads)
+    assert d.worker == 0 and np.isnan(d.cost)  # numpy's argmin over all-NaN keys: 0

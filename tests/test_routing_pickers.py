@@ -50,3 +50,18 @@ def test_both_sides_of_the_size_switch_pick_the_same(k):
         score = rng.integers(0, 5, k).astype(float)
         tb = rng.random(k)
         assert pickers.lowest(cand, score, tb) == pickers._lowest_numpy(cand, score, tb)
+
+
+def test_the_listed_pick_takes_every_decoder_without_a_mask_and_declines_non_finite():
+    rng = np.random.default_rng(11)
+    for cand, score, tb in _cases(rng, 3000):
+        s, t = score.tolist(), None if tb is None else tb.tolist()
+        every = np.ones(len(score), dtype=bool)
+        want = pickers._lowest_numpy(every, score, tb)
+        got = pickers.lowest_listed(None, s, t)
+        assert got is None or got == want, (score, tb)
+        if np.isfinite(score).all() and (tb is None or np.isfinite(tb).all()):
+            assert got == want
+        got = pickers.lowest_listed(cand.tolist(), s, t)
+        assert got is None or got == pickers._lowest_numpy(cand, score, tb)
+    assert pickers.lowest_listed(None, [1.0, float("nan")]) is None

@@ -136,6 +136,8 @@ class Payload(NamedTuple):
     layers: np.ndarray | None  # (|S|,) int64 sorted rows present, or None: all L rows
     # (|S|, E) int32 the rows present as sent (``counts[layers]``), or None: all L rows
     rows_counts: np.ndarray | None = None
+    # every count is at most this (checked while decoding: version 2), or None (version 1)
+    count_bound: int | None = None
 
 
 def encode_payload(counts: np.ndarray, *, tokens: int | None = None,
@@ -229,18 +231,19 @@ def _decode_v2(obj: dict, L: int, E: int, tokens: int | None) -> Payload:
             raise ValueError(f"eldr payload: data is {len(data)} characters, expected "
                              f"{S * E * width} for {S} x {E} values of width {width}")
         values = decode_digits(data, width)
-        if values.size and int(values.max()) > bound:
+        top = int(values.max()) if values.size else 0
+        if top > bound:
             raise ValueError(_bad_values(values, bound))
         sub = values.reshape(S, E)
     elif enc == "sparse":
-        sub = _decode_sparse(decode_digits(data, width), S, E, bound)
+        sub, top = _decode_sparse(decode_digits(data, width), S, E, bound), bound
     else:
         raise ValueError(f"eldr payload: enc must be 'dense' or 'sparse', got {enc!r}")
     if rows is None:
-        return Payload(sub, tokens, None)
+        return Payload(sub, tokens, None, None, top)
     counts = np.zeros((L, E), dtype=np.int32)
     counts[rows] = sub
-    return Payload(counts, tokens, rows, sub)
+    return Payload(counts, tokens, rows, sub, top)
 
 
 def _decode_sparse(values: np.ndarray, S: int, E: int, bound: int) -> np.ndarray:

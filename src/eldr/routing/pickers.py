@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-__all__ = ["lowest"]
+__all__ = ["lowest", "lowest_listed"]
 
 _SMALL = 64
 """Decoders up to which :func:`lowest` picks in Python lists (the router decides once per
@@ -27,22 +27,24 @@ def lowest(candidates: np.ndarray, score: np.ndarray,
     non-finite scores or tiebreaks go to the numpy path, whose rules they follow.
     """
     if len(score) <= _SMALL:
-        picked = _lowest_small(candidates.tolist(), score.tolist(),
+        picked = lowest_listed(candidates.tolist(), score.tolist(),
                                None if tiebreak is None else tiebreak.tolist())
         if picked is not None:
             return picked
     return _lowest_numpy(candidates, score, tiebreak)
 
 
-def _lowest_small(candidates: list, score: list, tiebreak: list | None) -> int | None:
-    """:func:`lowest` over lists, or None where a value is not finite (the numpy path
-    decides those: NaN compares unequal, and an infinite best ties with the
-    non-candidates)."""
+def lowest_listed(candidates: list | None, score: list, tiebreak: list | None = None
+                  ) -> int | None:
+    """:func:`lowest` over Python lists (``candidates`` None: every decoder), or None
+    where a value is not finite: the caller then asks :func:`lowest`, whose numpy path
+    decides those (NaN compares unequal, and an infinite best ties with the
+    non-candidates). For a policy that scores in Python floats (the cost policy on a few
+    decoders): no arrays made only to be listed again."""
     best, at = math.inf, []
-    for k, ok in enumerate(candidates):
-        if not ok:
+    for k, s in enumerate(score):
+        if candidates is not None and not candidates[k]:
             continue
-        s = score[k]
         if not math.isfinite(s):
             return None
         if s < best:

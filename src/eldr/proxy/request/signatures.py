@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from eldr.capture import payload as wire
 from eldr.capture.payload import PAYLOAD_KEY
 from eldr.routing import prefill_profile
 
@@ -65,6 +66,7 @@ class _Counts:
     problem: str | None
     layers: np.ndarray | None = None  # rows a layer-masked payload holds; None: all
     rows_counts: np.ndarray | None = None  # (|layers|, E) those rows as sent; None: all
+    count_bound: int | None = None  # every count is at most this (checked), or None
 
 
 def split_kv_params(doc: dict) -> tuple[dict | None, object]:
@@ -102,8 +104,6 @@ def payload_shape(payload: object) -> tuple[int, int] | None:
 def read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _Counts:
     """The prompt's (L, E) counts from a prefill response; ``shape`` None accepts the
     payload's own (L, E) (vLLM's ``routed_experts`` ids do not say E: refused then)."""
-    from eldr.capture import payload as wire
-
     if payload is not None:
         source = "payload"
         theirs = payload_shape(payload)
@@ -120,7 +120,7 @@ def read_counts(doc: dict, payload: object, shape: tuple[int, int] | None) -> _C
         except ValueError:
             return _Counts(None, None, None, source, "malformed")
         return _Counts(got.counts, got.tokens, None, source, None, got.layers,
-                       got.rows_counts)
+                       got.rows_counts, got.count_bound)
     routed = _routed_experts(doc)
     if routed is None:
         return _Counts(None, None, None, "none", "missing")
@@ -206,7 +206,8 @@ def read_inputs(doc: dict, payload: object, state: RoutingState,
         else:  # only the rows the policy prices, when it prices a subset (it takes both)
             c = counts.counts if priced is None else \
                 counts.rows_counts if same else counts.counts[priced]
-            profile = prefill_profile(c, tokens or 0, counts.top_k or state.top_k)
+            profile = prefill_profile(c, tokens or 0, counts.top_k or state.top_k,
+                                      max_count=counts.count_bound)
     return Reading(signature, profile, int(context), counts.source, problem)
 
 
