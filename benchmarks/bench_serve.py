@@ -693,6 +693,59 @@ def _stages(policy: str, prefill_answer: bytes, layer_answers: dict, decode_answ
     return {k: (timed(fn) if fn is not None else 0.0) for k, fn in stages.items()}
 
 
+def _cost_kernels(policy: str, prefill_answer: bytes, layer_answers: dict,
+                  repeat: int = 2000) -> float | None:
+    """Median microseconds of the numpy kernels alone that one ``eldr_cost`` request runs
+    on the benchmark's payload (None for another policy): the digits read, the count
+    check and the profile's division; at the decision, both decoders' rows refreshed (the
+    ``exp`` of the log sums and their float64 sum: under load a dispatch and a release
+    change both between two decisions) and the two matrix-vector products; the held
+    row's ``log(1 - p)``, added at dispatch and taken away at release. No Python around
+    them: what cutting the request path's interpreter work can never remove."""
+    from eldr.capture.digits import decode_digits
+    from eldr.proxy.bodies import json_object
+    from eldr.proxy.request import split_kv_params
+    from eldr.proxy.request.prefill import payload_request
+
+    name, _ = parse_policy(policy)
+    if name != "eldr_cost":
+        return None
+    state = _stage_state(policy)
+    asked = payload_request(state)
+    answer = layer_answers[tuple(asked["eldr_layers"])] if asked else prefill_answer
+    payload = split_kv_params(json_object(answer))[1]
+    rows = len(payload.get("layers") or range(L))
+    text, width = payload["data"], payload["w"]
+    rng = np.random.default_rng(5)
+    log_miss = rng.uniform(-4.0, 0.0, (2, rows * E))
+    miss = np.empty((2, rows * E), dtype=np.float32)
+    typical = rng.random((2, rows * E)).astype(np.float32)
+    one = np.float32(1.0)
+
+    def kernels():
+        values = decode_digits(text, width)
+        values.max()
+        p = np.divide(values, np.float32(256), dtype=np.float32)
+        for d in (0, 1):
+            np.exp(log_miss[d], out=miss[d], dtype=np.float32, casting="same_kind")
+            miss[d].sum(dtype=np.float64)
+        miss @ p
+        typical @ p
+        p.max()
+        row = np.log(one - p)
+        log_miss[0] += row
+        log_miss[0] -= row
+
+    for _ in range(repeat // 10):
+        kernels()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        kernels()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
 # -- the run ------------------------------------------------------------------------------------
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q))
@@ -792,7 +845,10 @@ async def _main(args) -> dict:
             "stream_tokens": args.stream_tokens, "token_interval_ms": args.token_interval_ms,
             "stages_us": {p: _stages(p, prefill, by_rows, decode, in_flight=args.concurrency,
                                      memory=args.cost_memory)
-                          for p in args.policies.split(",")}}
+                          for p in args.policies.split(",")},
+            "cost_kernels_us": {p: _cost_kernels(p, prefill, by_rows)
+                                for p in args.policies.split(",")
+                                if parse_policy(p)[0] == "eldr_cost"}}
 
 
 def _print(res: dict) -> None:
@@ -839,6 +895,10 @@ def _print(res: dict) -> None:
             print(f"  {name:<28}" + "".join(
                 f"{(sum(v.values()) if name == 'sum' else v[name]):>11.1f}"
                 for v in stages.values()))
+    kernels = res.get("cost_kernels_us") or {}
+    if kernels:
+        print("of which eldr_cost's numpy kernels alone (in-process, median us; no Python "
+              "around them): " + ", ".join(f"{p} {v:.1f}" for p, v in kernels.items()))
     for note in res["notes"]:
         print("note:", note)
     print(f"machine: {res['cpus']} CPUs, 1-min load average {res['load_average_1min']:.1f} "
