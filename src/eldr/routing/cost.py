@@ -519,18 +519,19 @@ class CostPolicy(PolicyBase):
         each J_d is the same float64 operations in the same order (float32 terms widen
         exactly either way; tests/test_routing_cost.py compares them)."""
         fp = self.footprint
-        delta, typical = fp.added(p), None
+        fp._sync()  # once: the rows below are read as they stand
+        delta, typical = fp._miss @ p, None  # fp.added(p)
         if fp.typical is not None:
             # the requests that join d while x runs (≈ n_d, Little's law) are d's usual ones
-            typical = fp.added_typical(p)
+            typical = fp._typical_miss @ p if fp.engine is None else fp.added_typical(p)
         if self.num_workers > _LISTED:
-            J = fp.distinct + (loads + 1.0) * delta.astype(np.float64)
+            J = fp._distinct + (loads + 1.0) * delta.astype(np.float64)
             if typical is not None:
                 J += self.memory_weight * loads * typical
             if self.context_weight:
                 J += self.context_weight * (fp.context + loads * context_tokens)
             return J
-        n, dist, dd = loads.tolist(), fp.distinct.tolist(), delta.tolist()
+        n, dist, dd = loads.tolist(), fp._distinct.tolist(), delta.tolist()
         J = [dist[d] + (n[d] + 1.0) * dd[d] for d in range(len(n))]
         if typical is not None:
             w, tt = self.memory_weight, typical.tolist()
