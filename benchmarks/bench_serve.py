@@ -528,6 +528,19 @@ def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], l
 
 
 # -- the signature path, in-process ----------------------------------------------------------
+def _median_us(fn, repeat: int) -> float:
+    """Median microseconds of one call of ``fn`` over ``repeat`` calls, after a tenth as
+    many unmeasured (first calls fill caches)."""
+    for _ in range(repeat // 10):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
 def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2000
                     ) -> dict[str, float]:
     """Median microseconds of the signature path's parts (policy ``eldr``), on the
@@ -553,12 +566,7 @@ def _signature_path(prefill_answer: bytes, masked_answer: bytes, repeat: int = 2
     loads = np.zeros(2)
 
     def timed(fn) -> float:
-        ts = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e6
+        return _median_us(fn, repeat)
 
     _, payload = split_kv_params(doc)
 
@@ -666,14 +674,7 @@ def _stages(policy: str, prefill_answer: bytes, layer_answers: dict, decode_answ
         metrics.latency.observe(1e-4)
 
     def timed(fn) -> float:
-        for _ in range(repeat // 10):
-            fn()
-        ts = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e6
+        return _median_us(fn, repeat)
 
     stages = {
         "parse body": lambda: parse_body(raw, "completions"),
@@ -736,14 +737,7 @@ def _cost_kernels(policy: str, prefill_answer: bytes, layer_answers: dict,
         log_miss[0] += row
         log_miss[0] -= row
 
-    for _ in range(repeat // 10):
-        kernels()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        kernels()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
+    return _median_us(kernels, repeat)
 
 
 # -- the run ------------------------------------------------------------------------------------
