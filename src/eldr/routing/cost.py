@@ -520,7 +520,7 @@ class CostPolicy(PolicyBase):
         exactly either way; tests/test_routing_cost.py compares them)."""
         fp = self.footprint
         fp._sync()  # once: the rows below are read as they stand
-        delta, typical = fp._miss @ p, None  # fp.added(p)
+        delta, typical = fp._miss @ p, None  # ΔD_d (fp.added, its sync done above)
         if fp.typical is not None:
             # the requests that join d while x runs (≈ n_d, Little's law) are d's usual ones
             typical = fp._typical_miss @ p if fp.engine is None else fp.added_typical(p)
