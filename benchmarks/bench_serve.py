@@ -35,9 +35,18 @@ decision, the part of ``DecoderChoice.decide`` that is eldr's own work), median 
 Targets (issue 15): added p50 <= vllm-router's + 0.15 ms; CPU per request <= 2x
 vllm-router's; signature path <= 40 us.
 
+``--pairs N`` (with ``--baseline-src``) measures CPU per request only, in pairs: per
+policy, N times the baseline tree's router and this tree's, each a new process warmed up
+and then loaded for ``--seconds``, in alternating order (base first, then this tree first):
+the mean paired difference with its 95 % interval, and in how many pairs this tree was
+lower. On a 2-core machine single runs of the table above vary by about ±8 µs per request;
+a change of a few µs shows only in pairs.
+
     python benchmarks/bench_serve.py [--requests 2000] [--seconds 4] [--rounds 3]
         [--policies jsq,eldr,eldr_cost] [--baseline-src ../main/src] [--workers 2]
         [--cost-memory fitted|online] [--fresh-processes]
+    python benchmarks/bench_serve.py --baseline-src ../main/src --pairs 6 --seconds 10
+        --policies eldr_cost
 """
 
 from __future__ import annotations
@@ -761,6 +770,41 @@ async def _restarted(routers: list[_Router], args, ports: list[int], core: int |
     return fresh
 
 
+async def _paired(args, ports: list[int], core: int | None) -> dict:
+    """``--pairs N``: per policy, the CPU per request (µs) of the baseline tree's router and
+    this tree's, N of each, every one a new process pinned to ``core``, warmed up by half a
+    second of load and then loaded for ``--seconds``; pair i runs the baseline first when
+    i is even, this tree first when it is odd (drifting machine load hits both alike)."""
+    from eldr.intervals import paired_interval
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    trees = {"base": os.path.abspath(args.baseline_src), "this": here}
+    out = {}
+    for policy in args.policies.split(","):
+        runs: dict[str, list[float]] = {"base": [], "this": []}
+        for i in range(args.pairs):
+            for label in ("base", "this") if i % 2 == 0 else ("this", "base"):
+                port = _free_port()
+                argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
+                        json.dumps([ports, policy, port, 1, args.cost_memory])]
+                r = _Router(f"eldr@{label} {policy}", argv, port,
+                            {**os.environ, "PYTHONPATH": trees[label]}, core)
+                try:
+                    await r.wait_ready()
+                    await _throughput(r.port, args.concurrency, 0.5, False)
+                    u0, s0 = _cpu_split(r.proc.pid)
+                    done, _ = await _throughput(r.port, args.concurrency, args.seconds, False)
+                    u1, s1 = _cpu_split(r.proc.pid)
+                finally:
+                    r.stop()
+                runs[label].append((u1 - u0 + s1 - s0) / max(done, 1) * 1e6)
+        diff = paired_interval([t - b for b, t in zip(runs["base"], runs["this"], strict=True)])
+        out[policy] = {**runs, "mean_diff_us": diff.mean, "half_width_us": diff.half_width,
+                       "this_lower": sum(t < b for b, t in zip(runs["base"], runs["this"],
+                                                               strict=True))}
+    return out
+
+
 async def _main(args) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     core = cores[0] if len(cores) > 1 else None
@@ -777,6 +821,14 @@ async def _main(args) -> dict:
     servers = [await loop.create_server(_Backend, "127.0.0.1", 0, backlog=1024)
                for _ in range(3)]  # prefill, decode 0, decode 1
     ports = [s.sockets[0].getsockname()[1] for s in servers]
+    if args.pairs:
+        try:
+            return {"pairs": await _paired(args, ports, core), "seconds": args.seconds,
+                    "concurrency": args.concurrency, "router_core": core,
+                    "cpus": len(cores), "load_average_1min": os.getloadavg()[0]}
+        finally:
+            for s in servers:
+                s.close()
     routers, notes = _routers(args, ports, core)
     results = {r.name: r.result for r in routers}
     direct = {"lat": [], "rps": []}
@@ -845,7 +897,25 @@ async def _main(args) -> dict:
                                 if parse_policy(p)[0] == "eldr_cost"}}
 
 
+def _print_pairs(res: dict) -> None:
+    print(f"CPU per request in pairs (routers pinned to core {res['router_core']} of "
+          f"{res['cpus']}; each a new process, {res['seconds']:g} s of load at concurrency "
+          f"{res['concurrency']}; base and this tree alternating):")
+    for policy, r in res["pairs"].items():
+        n = len(r["this"])
+        print(f"  {policy:<14} base {statistics.mean(r['base']):6.1f} us, this "
+              f"{statistics.mean(r['this']):6.1f} us: {r['mean_diff_us']:+.1f} "
+              f"± {r['half_width_us']:.1f} us (95 %, {n} pairs), this lower in "
+              f"{r['this_lower']} of {n}")
+        print("    base " + " ".join(f"{x:.1f}" for x in r["base"]))
+        print("    this " + " ".join(f"{x:.1f}" for x in r["this"]))
+    print(f"machine: {res['cpus']} CPUs, 1-min load average {res['load_average_1min']:.1f}")
+
+
 def _print(res: dict) -> None:
+    if "pairs" in res:
+        _print_pairs(res)
+        return
     print(f"router overhead, side by side (routers pinned to core {res['router_core']} of "
           f"{res['cpus']}; {res['rounds']} rounds x {res['requests']} sequential requests; "
           f"load at concurrency {res['concurrency']}; unique prompts; 1 prefill + 2 "
@@ -929,8 +999,14 @@ def main() -> None:
                    help="stream every answer: N SSE events from the decoder, one every "
                         "--token-interval-ms (0: whole JSON answers)")
     p.add_argument("--token-interval-ms", type=float, default=2.0)
+    p.add_argument("--pairs", type=int, default=0, metavar="N",
+                   help="instead of the table: N paired runs of the baseline tree's router "
+                        "and this tree's per policy, CPU per request only (needs "
+                        "--baseline-src)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.pairs < 0 or (args.pairs and not args.baseline_src):
+        p.error("--pairs N needs N >= 1 and --baseline-src")
     for policy in args.policies.split(","):
         try:  # a bad entry stops here, before any router starts
             parse_policy(policy)
