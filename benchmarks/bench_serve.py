@@ -503,30 +503,45 @@ def _vllm_router_argv(ports: list[int], port: int) -> list[str] | None:
             "127.0.0.1", "--port", str(port), "--log-level", "warning"]
 
 
+def _eldr_router(name: str, ports: list[int], policy: str, workers: int, memory: str,
+                 src: str, core: int | None) -> _Router:
+    """``eldr serve`` of the tree ``src`` (its src/) as this benchmark's serve child."""
+    port = _free_port()
+    argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
+            json.dumps([ports, policy, port, workers, memory])]
+    return _Router(name, argv, port, {**os.environ, "PYTHONPATH": src}, core)
+
+
+async def _loaded(r: _Router, concurrency: int, seconds: float
+                  ) -> tuple[float, float, int, float]:
+    """(CPU seconds, of which user, requests answered, wall seconds) of router ``r`` under
+    ``seconds`` of load at ``concurrency``."""
+    u0, s0 = _cpu_split(r.proc.pid)
+    done, secs = await _throughput(r.port, concurrency, seconds, False)
+    u1, s1 = _cpu_split(r.proc.pid)
+    return u1 - u0 + s1 - s0, u1 - u0, done, secs
+
+
+_THIS_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
 def _routers(args, ports: list[int], core: int | None) -> tuple[list[_Router], list[str]]:
     routers, notes = [], []
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = [("eldr", os.path.join(here, "src"))]
+    trees = [("eldr", _THIS_SRC)]
     if args.baseline_src:
         trees.insert(0, ("eldr@base", os.path.abspath(args.baseline_src)))
     for label, src in trees:
-        env = {**os.environ, "PYTHONPATH": src}
         for policy in args.policies.split(","):
             if label != "eldr" and parse_policy(policy)[1] != 1:
                 notes.append(f"{label} {policy}: not run (a layer stride needs this tree's "
                              f"eldr_cost)")
                 continue
-            port = _free_port()
-            argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
-                    json.dumps([ports, policy, port, 1, args.cost_memory])]
-            routers.append(_Router(f"{label} {policy}", argv, port, env, core))
+            routers.append(_eldr_router(f"{label} {policy}", ports, policy, 1,
+                                        args.cost_memory, src, core))
     if args.workers > 1:
-        port = _free_port()
         policy = args.policies.split(",")[-1]
-        argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
-                json.dumps([ports, policy, port, args.workers, args.cost_memory])]
-        env = {**os.environ, "PYTHONPATH": trees[-1][1]}
-        routers.append(_Router(f"eldr {policy} x{args.workers} (unpinned)", argv, port, env))
+        routers.append(_eldr_router(f"eldr {policy} x{args.workers} (unpinned)", ports,
+                                    policy, args.workers, args.cost_memory, _THIS_SRC, None))
     argv = _vllm_router_argv(ports, port := _free_port())
     if argv is None:
         notes.append("vllm-router: not installed (pip install 'eldr[bench]' installs "
@@ -777,27 +792,21 @@ async def _paired(args, ports: list[int], core: int | None) -> dict:
     i is even, this tree first when it is odd (drifting machine load hits both alike)."""
     from eldr.intervals import paired_interval
 
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    trees = {"base": os.path.abspath(args.baseline_src), "this": here}
+    trees = {"base": os.path.abspath(args.baseline_src), "this": _THIS_SRC}
     out = {}
     for policy in args.policies.split(","):
         runs: dict[str, list[float]] = {"base": [], "this": []}
         for i in range(args.pairs):
             for label in ("base", "this") if i % 2 == 0 else ("this", "base"):
-                port = _free_port()
-                argv = [sys.executable, os.path.abspath(__file__), "--serve-child",
-                        json.dumps([ports, policy, port, 1, args.cost_memory])]
-                r = _Router(f"eldr@{label} {policy}", argv, port,
-                            {**os.environ, "PYTHONPATH": trees[label]}, core)
+                r = _eldr_router(f"eldr@{label} {policy}", ports, policy, 1,
+                                 args.cost_memory, trees[label], core)
                 try:
                     await r.wait_ready()
                     await _throughput(r.port, args.concurrency, 0.5, False)
-                    u0, s0 = _cpu_split(r.proc.pid)
-                    done, _ = await _throughput(r.port, args.concurrency, args.seconds, False)
-                    u1, s1 = _cpu_split(r.proc.pid)
+                    cpu, _, done, _ = await _loaded(r, args.concurrency, args.seconds)
                 finally:
                     r.stop()
-                runs[label].append((u1 - u0 + s1 - s0) / max(done, 1) * 1e6)
+                runs[label].append(cpu / max(done, 1) * 1e6)
         diff = paired_interval([t - b for b, t in zip(runs["base"], runs["this"], strict=True)])
         out[policy] = {**runs, "mean_diff_us": diff.mean, "half_width_us": diff.half_width,
                        "this_lower": sum(t < b for b, t in zip(runs["base"], runs["this"],
@@ -850,11 +859,9 @@ async def _main(args) -> dict:
             done, secs = await _throughput(ports[0], args.concurrency, args.seconds, True)
             direct["rps"].append(done / secs)
             for r in routers:
-                (u0, s0) = _cpu_split(r.proc.pid)
-                done, secs = await _throughput(r.port, args.concurrency, args.seconds, False)
-                u1, s1 = _cpu_split(r.proc.pid)
-                r.result["cpu_load"].append((u1 - u0 + s1 - s0) / max(done, 1))
-                r.result["cpu_user"].append((u1 - u0) / max(done, 1))
+                cpu, user, done, secs = await _loaded(r, args.concurrency, args.seconds)
+                r.result["cpu_load"].append(cpu / max(done, 1))
+                r.result["cpu_user"].append(user / max(done, 1))
                 r.result["rps"].append(done / secs)
     finally:
         for r in routers:

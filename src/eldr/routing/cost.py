@@ -89,9 +89,9 @@ def _log1m(p: np.ndarray) -> np.ndarray:
     return np.log(_ONE - p)
 
 
-def _every(num_workers: int) -> np.ndarray:
-    """(K,) bool, every decoder a candidate."""
-    return np.ones(num_workers, dtype=bool)
+def _mask(ok: np.ndarray | None, num_workers: int) -> np.ndarray:
+    """The candidates ``ok`` (K,) bool, or every decoder where none was built (None)."""
+    return np.ones(num_workers, dtype=bool) if ok is None else ok
 
 
 def check_layer_stride(stride: object, what: str = "layer_stride") -> int:
@@ -551,20 +551,18 @@ class CostPolicy(PolicyBase):
         self.footprint.expire()
         slack = self._slack()
         if slack is not None:
-            ok = filters.bounded_load(_every(self.num_workers) if ok is None else ok, loads,
-                                      slack)
+            ok = filters.bounded_load(_mask(ok, self.num_workers), loads, slack)
         if request.profile is None:
             self.num_fallbacks += 1
-            return Decision(pickers.lowest(_every(self.num_workers) if ok is None else ok,
-                                           scorers.load(loads)), fallback=True)
+            return Decision(pickers.lowest(_mask(ok, self.num_workers), scorers.load(loads)),
+                            fallback=True)
         J = self._costs(self._profile_row(request.profile), loads, request.context_tokens)
         k = None
         if isinstance(J, list):
             k = pickers.lowest_listed(None if ok is None else ok.tolist(), J, loads.tolist())
         if k is None:  # many decoders, or a cost that is not finite
             J = np.asarray(J, dtype=np.float64)
-            k = pickers.lowest(_every(self.num_workers) if ok is None else ok, J,
-                               tiebreak=scorers.load(loads))
+            k = pickers.lowest(_mask(ok, self.num_workers), J, tiebreak=scorers.load(loads))
         return Decision(k, cost=float(J[k]))
 
     def on_dispatch(self, request: RouteRequest, worker: int) -> None:
